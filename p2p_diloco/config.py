@@ -1,0 +1,300 @@
+"""Run configuration: frozen, typed dataclasses loaded from TOML with ``--set a.b=value`` overrides.
+
+Every section is a small frozen dataclass whose field docstrings (the ``help`` metadata) are the
+reference documentation. Loading is strict: an unknown key, a value of the wrong type or an
+impossible combination raises :class:`ConfigError` with one line that names the key.
+
+This module imports nothing heavy (no torch, no hivemind) so that the CLI stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+PROTOCOL_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A configuration problem, always reported as one line naming the offending key."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_id: str = _f("p2p-diloco-demo", "Name of the run; peers of different runs never mix.")
+    seed: int = _f(0, "Base random seed (model init, data order).")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = _f(4, "Transformer blocks.")
+    n_head: int = _f(4, "Attention heads per block.")
+    n_embd: int = _f(128, "Embedding width.")
+    block_size: int = _f(128, "Context length in bytes.")
+    dropout: float = _f(0.0, "Dropout probability.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = _f("", "Text file or folder to train on; empty = the embedded corpus (this Python's stdlib source).")
+    max_bytes: int = _f(8_000_000, "Upper bound on corpus bytes read (0 = no bound).")
+    eval_fraction: float = _f(0.05, "Share of the corpus held out for evaluation; no learner trains on it.")
+    eval_batches: int = _f(8, "Batches of the held-out split used per evaluation.")
+    eval_batch_size: int = _f(32, "Sequences per evaluation batch.")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    lr: float = _f(3e-3, "Peak AdamW learning rate.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a share of the peak (cosine decay).")
+    warmup_steps: int = _f(50, "Linear warm-up steps.")
+    total_steps: int = _f(600, "Inner steps per learner (sets the cosine schedule and the token budget).")
+    batch_size: int = _f(16, "Sequences per inner step.")
+    weight_decay: float = _f(0.1, "AdamW weight decay.")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    grad_clip: float = _f(1.0, "Gradient norm clip (0 = off).")
+
+
+MERGES = ("mean", "radial")
+WEIGHTINGS = ("uniform", "tokens", "tokens2")
+CODECS = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    lr: float = _f(0.7, "Outer Nesterov learning rate.")
+    momentum: float = _f(0.9, "Outer Nesterov momentum.")
+    sync_every: int = _f(25, "H: inner steps between two syncs of the same fragment.")
+    fragments: int = _f(4, "F: number of model fragments synced on a staggered schedule.")
+    overlap: int = _f(1, "tau: inner steps between sending a pseudo-gradient and applying its result.")
+    alpha: float = _f(0.5, "Share of the local weights kept when the merged anchor arrives (0 = take the anchor).")
+    codec: str = _f("int4", "Pseudo-gradient codec: fp32, fp16, int8 or int4.")
+    error_feedback: bool = _f(False, "Carry each round's quantization error into the next round.")
+    merge: str = _f("radial", "How pseudo-gradients are merged: mean or radial (radial-directional).")
+    weighting: str = _f("tokens", "Contribution weight: uniform, tokens, or tokens2 (tokens^2/steps).")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    learners: int = _f(4, "Learner units simulated in one process.")
+    speeds: tuple[float, ...] = _f((), "Per-learner speed (inner steps per tick, <= 1); empty = all 1.0.")
+    drop_prob: float = _f(0.0, "Probability that a learner's contribution to a round is lost.")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def config_hash(cfg: Config) -> str:
+    """Stable 16-hex-digit hash of the resolved config (key order and float spelling do not matter)."""
+    blob = json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def field_help(section: type, name: str) -> str:
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(section) if f.name == name)
+
+
+# ---------------------------------------------------------------- building from plain data
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+    """Check ``value`` against a field's annotation; ints are accepted where floats are expected."""
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        (item_type, _ellipsis) = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", item_type, v) for i, v in enumerate(value))
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {annotation!r}")  # a programming error
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        key, annotation, value = f"{prefix}{f.name}", hints[f.name], data[f.name]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
+            kwargs[f.name] = _build(annotation, value, f"{key}.")
+        else:
+            kwargs[f.name] = _coerce(key, annotation, value)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b=value``; the value is read as a TOML value, or as a bare string if that fails."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. outer.sync_every=50")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: malformed key {key!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def _merge_override(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, not a table")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load ``path`` (or the defaults), apply ``--set`` overrides, validate, and return the frozen config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: config file not found") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read config file ({e.strerror})") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    for text in overrides:
+        key_path, value = parse_override(text)
+        _merge_override(data, key_path, value)
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def replace(cfg: Config, **sections: Mapping[str, Any]) -> Config:
+    """Return ``cfg`` with some fields of some sections replaced, validated (``replace(cfg, outer={"lr": 0.5})``)."""
+    data = cfg.to_dict()
+    for name, changes in sections.items():
+        if name not in data:
+            raise ConfigError(f"{name}: unknown section")
+        data[name] = {**data[name], **changes}
+    new = _build(Config, data, "")
+    validate(new)
+    return new
+
+
+# ---------------------------------------------------------------- cross-field validation
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible values and combinations, naming the key."""
+    m, d, i, o, s = cfg.model, cfg.data, cfg.inner, cfg.outer, cfg.sim
+    _require(bool(cfg.run.run_id) and all(c.isalnum() or c in "-_." for c in cfg.run.run_id), "run.run_id",
+             f"must be non-empty letters, digits, '-', '_' or '.', got {cfg.run.run_id!r}")
+    _require(m.n_layer >= 1, "model.n_layer", f"must be >= 1, got {m.n_layer}")
+    _require(m.n_head >= 1, "model.n_head", f"must be >= 1, got {m.n_head}")
+    _require(m.n_embd >= 1 and m.n_embd % m.n_head == 0, "model.n_embd",
+             f"must be a positive multiple of model.n_head={m.n_head}, got {m.n_embd}")
+    _require(m.block_size >= 2, "model.block_size", f"must be >= 2, got {m.block_size}")
+    _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
+    _require(d.max_bytes >= 0, "data.max_bytes", f"must be >= 0, got {d.max_bytes}")
+    _require(0.0 < d.eval_fraction < 0.5, "data.eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}")
+    _require(d.eval_batches >= 1, "data.eval_batches", f"must be >= 1, got {d.eval_batches}")
+    _require(d.eval_batch_size >= 1, "data.eval_batch_size", f"must be >= 1, got {d.eval_batch_size}")
+    _require(i.lr > 0, "inner.lr", f"must be > 0, got {i.lr}")
+    _require(0.0 <= i.min_lr_ratio <= 1.0, "inner.min_lr_ratio", f"must be in [0, 1], got {i.min_lr_ratio}")
+    _require(i.total_steps >= 1, "inner.total_steps", f"must be >= 1, got {i.total_steps}")
+    _require(0 <= i.warmup_steps < i.total_steps, "inner.warmup_steps",
+             f"must be in [0, inner.total_steps={i.total_steps}), got {i.warmup_steps}")
+    _require(i.batch_size >= 1, "inner.batch_size", f"must be >= 1, got {i.batch_size}")
+    _require(i.weight_decay >= 0, "inner.weight_decay", f"must be >= 0, got {i.weight_decay}")
+    _require(0 <= i.beta1 < 1, "inner.beta1", f"must be in [0, 1), got {i.beta1}")
+    _require(0 <= i.beta2 < 1, "inner.beta2", f"must be in [0, 1), got {i.beta2}")
+    _require(i.grad_clip >= 0, "inner.grad_clip", f"must be >= 0, got {i.grad_clip}")
+    _require(o.lr > 0, "outer.lr", f"must be > 0, got {o.lr}")
+    _require(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")
+    _require(o.sync_every >= 1, "outer.sync_every", f"must be >= 1, got {o.sync_every}")
+    _require(1 <= o.fragments <= m.n_layer, "outer.fragments",
+             f"must be in [1, model.n_layer={m.n_layer}] (a fragment holds at least one block), got {o.fragments}")
+    _require(o.fragments <= o.sync_every, "outer.fragments",
+             f"must be <= outer.sync_every={o.sync_every} so each fragment gets its own offset, got {o.fragments}")
+    _require(0 <= o.overlap < o.sync_every, "outer.overlap",
+             f"tau must be in [0, outer.sync_every={o.sync_every}), got {o.overlap}")
+    _require(0.0 <= o.alpha < 1.0, "outer.alpha", f"must be in [0, 1), got {o.alpha}")
+    _require(o.codec in CODECS, "outer.codec", f"must be one of {', '.join(CODECS)}, got {o.codec!r}")
+    _require(o.merge in MERGES, "outer.merge", f"must be one of {', '.join(MERGES)}, got {o.merge!r}")
+    _require(o.weighting in WEIGHTINGS, "outer.weighting",
+             f"must be one of {', '.join(WEIGHTINGS)}, got {o.weighting!r}")
+    _require(s.learners >= 1, "sim.learners", f"must be >= 1, got {s.learners}")
+    _require(not s.speeds or len(s.speeds) == s.learners, "sim.speeds",
+             f"must list one speed per learner (sim.learners={s.learners}), got {len(s.speeds)}")
+    _require(all(0 < v <= 1 for v in s.speeds), "sim.speeds", f"each speed must be in (0, 1], got {list(s.speeds)}")
+    _require(0.0 <= s.drop_prob < 1.0, "sim.drop_prob", f"must be in [0, 1), got {s.drop_prob}")
+
+
+def render(cfg: Config) -> str:
+    """The resolved config as TOML text (what ``p2p-diloco config`` prints)."""
+    lines: list[str] = []
+    for name, section in cfg.to_dict().items():
+        lines.append(f"[{name}]")
+        for key, value in section.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")

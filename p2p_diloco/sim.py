@@ -1,0 +1,361 @@
+"""In-process simulation of K learner units, and the data-parallel / single-learner references.
+
+The simulator runs the same fragment, merge, outer-optimizer and codec code as the networked
+learner, with no network: a round of fragment f is the weighted all-reduce of the pseudo-
+gradients of whichever learners are alive and delivered, reproduced by
+:func:`p2p_diloco.compression.simulate_allreduce` (each tensor through the codec as hivemind's
+butterfly all-reduce would send it). It is how we measure what quality to expect from the
+network and how tests pin the maths.
+
+Time is counted in *ticks* of the swarm clock: a learner of speed s does s inner steps per tick
+on average, so slower learners bring fewer tokens to the same round (weighting by progress),
+exactly as with the DHT-clock schedule of the networked learner. Fragment f is due at ticks
+``T >= H`` with ``T % H == offset_f``; the merged result is applied ``tau`` ticks later.
+
+Protocol rules reproduced here:
+- participants of a round alpha-mix the new anchor into their weights; live learners that were
+  not in it (contribution lost, or joined meanwhile) *rebase* onto it and keep their progress,
+  which they contribute at the next round;
+- a learner that leaves loses its unsynced work; one that (re)joins starts from the current
+  anchors with a fresh inner optimizer;
+- at the end every live learner contributes its remaining progress in a final round of every
+  fragment, and the anchors (the global model) are evaluated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from p2p_diloco import compression, data, fragments, outer
+from p2p_diloco.config import Config
+from p2p_diloco.model import build_model
+
+log = logging.getLogger(__name__)
+
+MODES = ("diloco", "data-parallel", "single")
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> float:
+    """Linear warm-up then cosine decay to ``min_ratio * peak`` (step is 0-based)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class Event:
+    """A learner leaving or (re)joining at a tick (``kind`` is "leave" or "join")."""
+
+    tick: int
+    learner: int
+    kind: str
+
+
+@dataclass
+class SimResult:
+    mode: str
+    learners: int
+    curve: list[dict[str, float]] = field(default_factory=list)  # {"tokens", "eval_loss"}
+    final_eval_loss: float = float("nan")
+    tokens: int = 0
+    bytes_sent: float = 0.0  # all learners together, as the butterfly all-reduce would send them
+    dp_fp32_bytes: float = 0.0  # what fp32 data-parallel would send for the same tokens
+    rounds: int = 0
+    empty_rounds: int = 0
+    contributed_tokens: int = 0  # tokens whose progress reached the anchors through some round
+    weight_shares: list[list[float]] = field(default_factory=list)  # per round, per learner (0 if absent)
+    token_shares: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "learners": self.learners,
+            "final_eval_loss": round(self.final_eval_loss, 4),
+            "tokens": self.tokens,
+            "bytes_sent": self.bytes_sent,
+            "dp_fp32_bytes": self.dp_fp32_bytes,
+            "bytes_saved_vs_dp_fp32": (self.dp_fp32_bytes / self.bytes_sent) if self.bytes_sent else None,
+            "rounds": self.rounds,
+            "empty_rounds": self.empty_rounds,
+            "contributed_tokens": self.contributed_tokens,
+            "wall_s": round(self.wall_s, 1),
+            "curve": self.curve,
+        }
+
+
+class _Learner:
+    """One simulated learner unit: its replica, inner AdamW and data stream."""
+
+    def __init__(self, idx: int, cfg: Config, stream: torch.Tensor, speed: float, total_steps: int) -> None:
+        self.idx = idx
+        self.cfg = cfg
+        self.stream = stream
+        self.speed = speed
+        self.total_steps = total_steps
+        self.model = build_model(cfg.model, cfg.run.seed)
+        self.params = dict(self.model.named_parameters())
+        self.batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = data.batches(
+            stream, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
+        self.opt = self._new_optimizer()
+        self.alive = True
+        self.credit = 0.0
+        self.steps = 0
+        self.tokens = 0
+        self.since_tokens = [0] * cfg.outer.fragments
+        self.since_steps = [0] * cfg.outer.fragments
+        self.error_feedback = compression.ErrorFeedback(cfg.outer.codec) if cfg.outer.error_feedback else None
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        i = self.cfg.inner
+        return torch.optim.AdamW(self.model.parameters(), lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
+
+    def reset_from(self, anchor: dict[str, torch.Tensor]) -> None:
+        """(Re)join: take the current anchors, a fresh inner optimizer, no unsynced progress."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(anchor[name])
+        self.opt = self._new_optimizer()
+        self.since_tokens = [0] * len(self.since_tokens)
+        self.since_steps = [0] * len(self.since_steps)
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+
+    def tick(self) -> None:
+        self.credit += self.speed
+        while self.credit >= 1.0:
+            self.credit -= 1.0
+            self.step()
+
+    def step(self) -> None:
+        i = self.cfg.inner
+        lr = lr_at(self.steps, self.total_steps, i.warmup_steps, i.lr, i.min_lr_ratio)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        x, y = next(self.batches)
+        _, loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if i.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), i.grad_clip)
+        self.opt.step()
+        self.steps += 1
+        n = x.numel()
+        self.tokens += n
+        self.since_tokens = [t + n for t in self.since_tokens]
+        self.since_steps = [s + 1 for s in self.since_steps]
+
+
+def _butterfly_bytes(numel: int, group: int, codec: str, n_tensors: int, radial: bool) -> float:
+    """Bytes all members of a butterfly all-reduce send together: 2 (n-1) V, plus gathered norms."""
+    if group < 2:
+        return 0.0
+    payload = numel * compression.bits_per_element(codec) / 8
+    meta = 8 * n_tensors if radial else 0
+    return 2 * (group - 1) * payload + group * (group - 1) * meta
+
+
+class Simulator:
+    """K learners and the shared anchors; :meth:`run` trains to the token budget and evaluates."""
+
+    def __init__(self, cfg: Config, splits: data.Splits, events: Sequence[Event] = (), eval_points: int = 10) -> None:
+        self.cfg = cfg
+        o, k = cfg.outer, cfg.sim.learners
+        speeds = list(cfg.sim.speeds) or [1.0] * k
+        # equal tokens whatever the speeds: run until K * total_steps inner steps are done in all
+        self.ticks = math.ceil(k * cfg.inner.total_steps / sum(speeds))
+        self.global_model = build_model(cfg.model, cfg.run.seed)
+        self.anchor = {n: p.detach() for n, p in self.global_model.named_parameters()}
+        sizes = {n: p.numel() for n, p in self.anchor.items()}
+        self.fragments = fragments.make_fragments(sizes, o.fragments, o.sync_every)
+        self.outer_states = [outer.OuterState() for _ in self.fragments]
+        self.learners = [_Learner(i, cfg, splits.shards[i], speeds[i], max(1, round(self.ticks * speeds[i])))
+                         for i in range(k)]
+        self.events = sorted(events, key=lambda e: e.tick)
+        self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
+        self.eval_every = max(1, self.ticks // eval_points)
+        self.rng = random.Random(cfg.run.seed)
+        self.pending: list[tuple[int, int, dict[str, torch.Tensor], list[int]]] = []
+        self.result = SimResult(mode="diloco", learners=k)
+        self.n_params = sum(sizes.values())
+
+    # ------------------------------------------------------------ one round of one fragment
+    def _merge_round(self, f: int, members: list[_Learner]) -> dict[str, torch.Tensor]:
+        """The merged pseudo-gradient of ``members`` for fragment f (codec and merge as configured)."""
+        o = self.cfg.outer
+        names = self.fragments[f].names
+        weights = [outer.contribution_weight(m.since_tokens[f], m.since_steps[f], o.weighting) for m in members]
+        encoded = []
+        for m in members:
+            delta = {n: self.anchor[n] - m.params[n].detach() for n in names}
+            sent, meta = outer.encode_contribution(delta, o.merge)
+            if m.error_feedback is not None:
+                sent = {n: m.error_feedback.encode(n, t) for n, t in sent.items()}
+            encoded.append((sent, meta))
+        averaged = {n: compression.simulate_allreduce(o.codec, [e[0][n] for e in encoded], weights) for n in names}
+        merged = outer.decode_merged(averaged, [e[1] for e in encoded], weights, o.merge)
+        self.result.rounds += 1
+        self.result.bytes_sent += _butterfly_bytes(self.fragments[f].numel, len(members), o.codec, len(names),
+                                                   o.merge == "radial")
+        total = sum(weights)
+        share = {m.idx: w / total for m, w in zip(members, weights)}
+        self.result.weight_shares.append([share.get(i, 0.0) for i in range(len(self.learners))])
+        self.result.contributed_tokens += sum(m.since_tokens[f] for m in members) // len(self.fragments)
+        for m in members:
+            m.since_tokens[f] = 0
+            m.since_steps[f] = 0
+        return merged
+
+    def _start_round(self, f: int, tick: int, final: bool = False) -> None:
+        drop = 0.0 if final else self.cfg.sim.drop_prob
+        members = [m for m in self.learners if m.alive and m.since_steps[f] > 0 and self.rng.random() >= drop]
+        if not members:
+            if not final:  # at the final flush a fragment synced on the last tick has nothing left
+                self.result.empty_rounds += 1
+            return
+        merged = self._merge_round(f, members)
+        apply_at = tick if final else tick + self.cfg.outer.overlap
+        self.pending.append((apply_at, f, merged, [m.idx for m in members]))
+
+    def _apply_due(self, tick: int) -> None:
+        o = self.cfg.outer
+        due = [p for p in self.pending if p[0] <= tick]
+        self.pending = [p for p in self.pending if p[0] > tick]
+        for _, f, merged, member_ids in due:
+            names = self.fragments[f].names
+            old = {n: self.anchor[n].clone() for n in names}
+            with torch.no_grad():
+                frag_anchor = {n: self.anchor[n] for n in names}
+                outer.nesterov_step(frag_anchor, merged, self.outer_states[f], o.lr, o.momentum)
+                for m in self.learners:
+                    if not m.alive:
+                        continue
+                    local = {n: m.params[n] for n in names}
+                    if m.idx in member_ids:
+                        outer.alpha_mix(local, frag_anchor, o.alpha)
+                    else:
+                        outer.rebase(local, old, frag_anchor)
+
+    def _handle_events(self, tick: int) -> None:
+        while self.events and self.events[0].tick <= tick:
+            ev = self.events.pop(0)
+            learner = self.learners[ev.learner]
+            if ev.kind == "leave":
+                learner.alive = False
+            elif ev.kind == "join":
+                learner.reset_from(self.anchor)
+                learner.alive = True
+            else:
+                raise ValueError(f"unknown event kind {ev.kind!r}")
+
+    def _evaluate(self) -> None:
+        tokens = sum(m.tokens for m in self.learners)
+        loss = data.evaluate(self.global_model, self.eval_set)
+        self.result.curve.append({"tokens": tokens, "eval_loss": loss})
+
+    def run(self, progress: bool = False) -> SimResult:
+        t0 = time.monotonic()
+        H = self.cfg.outer.sync_every
+        self._evaluate()
+        for tick in range(1, self.ticks + 1):
+            self._handle_events(tick)
+            for m in self.learners:
+                if m.alive:
+                    m.tick()
+            self._apply_due(tick)  # results of rounds sent tau ticks ago
+            for f in fragments.due_fragments(tick, self.fragments, H):
+                self._start_round(f, tick)
+            self._apply_due(tick)  # tau = 0: apply at once
+            if tick % self.eval_every == 0 and tick < self.ticks:
+                self._evaluate()
+                if progress:
+                    _progress(f"sim tick {tick}/{self.ticks} eval_loss {self.result.curve[-1]['eval_loss']:.3f}")
+        # final flush: pending results, then every live learner's remaining progress
+        self._apply_due(self.ticks + self.cfg.outer.overlap)
+        for f in range(len(self.fragments)):
+            self._start_round(f, self.ticks, final=True)
+        self._apply_due(self.ticks)
+        self._evaluate()
+        r = self.result
+        r.final_eval_loss = r.curve[-1]["eval_loss"]
+        r.tokens = sum(m.tokens for m in self.learners)
+        r.token_shares = [m.tokens / max(1, r.tokens) for m in self.learners]
+        r.dp_fp32_bytes = dp_fp32_bytes(r.tokens, self.cfg, self.n_params)
+        r.wall_s = time.monotonic() - t0
+        return r
+
+
+def dp_fp32_bytes(tokens: int, cfg: Config, n_params: int) -> float:
+    """Bytes K data-parallel workers send all-reducing fp32 gradients every step for ``tokens``."""
+    k = cfg.sim.learners
+    steps = tokens / (k * cfg.inner.batch_size * cfg.model.block_size)
+    return steps * 2 * (k - 1) * 4 * n_params
+
+
+def run_reference(cfg: Config, splits: data.Splits, mode: str, eval_points: int = 10, progress: bool = False) -> SimResult:
+    """``data-parallel``: one replica with K x batch on all shards; ``single``: one learner on shard 0."""
+    if mode not in ("data-parallel", "single"):
+        raise ValueError(f"unknown reference mode {mode!r}")
+    t0 = time.monotonic()
+    k, i = cfg.sim.learners, cfg.inner
+    batch = i.batch_size * k if mode == "data-parallel" else i.batch_size
+    stream = splits.train if mode == "data-parallel" else splits.shards[0]
+    model = build_model(cfg.model, cfg.run.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
+    # "single" sees exactly learner 0's batches, so DiLoCo with one learner, outer lr 1 and no
+    # momentum reproduces it bit for bit (a test pins this)
+    seed = cfg.run.seed * 1000 + (999 if mode == "data-parallel" else 0)
+    it = data.batches(stream, batch, cfg.model.block_size, seed=seed)
+    eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
+    result = SimResult(mode=mode, learners=k if mode == "data-parallel" else 1)
+    every = max(1, i.total_steps // eval_points)
+    tokens = 0
+    result.curve.append({"tokens": 0, "eval_loss": data.evaluate(model, eval_set)})
+    for step in range(i.total_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, i.total_steps, i.warmup_steps, i.lr, i.min_lr_ratio)
+        x, y = next(it)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if i.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
+        opt.step()
+        tokens += x.numel()
+        if (step + 1) % every == 0 or step + 1 == i.total_steps:
+            result.curve.append({"tokens": tokens, "eval_loss": data.evaluate(model, eval_set)})
+            if progress:
+                _progress(f"{mode} step {step + 1}/{i.total_steps} eval_loss {result.curve[-1]['eval_loss']:.3f}")
+    result.final_eval_loss = result.curve[-1]["eval_loss"]
+    result.tokens = tokens
+    n_params = sum(p.numel() for p in model.parameters())
+    if mode == "data-parallel":
+        result.bytes_sent = result.dp_fp32_bytes = dp_fp32_bytes(tokens, cfg, n_params)
+    result.wall_s = time.monotonic() - t0
+    return result
+
+
+def run(cfg: Config, splits: data.Splits, mode: str = "diloco", events: Sequence[Event] = (),
+        eval_points: int = 10, progress: bool = False) -> SimResult:
+    if mode == "diloco":
+        return Simulator(cfg, splits, events, eval_points).run(progress)
+    return run_reference(cfg, splits, mode, eval_points, progress)
+
+
+def run_from_config(cfg: Config, mode: str = "diloco", data_path: str | None = None, progress: bool = False) -> SimResult:
+    corpus = data.load_corpus(cfg.data, data_path)
+    splits = data.split_corpus(corpus, cfg.sim.learners, cfg.data.eval_fraction)
+    return run(cfg, splits, mode, progress=progress)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,155 @@
+"""Config loading: strict keys and types, cross-field rules, overrides, a stable hash, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.config import Config, ConfigError, config_hash, load_config, parse_override, replace
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def test_shipped_configs_load() -> None:
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        cfg = load_config(path)
+        assert isinstance(cfg, Config)
+
+
+def test_unknown_key_in_override_names_it() -> None:
+    with pytest.raises(ConfigError, match=r"^outer\.nonexistent: unknown key"):
+        load_config(TINY, ["outer.nonexistent=1"])
+
+
+def test_unknown_key_in_file_names_it(tmp_path: Path) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text(TINY.read_text() + "\n[outer.extra]\n")  # a table where none is expected
+    with pytest.raises(ConfigError, match=r"^outer\.extra: unknown key"):
+        load_config(p)
+    p.write_text("[outer]\nnonexistent = 1\n")
+    with pytest.raises(ConfigError, match=r"^outer\.nonexistent: unknown key"):
+        load_config(p)
+    p.write_text("[nosuchsection]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"^nosuchsection: unknown key"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("outer.lr='fast'", "outer.lr"),
+        ("inner.total_steps=1.5", "inner.total_steps"),
+        ("outer.error_feedback=1", "outer.error_feedback"),
+        ("sim.speeds=1", "sim.speeds"),
+        ("run.seed=true", "run.seed"),
+    ],
+)
+def test_wrong_types_name_the_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [override])
+    assert str(info.value).startswith(f"{key}: expected"), info.value
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["outer.fragments=3"], "outer.fragments"),  # tiny has 2 blocks
+        (["outer.overlap=10"], "outer.overlap"),  # tau >= H
+        (["outer.codec='int3'"], "outer.codec"),
+        (["outer.merge='median'"], "outer.merge"),
+        (["sim.speeds=[1.0, 0.5]"], "sim.speeds"),  # tiny has 3 learners
+        (["model.n_embd=33"], "model.n_embd"),
+        (["inner.warmup_steps=40"], "inner.warmup_steps"),
+        (["run.run_id='a b'"], "run.run_id"),
+        (["outer.alpha=1.0"], "outer.alpha"),
+    ],
+)
+def test_impossible_combinations_name_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, overrides)
+    assert str(info.value).startswith(f"{key}:")
+    assert "\n" not in str(info.value)
+
+
+def test_override_parsing() -> None:
+    assert parse_override("outer.lr=0.5") == (["outer", "lr"], 0.5)
+    assert parse_override("outer.codec=int8") == (["outer", "codec"], "int8")  # bare string
+    assert parse_override("sim.speeds=[1, 0.5]") == (["sim", "speeds"], [1, 0.5])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_override("outer.lr")
+    with pytest.raises(ConfigError, match="malformed key"):
+        parse_override("outer..lr=1")
+
+
+def test_hash_is_stable_and_sensitive(tmp_path: Path) -> None:
+    a = load_config(TINY)
+    # the same values spelled differently (explicit defaults, 0.7 vs 0.70, key order) hash the same
+    reordered = tmp_path / "same.toml"
+    reordered.write_text(TINY.read_text().replace("[outer]\n", "[outer]\nmomentum = 0.9\nlr = 0.70\n"))
+    assert config_hash(load_config(reordered)) == config_hash(a)
+    assert config_hash(a) == config_hash(load_config(TINY, ["outer.lr=0.7", "outer.momentum=0.9"]))
+    assert config_hash(a) == config_hash(load_config(TINY, ["outer.lr=0.70"]))
+    assert config_hash(a) != config_hash(load_config(TINY, ["outer.lr=0.71"]))
+    assert len(config_hash(a)) == 16
+    assert config_hash(replace(a, outer={"lr": 0.5})) == config_hash(load_config(TINY, ["outer.lr=0.5"]))
+
+
+def test_frozen() -> None:
+    cfg = load_config(TINY)
+    with pytest.raises(AttributeError):
+        cfg.outer.lr = 1.0  # type: ignore[misc]
+
+
+def test_missing_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[outer\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+
+
+def test_cli_config_prints_resolved_config_and_hash() -> None:
+    r = _cli("config", "--config", str(TINY), "--set", "outer.sync_every=20")
+    assert r.returncode == 0, r.stderr
+    assert "sync_every = 20" in r.stdout
+    assert f"config_hash = {config_hash(load_config(TINY, ['outer.sync_every=20']))}" in r.stdout
+
+
+def test_cli_config_unknown_key_is_one_line_error(tmp_path: Path) -> None:
+    r = _cli("config", "--config", str(TINY), "--set", "outer.nonexistent=1")
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "outer.nonexistent" in lines[0], r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[outer]\nnonexistent = 1\n")
+    r = _cli("config", "--config", str(bad))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "outer.nonexistent" in lines[0], r.stderr
+
+
+def test_help_imports_neither_torch_nor_hivemind() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "from p2p_diloco import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        cli.main(['--help'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0\n"
+        "heavy = sorted(m for m in ('torch', 'hivemind', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = _cli("--help")
+    assert r.returncode == 0 and "config" in r.stdout
