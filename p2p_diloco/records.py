@@ -1,0 +1,426 @@
+"""Peer records: what each peer publishes in the DHT, the schema every node enforces, and the pure
+decisions taken from them (compatible? live, left or foreign? what does the swarm look like?).
+
+Layout in the DHT (documented in ``status --help`` too):
+
+* ``run_key(run_id)`` = ``"p2p-diloco.run.<run_id>_peers"``: one subkey per peer, the subkey being
+  ``RSASignatureValidator``'s owner marker ``b"[owner:<ssh-rsa public key>]"``; the value is the
+  full :class:`PeerRecord` as a plain dict, stored with ``expiration_time = now + ttl_s``.
+  A graceful leave stores the same record with ``state="left"`` and a longer expiration: a
+  tombstone that says who left and when.
+* ``INDEX_KEY`` = ``"p2p-diloco_runs"``: the same owners, with a small :class:`IndexEntry` each
+  (run id, protocol, config hash, name, state). It lets ``status`` list every run in a DHT and
+  show peers of *other* runs as foreign (their full records live under their own run key, which
+  a node of our run cannot validate because DHT keys are hashed).
+
+Every node validates both keys with ``SchemaValidator`` (the pydantic.v1 models below; strict
+types, bounded sizes, no NaN) behind ``RSASignatureValidator`` (only the key's owner may write its
+subkey). Everything here except :func:`peer_schemas` is pure and imports no hivemind.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Callable, Dict, Iterable, Iterator, Literal, Mapping, Optional
+
+from pydantic.v1 import BaseModel, Extra, ValidationError, confloat, conint, conlist, constr, validator
+
+logger = logging.getLogger(__name__)
+
+STATES = ("joining", "idle", "training", "averaging", "syncing", "leaving", "left")
+"""``idle``: a member that publishes but does not train (the ``heartbeat`` stand-in, monitors);
+``left``: the tombstone of a graceful leave."""
+
+RUN_KEY_PREFIX = "p2p-diloco.run."
+INDEX_PREFIX = "p2p-diloco"
+INDEX_KEY = f"{INDEX_PREFIX}_runs"
+OWNER_MARKER_RE = re.compile(rb"^\[owner:(.+?)\]$", re.S)
+"""Same marker as ``hivemind.dht.crypto.RSASignatureValidator.PUBLIC_KEY_FORMAT`` (a test pins it)."""
+
+MAX_NAME_CHARS = 64
+MAX_ADDRESSES = 16
+MAX_ADDRESS_CHARS = 256
+MAX_FRAGMENTS = 1024
+
+
+def run_key_prefix(run_id: str) -> str:
+    return f"{RUN_KEY_PREFIX}{run_id}"
+
+
+def run_key(run_id: str) -> str:
+    """The DHT key of a run's peer records (SchemaValidator field ``peers`` under ``run_key_prefix``)."""
+    return f"{run_key_prefix(run_id)}_peers"
+
+
+# ---------------------------------------------------------------- the record (pure data)
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One peer's self-description, refreshed every ``ttl_s / 3`` seconds."""
+
+    run_id: str
+    protocol_version: int
+    config_hash: str
+    software_version: str
+    peer_id: str
+    """Base58 libp2p peer id; must match the owner key (checked by ``Membership``)."""
+    name: str
+    profile: str = ""
+    """Peer profile name (kind of machine), empty if none."""
+    addresses: tuple[str, ...] = ()
+    state: str = "joining"
+    inner_step: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    fragment_versions: tuple[int, ...] = ()
+    """Outer-step count of each fragment's anchor, by fragment index."""
+    last_sync_time: float = 0.0
+    """DHT time of the last completed fragment sync; 0 = never."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    loss: float | None = None
+    """Latest training loss; None when unknown (NaN is not representable: peers would reject it)."""
+    time: float = 0.0
+    """DHT time when this record was published (for a tombstone: when the peer left)."""
+    ttl_s: float = 30.0
+    """Heartbeat TTL the peer uses: its record expires this long after ``time``."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain msgpack-safe dict (lists, str keys, python floats) as stored in the DHT."""
+        d = asdict(self)
+        d["addresses"] = list(self.addresses)
+        d["fragment_versions"] = list(self.fragment_versions)
+        for k in ("tokens_per_s", "last_sync_time", "time", "ttl_s"):
+            d[k] = float(d[k])
+        if self.loss is not None:
+            d["loss"] = float(self.loss) if math.isfinite(self.loss) else None
+        return d
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "PeerRecord":
+        """Parse a stored value, strictly (raises ``ValueError`` with a one-line reason)."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"peer record must be a dict, got {type(value).__name__}")
+        try:
+            m = PeerRecordModel.parse_obj(value)
+        except ValidationError as e:
+            raise ValueError(f"invalid peer record: {_first_error(e)}") from None
+        d = m.dict()
+        d["addresses"] = tuple(d["addresses"])
+        d["fragment_versions"] = tuple(d["fragment_versions"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """The small per-peer entry under :data:`INDEX_KEY`."""
+
+    run_id: str
+    protocol_version: int
+    config_hash: str
+    software_version: str
+    peer_id: str
+    name: str
+    state: str
+    time: float
+
+    @classmethod
+    def of(cls, record: PeerRecord) -> "IndexEntry":
+        return cls(**{f.name: getattr(record, f.name) for f in fields(cls)})
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["time"] = float(d["time"])
+        return d
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "IndexEntry":
+        if not isinstance(value, Mapping):
+            raise ValueError(f"index entry must be a dict, got {type(value).__name__}")
+        try:
+            return cls(**IndexEntryModel.parse_obj(value).dict())
+        except ValidationError as e:
+            raise ValueError(f"invalid index entry: {_first_error(e)}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+
+
+# ---------------------------------------------------------------- the schema (pydantic.v1, for SchemaValidator)
+
+_Name = constr(strict=True, max_length=MAX_NAME_CHARS)
+_NonNegInt = conint(strict=True, ge=0)
+_NonNegFloat = confloat(strict=True, ge=0.0, allow_inf_nan=False)
+
+
+class OwnerKey(bytes):
+    """A subkey that is exactly an owner marker ``[owner:<public key>]`` (strict bytes)."""
+
+    @classmethod
+    def __get_validators__(cls) -> Iterator[Callable[[Any], bytes]]:
+        yield cls.validate
+
+    @classmethod
+    def validate(cls, value: Any) -> bytes:
+        if not isinstance(value, bytes) or OWNER_MARKER_RE.match(value) is None:
+            raise ValueError("subkey must be an owner marker b'[owner:<public key>]'")
+        return value
+
+
+def _check_state(value: str) -> str:
+    if value not in STATES:
+        raise ValueError(f"state must be one of {', '.join(STATES)}")
+    return value
+
+
+class PeerRecordModel(BaseModel):
+    run_id: _Name
+    protocol_version: _NonNegInt
+    config_hash: constr(strict=True, max_length=64)
+    software_version: constr(strict=True, max_length=32)
+    peer_id: constr(strict=True, max_length=128)
+    name: _Name
+    profile: _Name
+    addresses: conlist(constr(strict=True, max_length=MAX_ADDRESS_CHARS), max_items=MAX_ADDRESSES)
+    state: constr(strict=True, max_length=16)
+    inner_step: _NonNegInt
+    tokens: _NonNegInt
+    tokens_per_s: _NonNegFloat
+    fragment_versions: conlist(_NonNegInt, max_items=MAX_FRAGMENTS)
+    last_sync_time: _NonNegFloat
+    bytes_sent: _NonNegInt
+    bytes_received: _NonNegInt
+    loss: Optional[confloat(strict=True, allow_inf_nan=False)]
+    time: _NonNegFloat
+    ttl_s: confloat(strict=True, gt=0.0, allow_inf_nan=False)
+
+    _state = validator("state", allow_reuse=True)(_check_state)
+
+    class Config:
+        extra = Extra.forbid
+
+
+class IndexEntryModel(BaseModel):
+    run_id: _Name
+    protocol_version: _NonNegInt
+    config_hash: constr(strict=True, max_length=64)
+    software_version: constr(strict=True, max_length=32)
+    peer_id: constr(strict=True, max_length=128)
+    name: _Name
+    state: constr(strict=True, max_length=16)
+    time: _NonNegFloat
+
+    _state = validator("state", allow_reuse=True)(_check_state)
+
+    class Config:
+        extra = Extra.forbid
+
+
+class RunPeersSchema(BaseModel):
+    peers: Dict[OwnerKey, PeerRecordModel]
+
+
+class RunIndexSchema(BaseModel):
+    runs: Dict[OwnerKey, IndexEntryModel]
+
+
+def peer_schemas(run_id: str) -> list[Any]:
+    """The record validators every node of ``run_id`` installs (imports hivemind)."""
+    from hivemind.dht.schema import SchemaValidator
+
+    return [
+        SchemaValidator(RunPeersSchema, allow_extra_keys=True, prefix=run_key_prefix(run_id)),
+        SchemaValidator(RunIndexSchema, allow_extra_keys=True, prefix=INDEX_PREFIX),
+    ]
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """What a local peer must agree on with the swarm."""
+
+    run_id: str
+    protocol_version: int
+    config_hash: str
+    software_version: str
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LocalRun":
+        from p2p_diloco import __version__
+        from p2p_diloco.config import PROTOCOL_VERSION, config_hash
+
+        return cls(cfg.run.run_id, PROTOCOL_VERSION, config_hash(cfg), __version__)
+
+
+def adopt_majority(local: LocalRun, records: Iterable[PeerRecord | IndexEntry]) -> LocalRun:
+    """For an observer without the run's config (``status --run-id``): take the protocol version and
+    config hash most of the run's non-departed peers publish. ``local`` is returned unchanged if
+    it has a config hash or nobody of its run is there."""
+    if local.config_hash:
+        return local
+    counts = Counter((r.protocol_version, r.config_hash) for r in records
+                     if r.run_id == local.run_id and r.state != "left")
+    if not counts:
+        return local
+    (protocol_version, config_hash), _ = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    return replace(local, protocol_version=protocol_version, config_hash=config_hash)
+
+
+def is_compatible(record: PeerRecord | IndexEntry, local: LocalRun) -> tuple[bool, str]:
+    """May ``record``'s peer train with us? Returns (ok, one-line reason; "" when identical)."""
+    if record.run_id != local.run_id:
+        return False, f"run id differs: theirs {record.run_id!r}, ours {local.run_id!r}"
+    if record.protocol_version != local.protocol_version:
+        return False, (f"protocol version differs: theirs {record.protocol_version}, ours {local.protocol_version} "
+                       f"(their p2p-diloco {record.software_version}, ours {local.software_version})")
+    if record.config_hash != local.config_hash:
+        return False, f"config hash differs: theirs {record.config_hash}, ours {local.config_hash}"
+    if record.software_version != local.software_version:
+        return True, f"software version differs (theirs {record.software_version}, ours {local.software_version}); protocol matches"
+    return True, ""
+
+
+Status = Literal["live", "left", "foreign", "expired"]
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """A record as seen at one moment: its classification and why."""
+
+    record: PeerRecord | IndexEntry
+    expiration_time: float
+    status: Status
+    reason: str = ""
+
+    @property
+    def peer_id(self) -> str:
+        return self.record.peer_id
+
+
+def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: LocalRun, now: float) -> list[PeerView]:
+    """Classify (record, expiration time) pairs at DHT time ``now``.
+
+    expired: its expiration passed (a DHT cache may still hold it); foreign: incompatible with
+    ``local`` (whatever its state); left: a tombstone; live: everything else. One view per peer
+    id: the newest record wins (a peer that restarted with a new subkey keeps one row).
+    """
+    newest: dict[str, tuple[PeerRecord | IndexEntry, float]] = {}
+    for record, expiration in entries:
+        old = newest.get(record.peer_id)
+        if old is None or record.time > old[0].time:
+            newest[record.peer_id] = (record, expiration)
+    views = []
+    for record, expiration in newest.values():
+        ok, reason = is_compatible(record, local)
+        if expiration < now:
+            views.append(PeerView(record, expiration, "expired", f"expired {now - expiration:.1f} s ago"))
+        elif not ok:
+            views.append(PeerView(record, expiration, "foreign", reason))
+        elif record.state == "left":
+            views.append(PeerView(record, expiration, "left", f"left at {record.time:.1f}"))
+        else:
+            views.append(PeerView(record, expiration, "live", reason))
+    views.sort(key=lambda v: (v.record.name, v.peer_id))
+    return views
+
+
+def merge_index(views: list[PeerView], index_views: list[PeerView]) -> list[PeerView]:
+    """Add peers known only from the index (other runs, or records not yet visible) to ``views``."""
+    known = {v.peer_id for v in views}
+    extra = [v for v in index_views if v.peer_id not in known and v.status in ("foreign",)]
+    return sorted(views + extra, key=lambda v: (v.status != "live", v.record.name, v.peer_id))
+
+
+def check_join(views: Iterable[PeerView], local: LocalRun, own_peer_id: str) -> tuple[bool, str]:
+    """Compatibility check at join: refuse if the run has live peers and none of them agrees with us.
+
+    Only peers of our run id count (other runs may share a DHT). If some live peers agree with us,
+    we join and the disagreeing ones are someone else's problem (they show as foreign).
+    """
+    same_run = [v for v in views if v.peer_id != own_peer_id and v.record.run_id == local.run_id
+                and v.status in ("live", "foreign") and v.record.state != "left"]
+    if not same_run or any(v.status == "live" for v in same_run):
+        return True, ""
+    for attr, what, fix in (
+        ("protocol_version", "protocol version", "install the p2p-diloco version the run uses"),
+        ("config_hash", "config hash", "start with the run's config (same --config/--set as its peers) "
+                                       "or choose another run.run_id"),
+    ):
+        theirs = Counter(getattr(v.record, attr) for v in same_run)
+        ours = getattr(local, attr)
+        if ours not in theirs:
+            value, count = theirs.most_common(1)[0]
+            return False, (f"refused by run {local.run_id!r}: {what} differs: ours {ours}, "
+                           f"the run's {value} ({count} of {len(same_run)} live peers); {fix}")
+    return False, f"refused by run {local.run_id!r}: incompatible with its {len(same_run)} live peers"
+
+
+@dataclass(frozen=True)
+class FragmentConsensus:
+    fragment: int
+    versions: dict[str, int]
+    """Live peers per version (str keys: msgpack/JSON safe)."""
+    top_version: int
+    agreeing: int
+    """Live peers at ``top_version`` (the most common one; ties go to the newer version)."""
+
+
+@dataclass(frozen=True)
+class SwarmSummary:
+    run_id: str
+    live: int
+    tokens: int
+    tokens_per_s: float
+    fragments: tuple[FragmentConsensus, ...]
+    consensus: bool
+    """Every live peer reports the same version for every fragment."""
+    states: dict[str, int]
+    left: tuple[tuple[str, str, float], ...]
+    """(name, peer id, DHT time of leaving), newest first."""
+    foreign: tuple[tuple[str, str, str], ...]
+    """(name, peer id, reason)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
+    """Swarm-level figures from classified views (pure)."""
+    views = list(views)
+    live = [v.record for v in views if v.status == "live" and isinstance(v.record, PeerRecord)]
+    n_frag = max((len(r.fragment_versions) for r in live), default=0)
+    frags = []
+    for f in range(n_frag):
+        counts = Counter(r.fragment_versions[f] for r in live if len(r.fragment_versions) > f)
+        top, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+        frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing))
+    consensus = all(fc.agreeing == len(live) for fc in frags)
+    left = sorted(((v.record.name, v.peer_id, v.record.time) for v in views if v.status == "left"),
+                  key=lambda t: -t[2])
+    foreign = tuple((v.record.name, v.peer_id, v.reason) for v in views if v.status == "foreign")
+    return SwarmSummary(
+        run_id=run_id,
+        live=len(live),
+        tokens=sum(r.tokens for r in live),
+        tokens_per_s=sum(r.tokens_per_s for r in live),
+        fragments=tuple(frags),
+        consensus=consensus,
+        states=dict(Counter(r.state for r in live)),
+        left=tuple(left),
+        foreign=foreign,
+    )
+
+
+def tombstone(record: PeerRecord, now: float) -> PeerRecord:
+    """The record a peer stores when it leaves gracefully."""
+    return replace(record, state="left", time=now, tokens_per_s=0.0)
+

@@ -1,0 +1,548 @@
+"""Swarm membership: start or join the DHT, publish signed peer records, read the swarm, decide membership.
+
+The DHT *is* the swarm's memory; there is no server. A peer:
+
+1. starts a hivemind DHT node (``start_dht``): loopback or a given LAN address, relay / auto-NAT /
+   UPnP off, an RSA identity shared by libp2p and the record signer, and, for a private swarm, a
+   shared-secret token authorizer (:class:`SwarmKeyAuthorizer`). Failures to join become one-line
+   :class:`JoinError` messages that say what was tried and what to check, within a bounded time.
+2. publishes its :class:`~p2p_diloco.records.PeerRecord` every ``ttl_s / 3`` seconds with
+   ``expiration_time = now + ttl_s`` (:class:`RecordPublisher`), and a tombstone on a graceful leave.
+3. reads the swarm (:func:`read_swarm`) and answers :meth:`Membership.is_member` for the averaging
+   and state handlers (the DHT authorizer does not cover their RPCs; the remote peer id that
+   libp2p reports there is authenticated, and records are owned by the same key).
+
+hivemind 1.1.12 facts this relies on are in ``shared/notes/hivemind.md``; the ones found while
+writing this module are marked "verified here".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils import get_dht_time
+from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
+
+from p2p_diloco.addresses import PeerAddress, host_multiaddr
+from p2p_diloco.identity import (  # noqa: F401  (swarm key file helpers re-exported)
+    Identity,
+    peer_id_from_public_key,
+    read_swarm_key,
+    swarm_key_fingerprint,
+    write_swarm_key,
+)
+from p2p_diloco.records import (
+    INDEX_KEY,
+    IndexEntry,
+    LocalRun,
+    OWNER_MARKER_RE,
+    PeerRecord,
+    PeerView,
+    adopt_majority,
+    classify,
+    merge_index,
+    peer_schemas,
+    run_key,
+    tombstone,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_DHT_CLOCK_SKEW_S = 3.0
+"""hivemind's ``MAX_DHT_TIME_DISCREPANCY_SECONDS``: peers whose clocks differ more are refused."""
+
+
+class JoinError(ValueError):
+    """Could not join the swarm; the message is one line saying what was tried and what to check."""
+
+
+class SwarmKeyError(JoinError):
+    """The initial peers answered at the network level but refused our DHT requests (or we theirs)."""
+
+
+@dataclass(frozen=True)
+class SwarmOptions:
+    """How this peer takes part in the DHT."""
+
+    initial_peers: tuple[PeerAddress, ...] = ()
+    """Validated multiaddrs of live peers; empty = start a new swarm (a bootstrap peer)."""
+    host: str = "127.0.0.1"
+    """Address to listen on: 127.0.0.1 (this machine), a LAN address, or 0.0.0.0 (then set announce)."""
+    port: int = 0
+    """TCP port to listen on; 0 = any free port (fine unless others must reach a fixed address)."""
+    announce: tuple[str, ...] = ()
+    """Multiaddrs to announce instead of the listening ones (explicit ports), e.g. /ip4/192.168.1.5/tcp/31337."""
+    identity: Identity | None = None
+    """Key file: stable peer id and record-signing key. None = a fresh key for this process."""
+    check_identity_free: bool = True
+    """Ask the initial peers whether our identity is already in use (hivemind starts a second daemon for
+    it, ~0.3 s); pointless for a freshly generated key."""
+    client_mode: bool = False
+    """Take part without serving the DHT (status, doctor): others never route to us."""
+    swarm_key: bytes | None = None
+    """Shared secret of a private swarm (``keygen``); None = open swarm."""
+    join_timeout_s: float = 10.0
+    """Bound on starting the daemon and joining the initial peers."""
+    rpc_timeout_s: float = 3.0
+    """hivemind's ``wait_timeout``: how long one DHT request waits for an answer."""
+
+
+# ---------------------------------------------------------------- private swarm: shared-secret authorizer
+
+
+class SwarmKeyAuthorizer(TokenAuthorizerBase):
+    """hivemind token authorizer whose tokens are HMAC-signed with the swarm secret.
+
+    Each peer mints its own token: (public key, expiry) signed with HMAC(secret). hivemind signs
+    every DHT request/response with the peer's RSA key and checks the other side's token, so a
+    peer without the secret gets no answers (and gives none that we accept). Verified here: a
+    joiner with no key or another key fails the bootstrap ping in ~0.3 s; a keyed joiner of an
+    open swarm fails the same way.
+    """
+
+    TOKEN_LIFETIME_S = 3600.0
+    REFRESH_MARGIN_S = 300.0
+    USERNAME = "p2p-diloco"
+
+    def __init__(self, secret: bytes, private_key: RSAPrivateKey):
+        super().__init__(private_key)
+        self._mac_key = hashlib.sha256(b"p2p-diloco swarm token\0" + secret).digest()
+
+    def _mac(self, token: AccessToken) -> bytes:
+        message = b"\0".join([token.username.encode(), token.public_key, token.expiration_time.encode()])
+        return hmac.new(self._mac_key, message, hashlib.sha256).digest()
+
+    async def get_token(self) -> AccessToken:
+        token = AccessToken(
+            username=self.USERNAME,
+            public_key=self.local_public_key.to_bytes(),
+            expiration_time=repr(get_dht_time() + self.TOKEN_LIFETIME_S),
+        )
+        token.signature = self._mac(token)
+        return token
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        if not hmac.compare_digest(access_token.signature, self._mac(access_token)):
+            logger.debug("token rejected: not signed with our swarm key")
+            return False
+        try:
+            expires = float(access_token.expiration_time)
+        except ValueError:
+            return False
+        return expires > get_dht_time()
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        return float(access_token.expiration_time) < get_dht_time() + self.REFRESH_MARGIN_S
+
+
+# ---------------------------------------------------------------- joining
+
+
+def owner_subkey(private_key: RSAPrivateKey) -> bytes:
+    """The subkey under which this key's owner publishes (RSASignatureValidator's owner marker)."""
+    return RSASignatureValidator(private_key).local_public_key
+
+
+def owner_peer_id(subkey: bytes) -> str | None:
+    """The peer id of an owner-marker subkey, or None if it is not one."""
+    m = OWNER_MARKER_RE.match(subkey) if isinstance(subkey, bytes) else None
+    if m is None:
+        return None
+    try:
+        return peer_id_from_public_key(m.group(1))
+    except ValueError:
+        return None
+
+
+def tcp_probe(addr: PeerAddress, timeout_s: float = 2.0) -> str | None:
+    """None if a TCP connection to the address opens, else the OS error (for messages)."""
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def _tried(opts: SwarmOptions) -> str:
+    return ", ".join(a.text for a in opts.initial_peers)
+
+
+def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
+    """Turn what hivemind raised while joining into one line for a user (probes TCP to say more)."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    key_hint = "our --swarm-key" if opts.swarm_key else "a --swarm-key (the swarm may be private)"
+    if "failed to connect to bootstrap peers" in text:
+        parts = []
+        for addr in opts.initial_peers:
+            why = tcp_probe(addr)
+            parts.append(f"{addr.text} ({'port open, but the libp2p handshake failed: is the /p2p/ peer id current?' if why is None else why})")
+        return JoinError(f"could not join: no initial peer reachable; tried {'; '.join(parts)}. "
+                         f"Check that a peer runs at that address (p2p-diloco bootstrap prints it), the port and firewall.")
+    if "none of the initial_peers responded" in text:
+        return SwarmKeyError(f"could not join: swarm key mismatch: {_tried(opts)} answered but refused our DHT requests. "
+                             f"Check {key_hint}: every peer needs the same secret file (p2p-diloco keygen), or none.")
+    if "local time must be within" in text:
+        return JoinError(f"could not join: clock skew above {MAX_DHT_CLOCK_SKEW_S:.0f} s against {_tried(opts)} ({text}). "
+                         f"Synchronise the clock (NTP: timedatectl set-ntp true).")
+    if isinstance(error, TimeoutError):
+        return JoinError(f"could not join within {opts.join_timeout_s:.0f} s: tried {_tried(opts)}. "
+                         f"Check that they are up (p2p-diloco doctor --initial-peers …) and not overloaded.")
+    return JoinError(f"could not join: {text} (tried {_tried(opts) or 'no initial peers'})")
+
+
+def start_dht(opts: SwarmOptions, run_id: str, *, private_key: RSAPrivateKey | None = None) -> DHT:
+    """Start this peer's DHT node and join ``opts.initial_peers``; raise :class:`JoinError` on failure.
+
+    Records of ``run_id`` and the run index are schema-checked and signature-checked by this node.
+    ``private_key`` signs our records; it must be the identity's key (pass None to use it).
+    """
+    if private_key is None:
+        private_key = opts.identity.private_key() if opts.identity is not None else RSAPrivateKey()
+    validators = [RSASignatureValidator(private_key), *peer_schemas(run_id)]
+    kwargs: dict[str, Any] = dict(
+        host_maddrs=[host_multiaddr(opts.host, opts.port)],
+        client_mode=opts.client_mode,
+        use_relay=False,
+        use_auto_relay=False,
+        auto_nat=False,
+        nat_port_map=False,
+        wait_timeout=opts.rpc_timeout_s,
+        bootstrap_timeout=opts.rpc_timeout_s,
+        startup_timeout=opts.join_timeout_s,
+    )
+    if opts.announce:
+        kwargs["announce_maddrs"] = list(opts.announce)
+    if opts.identity is not None:
+        kwargs["identity_path"] = str(opts.identity.path)
+        kwargs["check_if_identity_free"] = opts.check_identity_free
+    if opts.swarm_key is not None:
+        kwargs["authorizer"] = SwarmKeyAuthorizer(opts.swarm_key, private_key)
+    t0 = time.monotonic()
+    dht = DHT(
+        initial_peers=[a.text for a in opts.initial_peers] or None,
+        start=True,
+        await_ready=False,
+        record_validators=validators,
+        **kwargs,
+    )
+    try:
+        dht.wait_until_ready(timeout=opts.join_timeout_s)
+    except BaseException as e:
+        _stop_quietly(dht)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise explain_join_failure(e, opts) from None
+    logger.info("DHT up in %.2f s as %s (%s)", time.monotonic() - t0, dht.peer_id,
+                "client" if opts.client_mode else "server")
+    return dht
+
+
+def _stop_quietly(dht: DHT) -> None:
+    """Shut a DHT down after a failed start (its process may already have exited)."""
+    if dht.is_alive():
+        dht.shutdown()
+
+
+def visible_addresses(dht: DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+# ---------------------------------------------------------------- reading the swarm
+
+
+@dataclass(frozen=True)
+class SwarmSnapshot:
+    """What one read of the DHT showed."""
+
+    now: float
+    local: LocalRun
+    """The run we looked at (with the majority config hash adopted if we had none)."""
+    views: tuple[PeerView, ...]
+    """Records of our run, plus foreign peers known from the index."""
+    runs: dict[str, int]
+    """Live peers per run id in this DHT (from the index)."""
+    rejected: tuple[str, ...] = ()
+    """One line per record dropped while reading (bad owner, bad schema)."""
+
+    def live(self) -> list[PeerView]:
+        return [v for v in self.views if v.status == "live"]
+
+
+def _entries(result: Any, parse: Any, rejected: list[str]) -> list[tuple[Any, float]]:
+    if result is None or not isinstance(result.value, dict):
+        return []
+    out = []
+    for subkey, item in result.value.items():
+        owner = owner_peer_id(subkey)
+        try:
+            record = parse(item.value)
+        except ValueError as e:
+            rejected.append(f"{owner or '?'}: {e}")
+            continue
+        if owner != record.peer_id:
+            rejected.append(f"record of {record.peer_id} is owned by another key ({owner}); ignored")
+            continue
+        out.append((record, float(item.expiration_time)))
+    return out
+
+
+def read_swarm(dht: DHT, local: LocalRun) -> SwarmSnapshot:
+    """One read of the run's records and the run index, classified at the current DHT time."""
+    run_future = dht.get(run_key(local.run_id), latest=True, return_future=True)
+    index_future = dht.get(INDEX_KEY, latest=True, return_future=True)
+    run_result, index_result = run_future.result(), index_future.result()
+    now = get_dht_time()
+    rejected: list[str] = []
+    run_entries = _entries(run_result, PeerRecord.from_wire, rejected)
+    local = adopt_majority(local, (r for r, _ in run_entries))
+    views = classify(run_entries, local, now)
+    index_views = classify(_entries(index_result, IndexEntry.from_wire, rejected), local, now)
+    runs: dict[str, int] = {}
+    for v in index_views:
+        if v.status != "expired" and v.record.state != "left":
+            runs[v.record.run_id] = runs.get(v.record.run_id, 0) + 1
+    for line in rejected:
+        logger.warning("dropped a peer record: %s", line)
+    return SwarmSnapshot(now, local, tuple(merge_index(views, index_views)), runs, tuple(rejected))
+
+
+def members_of(snapshot: SwarmSnapshot) -> frozenset[str]:
+    """Peer ids allowed in our averaging / state handlers: live, compatible, owner-verified."""
+    return frozenset(v.peer_id for v in snapshot.views if v.status == "live" and isinstance(v.record, PeerRecord))
+
+
+class Membership:
+    """``is_member(peer_id)`` for RPC handlers, from the DHT records, cached.
+
+    A peer is a member when it has a live record of our run, compatible with us, whose signing
+    key is the key behind ``peer_id``. The cache is refreshed every ``refresh_interval_s``, and
+    sooner (at most every ``min_refresh_interval_s``) when an unknown peer asks, so a newcomer
+    is admitted as soon as its first record is visible.
+    """
+
+    def __init__(self, dht: DHT, local: LocalRun, refresh_interval_s: float = 5.0,
+                 min_refresh_interval_s: float = 1.0):
+        self._dht, self._local = dht, local
+        self.refresh_interval_s, self.min_refresh_interval_s = refresh_interval_s, min_refresh_interval_s
+        self._members: frozenset[str] = frozenset()
+        self._refreshed_at = -float("inf")
+        self._lock = threading.Lock()
+
+    def refresh(self) -> frozenset[str]:
+        members = members_of(read_swarm(self._dht, self._local))
+        with self._lock:
+            self._members, self._refreshed_at = members, time.monotonic()
+        return members
+
+    def is_member(self, peer_id: PeerID | str) -> bool:
+        pid = peer_id.to_base58() if isinstance(peer_id, PeerID) else str(peer_id)
+        age = time.monotonic() - self._refreshed_at
+        if age > self.refresh_interval_s or (pid not in self._members and age > self.min_refresh_interval_s):
+            self.refresh()
+        return pid in self._members
+
+
+# ---------------------------------------------------------------- publishing
+
+
+class RecordPublisher:
+    """Publishes this peer's record every ``ttl_s / 3`` s in a thread; a tombstone on :meth:`leave`.
+
+    A record that is not refreshed disappears ``ttl_s`` after its last publication (crash, kill -9,
+    lost network). The tombstone outlives it by ``tombstone_ttl_s`` so ``status`` can say who left.
+    """
+
+    def __init__(self, dht: DHT, private_key: RSAPrivateKey, record: PeerRecord,
+                 ttl_s: float = 30.0, tombstone_ttl_s: float = 600.0, store_timeout_s: float = 10.0):
+        if ttl_s <= 0 or tombstone_ttl_s < ttl_s:
+            raise ValueError(f"ttl_s must be > 0 and tombstone_ttl_s >= ttl_s, got {ttl_s} and {tombstone_ttl_s}")
+        self._dht = dht
+        self._subkey = owner_subkey(private_key)
+        self.ttl_s, self.tombstone_ttl_s, self.store_timeout_s = ttl_s, tombstone_ttl_s, store_timeout_s
+        self._record = replace(record, ttl_s=float(ttl_s))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+
+    @property
+    def record(self) -> PeerRecord:
+        with self._lock:
+            return self._record
+
+    def update(self, **changes: Any) -> None:
+        """Change fields of the record; they go out with the next heartbeat."""
+        with self._lock:
+            self._record = replace(self._record, **changes)
+
+    def publish(self, record: PeerRecord | None = None, ttl_s: float | None = None) -> bool:
+        """Store the record (and its index entry) now; True if some DHT node accepted both."""
+        now = get_dht_time()
+        record = replace(record or self.record, time=now)
+        expiration = now + (ttl_s if ttl_s is not None else self.ttl_s)
+        futures = [
+            self._dht.store(run_key(record.run_id), record.to_wire(), expiration, subkey=self._subkey, return_future=True),
+            self._dht.store(INDEX_KEY, IndexEntry.of(record).to_wire(), expiration, subkey=self._subkey, return_future=True),
+        ]
+        ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
+        if not ok:
+            self.failures += 1
+            logger.warning("publishing the peer record was not accepted by any DHT node (attempt failures: %d)", self.failures)
+        return ok
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="record-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def period_s(self) -> float:
+        return self.ttl_s / 3
+
+    def beat(self) -> bool:
+        """One heartbeat: publish, and on any error log it whole and carry on (the next beat retries)."""
+        try:
+            return self.publish()
+        except Exception:  # a DHT hiccup must not end the heartbeat; the record survives until its TTL
+            self.failures += 1
+            logger.exception("heartbeat failed; retrying in %.1f s", self.period_s)
+            return False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.beat()
+
+    def leave(self) -> bool:
+        """Stop the heartbeat and publish a tombstone (state ``left``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.store_timeout_s)
+        return self.publish(tombstone(self.record, get_dht_time()), ttl_s=self.tombstone_ttl_s)
+
+
+# ---------------------------------------------------------------- split swarm (hivemind #624)
+
+
+@dataclass(frozen=True)
+class SplitReport:
+    known: int
+    """Peers known from the initial peers and live records."""
+    missing: tuple[str, ...]
+    """Of those, the ones absent from our routing table before healing."""
+    healed: tuple[str, ...]
+    """Of the missing, the ones that answered a ping (now in our routing table)."""
+
+    @property
+    def split_suspected(self) -> bool:
+        return bool(self.missing)
+
+
+async def _ping_missing(_dht: DHT, node: Any, peers: Sequence[tuple[str, Sequence[str]]]) -> tuple[list[str], list[str]]:
+    """(runs inside the DHT process) ping every known peer that is not in our routing table."""
+    missing, healed = [], []
+    for pid_text, maddrs in peers:
+        pid = PeerID.from_base58(pid_text)
+        if pid == node.peer_id or pid in node.protocol.routing_table:
+            continue
+        missing.append(pid_text)
+        try:
+            if maddrs:
+                await node.p2p._client.connect(pid, [Multiaddr(m) for m in maddrs])  # no public API for this
+        except Exception as e:
+            logger.debug("could not dial %s: %s", pid_text, e)
+        if await node.protocol.call_ping(pid) is not None:
+            healed.append(pid_text)
+    return missing, healed
+
+
+def check_split(dht: DHT, snapshot: SwarmSnapshot, initial_peers: Iterable[PeerAddress]) -> SplitReport:
+    """Compare what the records say exists with our routing table; ping whoever is missing.
+
+    hivemind #624: peers given the same initial peers sometimes form two DHTs. Each side then sees
+    only its own records. Every peer we know of (initial peers, addresses in live records) that is
+    not in our routing table is dialled and pinged, which merges the tables (the ping adds us to
+    theirs too). Run after joining and then every few heartbeats.
+    """
+    peers: dict[str, list[str]] = {}
+    for a in initial_peers:
+        if a.peer_id is not None:
+            peers.setdefault(a.peer_id, []).append(a.text.split("/p2p/")[0])
+    for v in snapshot.views:
+        if v.status == "live" and isinstance(v.record, PeerRecord):
+            peers.setdefault(v.peer_id, []).extend(m.split("/p2p/")[0] for m in v.record.addresses)
+    missing, healed = dht.run_coroutine(_AsyncPing(tuple((k, tuple(v)) for k, v in peers.items())))
+    report = SplitReport(len(peers), tuple(missing), tuple(healed))
+    if report.missing:
+        logger.warning("split swarm suspected: %d of %d known peers were not in our routing table; healed %d",
+                       len(missing), len(peers), len(healed))
+    return report
+
+
+@dataclass(frozen=True)
+class _AsyncPing:
+    """Picklable callable for ``DHT.run_coroutine`` (lambdas and closures are not)."""
+
+    peers: tuple[tuple[str, tuple[str, ...]], ...]
+
+    async def __call__(self, dht: DHT, node: Any) -> tuple[list[str], list[str]]:
+        return await _ping_missing(dht, node, self.peers)
+
+
+# ---------------------------------------------------------------- clock skew (doctor)
+
+
+@dataclass(frozen=True)
+class _AsyncSkew:
+    """Ping peers with the DHT's ``validate`` ping and return (peer id, skew s or None, error)."""
+
+    peers: tuple[tuple[str, tuple[str, ...]], ...]
+    timeout_s: float = 3.0
+
+    async def __call__(self, _dht: DHT, node: Any) -> list[tuple[str, float | None, str]]:
+        from hivemind.proto import dht_pb2
+
+        out: list[tuple[str, float | None, str]] = []
+        for pid_text, maddrs in self.peers:
+            pid = PeerID.from_base58(pid_text)
+            try:
+                if maddrs:
+                    await node.p2p._client.connect(pid, [Multiaddr(m) for m in maddrs])
+                request = dht_pb2.PingRequest(peer=node.protocol.node_info, validate=False)
+                t0 = get_dht_time()
+                response = await asyncio.wait_for(node.protocol.get_stub(pid).rpc_ping(request), self.timeout_s)
+                t1 = get_dht_time()
+            except Exception as e:
+                out.append((pid_text, None, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+                continue
+            if response is None or not response.dht_time:
+                out.append((pid_text, None, "no answer (swarm key mismatch?)"))
+            else:
+                out.append((pid_text, response.dht_time - (t0 + t1) / 2, ""))
+        return out
+
+
+def measure_clock_skew(dht: DHT, peers: dict[str, list[str]], timeout_s: float = 3.0) -> list[tuple[str, float | None, str]]:
+    """Clock offset (their DHT time minus ours, seconds) to each peer, from one ping each."""
+    return dht.run_coroutine(_AsyncSkew(tuple((k, tuple(v)) for k, v in peers.items()), timeout_s))
+
+
+__all__ = [
+    "JoinError", "SwarmKeyError", "SwarmOptions", "SwarmKeyAuthorizer", "write_swarm_key", "read_swarm_key",
+    "swarm_key_fingerprint", "start_dht", "visible_addresses", "read_swarm", "SwarmSnapshot", "Membership",
+    "members_of", "RecordPublisher", "check_split", "SplitReport", "measure_clock_skew", "owner_subkey",
+    "owner_peer_id", "tcp_probe", "explain_join_failure",
+]

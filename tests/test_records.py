@@ -1,0 +1,212 @@
+"""Peer records: wire format, the schema + signature every node enforces, and the pure decisions
+(compatibility, live/left/foreign classification with a fake clock, join check, summary)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from p2p_diloco.records import (
+    INDEX_KEY,
+    IndexEntry,
+    LocalRun,
+    PeerRecord,
+    adopt_majority,
+    check_join,
+    classify,
+    is_compatible,
+    merge_index,
+    run_key,
+    summarize,
+    tombstone,
+)
+
+LOCAL = LocalRun("run-a", 1, "hash-a", "0.1.0")
+NOW = 1_000_000.0
+
+
+def rec(name: str, **kw: Any) -> PeerRecord:
+    base = dict(run_id="run-a", protocol_version=1, config_hash="hash-a", software_version="0.1.0",
+                peer_id=f"Qm{name}", name=name, state="training", time=NOW - 1, tokens=100, tokens_per_s=10.0,
+                fragment_versions=(3, 3))
+    base.update(kw)
+    return PeerRecord(**base)
+
+
+# ---------------------------------------------------------------- wire format
+
+
+def test_wire_roundtrip_and_nan_loss() -> None:
+    r = rec("a", loss=2.5, addresses=("/ip4/127.0.0.1/tcp/1/p2p/Qma",), last_sync_time=5.0)
+    assert PeerRecord.from_wire(r.to_wire()) == r
+    wire = rec("a", loss=float("nan")).to_wire()
+    assert wire["loss"] is None  # NaN != NaN would make every node reject the record
+    assert all(not isinstance(k, int) for k in wire)
+
+
+@pytest.mark.parametrize("change", [
+    {"tokens": 1.0}, {"tokens": "1"}, {"tokens": -1}, {"tokens_per_s": 1}, {"state": "bogus"},
+    {"fragment_versions": ["1"]}, {"fragment_versions": {0: 1}}, {"name": "x" * 65}, {"extra": 1},
+    {"loss": float("inf")}, {"ttl_s": 0.0},
+])
+def test_from_wire_is_strict(change: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="invalid peer record"):
+        PeerRecord.from_wire({**rec("a").to_wire(), **change})
+
+
+# ---------------------------------------------------------------- compatibility and classification
+
+
+def test_is_compatible_reasons() -> None:
+    assert is_compatible(rec("a"), LOCAL) == (True, "")
+    ok, why = is_compatible(rec("a", config_hash="hash-b"), LOCAL)
+    assert not ok and "config hash differs: theirs hash-b, ours hash-a" in why
+    ok, why = is_compatible(rec("a", protocol_version=2), LOCAL)
+    assert not ok and "protocol version differs" in why
+    ok, why = is_compatible(rec("a", run_id="run-b"), LOCAL)
+    assert not ok and "run id differs" in why
+    ok, why = is_compatible(rec("a", software_version="0.2.0"), LOCAL)
+    assert ok and "software version differs" in why
+
+
+def test_classify_with_fake_clock() -> None:
+    entries = [
+        (rec("live"), NOW + 2),
+        (tombstone(rec("gone"), NOW - 0.5), NOW + 600),
+        (rec("alien", config_hash="hash-b"), NOW + 2),
+        (rec("stale"), NOW - 0.1),  # a cache may return it after its expiration
+    ]
+    views = {v.record.name: v for v in classify(entries, LOCAL, NOW)}
+    assert {n: v.status for n, v in views.items()} == {"live": "live", "gone": "left", "alien": "foreign",
+                                                      "stale": "expired"}
+    assert "config hash differs" in views["alien"].reason
+    # the same records a few seconds later: the live one expired (kill -9: no refresh)
+    later = {v.record.name: v.status for v in classify(entries, LOCAL, NOW + 3)}
+    assert later["live"] == "expired" and later["gone"] == "left"
+
+
+def test_classify_keeps_newest_record_per_peer() -> None:
+    old, new = rec("a", time=NOW - 10, tokens=1), rec("a", time=NOW - 1, tokens=2)
+    [view] = classify([(new, NOW + 5), (old, NOW + 5)], LOCAL, NOW)
+    assert view.record.tokens == 2
+
+
+def test_merge_index_adds_other_runs_as_foreign() -> None:
+    views = classify([(rec("a"), NOW + 5)], LOCAL, NOW)
+    index = classify([(IndexEntry.of(rec("a")), NOW + 5), (IndexEntry.of(rec("b", run_id="run-b")), NOW + 5)],
+                     LOCAL, NOW)
+    merged = merge_index(views, index)
+    assert [(v.record.name, v.status, type(v.record).__name__) for v in merged] == [
+        ("a", "live", "PeerRecord"), ("b", "foreign", "IndexEntry")]
+
+
+def test_check_join() -> None:
+    me = LOCAL
+    alone = classify([], me, NOW)
+    assert check_join(alone, me, "Qmme") == (True, "")
+    others = classify([(rec("a", config_hash="hash-b"), NOW + 5), (rec("b", config_hash="hash-b"), NOW + 5)], me, NOW)
+    ok, why = check_join(others, me, "Qmme")
+    assert not ok
+    assert why == ("refused by run 'run-a': config hash differs: ours hash-a, the run's hash-b (2 of 2 live peers); "
+                   "start with the run's config (same --config/--set as its peers) or choose another run.run_id")
+    ok, why = check_join(classify([(rec("a", protocol_version=2), NOW + 5)], me, NOW), me, "Qmme")
+    assert not ok and "protocol version differs: ours 1, the run's 2" in why
+    # one compatible live peer is enough; departed and other-run peers do not count
+    mixed = classify([(rec("a", config_hash="hash-b"), NOW + 5), (rec("b"), NOW + 5)], me, NOW)
+    assert check_join(mixed, me, "Qmme")[0]
+    gone = classify([(tombstone(rec("a", config_hash="hash-b"), NOW), NOW + 600)], me, NOW)
+    assert check_join(gone, me, "Qmme")[0]
+    other_run = classify([(IndexEntry.of(rec("a", run_id="run-b")), NOW + 5)], me, NOW)
+    assert check_join(other_run, me, "Qmme")[0]
+    # our own (previous) record does not vote
+    assert check_join(classify([(rec("me", config_hash="hash-b"), NOW + 5)], me, NOW), me, "Qmme")[0]
+
+
+def test_adopt_majority_for_observers() -> None:
+    observer = LocalRun("run-a", 1, "", "0.1.0")
+    records = [rec("a", config_hash="x"), rec("b", config_hash="x"), rec("c", config_hash="y")]
+    assert adopt_majority(observer, records).config_hash == "x"
+    assert adopt_majority(LOCAL, records) is LOCAL
+    assert adopt_majority(observer, []) is observer
+
+
+def test_summarize() -> None:
+    entries = [
+        (rec("a", fragment_versions=(3, 4), tokens=100, tokens_per_s=10.0), NOW + 5),
+        (rec("b", fragment_versions=(3, 3), tokens=50, tokens_per_s=5.0, state="averaging"), NOW + 5),
+        (rec("c", fragment_versions=(3, 4), tokens=10, tokens_per_s=1.0), NOW + 5),
+        (tombstone(rec("d"), NOW - 2), NOW + 600),
+        (rec("e", config_hash="hash-b"), NOW + 5),
+    ]
+    s = summarize(classify(entries, LOCAL, NOW), "run-a")
+    assert (s.live, s.tokens, s.tokens_per_s) == (3, 160, 16.0)
+    assert [(f.top_version, f.agreeing, f.versions) for f in s.fragments] == [
+        (3, 3, {"3": 3}), (4, 2, {"3": 1, "4": 2})]
+    assert s.consensus is False
+    assert s.states == {"training": 2, "averaging": 1}
+    assert s.left == (("d", "Qmd", NOW - 2),)
+    assert [name for name, _, _ in s.foreign] == ["e"]
+    empty = summarize([], "run-a")
+    assert empty.live == 0 and empty.consensus is True and empty.fragments == ()
+
+
+def test_keys() -> None:
+    assert run_key("run-a") == "p2p-diloco.run.run-a_peers"
+    assert INDEX_KEY == "p2p-diloco_runs"
+
+
+# ---------------------------------------------------------------- what every DHT node enforces (no network)
+
+
+@pytest.fixture(scope="module")
+def dht_tools() -> dict[str, Any]:
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import CompositeValidator, DHTRecord
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.records import OWNER_MARKER_RE, peer_schemas
+
+    assert OWNER_MARKER_RE.pattern.replace(b"^", b"").replace(b"$", b"") == RSASignatureValidator.PUBLIC_KEY_REGEX
+    return dict(RSASignatureValidator=RSASignatureValidator, ser=DHTProtocol.serializer, DHTID=DHTID,
+                CompositeValidator=CompositeValidator, DHTRecord=DHTRecord, RSAPrivateKey=RSAPrivateKey,
+                peer_schemas=peer_schemas)
+
+
+def _signed(t: dict[str, Any], signer_key: Any, owner_key: Any, key: str, value: Any) -> Any:
+    """A DHT record for ``key`` under ``owner_key``'s subkey, signed (as far as possible) by ``signer_key``."""
+    owner = t["RSASignatureValidator"](owner_key).local_public_key
+    record = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(owner),
+                            value=t["ser"].dumps(value), expiration_time=NOW + 30)
+    signer = t["RSASignatureValidator"](signer_key)
+    if signer_key is owner_key:
+        return replace(record, value=signer.sign_value(record))
+    # a forger signs with its own key (sign_value would refuse to sign someone else's subkey)
+    signature = signer_key.sign(signer._serialize_record(record))
+    return replace(record, value=record.value + b"[signature:" + signature + b"]")
+
+
+def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, Any]) -> None:
+    t = dht_tools
+    alice, mallory = t["RSAPrivateKey"](), t["RSAPrivateKey"]()
+    node = t["CompositeValidator"]([t["RSASignatureValidator"](t["RSAPrivateKey"]()), *t["peer_schemas"]("run-a")])
+    good = rec("alice").to_wire()
+    key = run_key("run-a")
+
+    assert node.validate(_signed(t, alice, alice, key, good))
+    assert node.validate(_signed(t, alice, alice, INDEX_KEY, IndexEntry.of(rec("alice")).to_wire()))
+    # another peer's subkey: signed by the wrong key, or not signed at all
+    assert not node.validate(_signed(t, mallory, alice, key, good))
+    unsigned = _signed(t, alice, alice, key, good)
+    assert not node.validate(replace(unsigned, value=t["ser"].dumps(good)))
+    # the owner's own subkey but wrong types / unknown state / extra field / bad subkey shape
+    for bad in ({**good, "tokens": "lots"}, {**good, "tokens_per_s": 1}, {**good, "state": "hacking"},
+                {**good, "admin": True}, "not a dict"):
+        assert not node.validate(_signed(t, mallory, mallory, key, bad)), bad
+    assert not node.validate(_signed(t, mallory, mallory, INDEX_KEY, {**IndexEntry.of(rec("m")).to_wire(), "time": 1}))
+    plain_subkey = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(b"mallory"),
+                                  value=t["ser"].dumps(good), expiration_time=NOW + 30)
+    assert not node.validate(plain_subkey)

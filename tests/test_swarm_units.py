@@ -1,0 +1,126 @@
+"""Identity files, swarm keys, the shared-secret authorizer and join-failure messages (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.addresses import parse_initial_peers
+from p2p_diloco.identity import load_or_create_identity, peer_id_from_public_key
+
+
+def test_identity_created_0600_and_stable(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "peer.id"
+    first = load_or_create_identity(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = load_or_create_identity(path)
+    assert again.peer_id == first.peer_id and again.key_der == first.key_der
+    assert first.peer_id.startswith("Qm")  # RSA identity: same key signs records
+    from p2p_diloco.swarm import owner_peer_id, owner_subkey
+
+    assert owner_peer_id(owner_subkey(first.private_key())) == first.peer_id
+    assert owner_peer_id(b"[owner:garbage]") is None and owner_peer_id(b"plain") is None
+
+
+def test_identity_refuses_open_permissions_and_garbage(tmp_path: Path) -> None:
+    path = tmp_path / "peer.id"
+    load_or_create_identity(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="readable by others.*chmod 600"):
+        load_or_create_identity(path)
+    junk = tmp_path / "junk.id"
+    junk.write_bytes(b"\xff\x00 not a key")
+    os.chmod(junk, 0o600)
+    with pytest.raises(ValueError, match="is not a p2p-diloco/libp2p RSA key"):
+        load_or_create_identity(junk)
+
+
+def test_peer_id_from_public_key_matches_libp2p(tmp_path: Path) -> None:
+    from hivemind.p2p import PeerID
+
+    identity = load_or_create_identity(tmp_path / "peer.id")
+    assert PeerID.from_identity(identity.path.read_bytes()).to_base58() == identity.peer_id
+    public = identity.private_key().get_public_key().to_bytes()
+    assert peer_id_from_public_key(public) == identity.peer_id
+
+
+def test_swarm_key_file(tmp_path: Path) -> None:
+    from p2p_diloco.swarm import read_swarm_key, swarm_key_fingerprint, write_swarm_key
+
+    path = tmp_path / "swarm.secret"
+    fingerprint = write_swarm_key(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    secret = read_swarm_key(path)
+    assert len(secret) == 32 and swarm_key_fingerprint(secret) == fingerprint
+    with pytest.raises(ValueError, match="already exists"):
+        write_swarm_key(path)
+    with pytest.raises(ValueError, match="file not found.*keygen"):
+        read_swarm_key(tmp_path / "missing")
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        read_swarm_key(path)
+    bad = tmp_path / "bad.secret"
+    bad.write_text("zz\n")
+    os.chmod(bad, 0o600)
+    with pytest.raises(ValueError, match="not a swarm key"):
+        read_swarm_key(bad)
+
+
+def test_authorizer_tokens_need_the_same_secret() -> None:
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.swarm import SwarmKeyAuthorizer
+
+    a = SwarmKeyAuthorizer(b"1" * 32, RSAPrivateKey())
+    b = SwarmKeyAuthorizer(b"1" * 32, RSAPrivateKey())
+    outsider = SwarmKeyAuthorizer(b"2" * 32, RSAPrivateKey())
+    token = asyncio.run(a.get_token())
+    assert b.is_token_valid(token) and a.is_token_valid(token)
+    assert not outsider.is_token_valid(token)
+    forged = type(token)()
+    forged.CopyFrom(token)
+    forged.expiration_time = repr(float(token.expiration_time) + 1e6)  # extend it: the MAC no longer matches
+    assert not b.is_token_valid(forged)
+    assert not a.does_token_need_refreshing(token)
+
+
+def test_join_failure_messages_are_one_line() -> None:
+    from p2p_diloco.swarm import JoinError, SwarmKeyError, SwarmOptions, explain_join_failure
+
+    addr = "/ip4/127.0.0.1/tcp/1/p2p/QmRSLzsXh75eE8qsybQkfgAz4wHaSjHTB4uqrbmtMnpVY1"
+    opts = SwarmOptions(initial_peers=parse_initial_peers([addr]))
+    e = explain_join_failure(RuntimeError("Daemon failed to start: 2026/11/29 failed to connect to bootstrap peers"), opts)
+    assert type(e) is JoinError and addr in str(e) and "Connection refused" in str(e) and "\n" not in str(e)
+    e = explain_join_failure(RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping."), opts)
+    assert isinstance(e, SwarmKeyError) and "swarm key mismatch" in str(e) and "\n" not in str(e)
+    e = explain_join_failure(TimeoutError(), opts)
+    assert "could not join within 10 s" in str(e)
+
+
+def test_status_rendering_plain_and_json() -> None:
+    import json
+
+    from p2p_diloco.records import LocalRun, PeerRecord, classify, tombstone
+    from p2p_diloco.swarm import SwarmSnapshot
+    from p2p_diloco.swarm_cli import _render_rich, render_plain, snapshot_json
+
+    local = LocalRun("run-a", 1, "h", "0.1.0")
+    now = 1000.0
+    live = PeerRecord("run-a", 1, "h", "0.1.0", "QmLive1234", "alpha", state="training", inner_step=7, tokens=512,
+                      tokens_per_s=64.0, fragment_versions=(2, 2), loss=3.25, time=now - 1)
+    left = tombstone(PeerRecord("run-a", 1, "h", "0.1.0", "QmLeft5678", "beta", time=now - 30), now - 20)
+    alien = PeerRecord("run-a", 1, "other", "0.1.0", "QmAlien999", "gamma", time=now - 1)
+    views = classify([(live, now + 20), (left, now + 500), (alien, now + 20)], local, now)
+    snap = SwarmSnapshot(now, local, tuple(views), {"run-a": 2, "run-b": 1})
+    data = json.loads(json.dumps(snapshot_json(snap, {"import": 1.0})))
+    assert data["summary"]["live"] == 1 and data["runs"] == {"run-a": 2, "run-b": 1}
+    text = render_plain(data)
+    assert "alpha" in text and "training" in text and "3.250" in text and "2,2" in text
+    assert "left: beta (Left5678) 20s ago" in text
+    assert "foreign: gamma" in text and "config hash differs" in text
+    assert "other runs in this DHT: run-b (1 peers)" in text
+    assert _render_rich(data) is not None
