@@ -38,7 +38,18 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     result = sim.run_from_config(cfg, mode=args.mode, data_path=args.data, progress=not args.quiet)
-    print(json.dumps(result.summary(), indent=2))
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    saved = summary["bytes_saved_vs_dp_fp32"]
+    print(f"mode {summary['mode']}: {summary['learners']} learner(s), {summary['tokens']:,} tokens, "
+          f"{summary['wall_s']:.0f} s")
+    print(f"held-out eval loss: {summary['final_eval_loss']:.4f} nats/byte "
+          f"(untrained {result.curve[0]['eval_loss']:.2f})")
+    if args.mode == "diloco":
+        print(f"rounds: {summary['rounds']} ({summary['empty_rounds']} with nobody due); "
+              f"bytes sent {summary['bytes_sent'] / 1e6:.2f} MB = {saved:.0f}x fewer than fp32 data-parallel")
     return 0
 
 
@@ -63,11 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "single: one learner alone")
     p.add_argument("--data", metavar="PATH", help="text file or folder (overrides data.path)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--json", action="store_true", help="print the full result (with the eval-loss curve) as JSON")
     p.set_defaults(handler=cmd_sim)
 
     from p2p_diloco import swarm_cli  # stdlib-only at import: --help stays fast
 
     swarm_cli.add_parsers(sub)
+    from p2p_diloco import learner_cli  # stdlib-only at import, like swarm_cli
+    learner_cli.add_parsers(sub)
     return parser
 
 

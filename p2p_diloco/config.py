@@ -76,6 +76,8 @@ class OuterConfig:
     lr: float = _f(0.7, "Outer Nesterov learning rate.")
     momentum: float = _f(0.9, "Outer Nesterov momentum.")
     sync_every: int = _f(25, "H: inner steps between two syncs of the same fragment.")
+    sync_every_start: int = _f(0, "H at step 0 when the sync period ramps up (0 = no ramp: always sync_every).")
+    sync_ramp_steps: int = _f(0, "Inner steps over which H ramps linearly from sync_every_start to sync_every.")
     fragments: int = _f(4, "F: number of model fragments synced on a staggered schedule.")
     overlap: int = _f(1, "tau: inner steps between sending a pseudo-gradient and applying its result.")
     alpha: float = _f(0.5, "Share of the local weights kept when the merged anchor arrives (0 = take the anchor).")
@@ -83,6 +85,8 @@ class OuterConfig:
     error_feedback: bool = _f(False, "Carry each round's quantization error into the next round.")
     merge: str = _f("radial", "How pseudo-gradients are merged: mean or radial (radial-directional).")
     weighting: str = _f("tokens", "Contribution weight: uniform, tokens, or tokens2 (tokens^2/steps).")
+    final_average: bool = _f(False, "The last sync sets each anchor to the weighted average of the learners' weights "
+                             "(no outer step: stale Nesterov momentum would overshoot at the end of the schedule).")
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,28 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class AveragingConfig:
+    """How a networked learner meets its peers for each fragment's all-reduce (all times in seconds)."""
+
+    min_group_size: int = _f(2, "Fewest peers (self included) that make a round; 1 would let a lone peer 'average' with itself.")
+    target_group_size: int = _f(0, "A group forms at once when this many peers are in (0 = no cap: wait out the window).")
+    window_s: float = _f(2.0, "Initial matchmaking window: how long the first peer of a round waits for the others.")
+    window_min_s: float = _f(1.0, "Lower bound of the adaptive matchmaking window.")
+    window_max_s: float = _f(10.0, "Upper bound of the adaptive matchmaking window.")
+    request_timeout_s: float = _f(0.5, "hivemind request_timeout: how long a join request waits for a leader's answer.")
+    allreduce_timeout_s: float = _f(30.0, "Upper bound on one all-reduce once its group has formed.")
+    next_chunk_timeout_s: float = _f(5.0, "A sender silent this long mid-all-reduce is dropped (its reducers wait 2x).")
+    round_timeout_s: float = _f(30.0, "Upper bound on a whole round (matchmaking + all-reduce) before it counts as failed.")
+    commit_timeout_s: float = _f(3.0, "After an all-reduce, how long members wait for each other's verdicts; a round "
+                                 "commits only if every member reported success in time.")
+    state_timeout_s: float = _f(15.0, "Upper bound on downloading a fragment's anchor and outer state from a peer.")
+    shutdown_timeout_s: float = _f(5.0, "How long an averager process may take to shut down.")
+    sync_period_s: float = _f(0.0, "Swarm-clock schedule: fragment f is due every sync_period_s of DHT time, offset by "
+                              "f/F of a period (0 = due by the learner's own step count, outer.sync_every).")
+    record_ttl_s: float = _f(10.0, "Lifetime of the learner's peer record; republished every ttl/3.")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -100,6 +126,7 @@ class Config:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -259,12 +286,19 @@ def validate(cfg: Config) -> None:
     _require(o.lr > 0, "outer.lr", f"must be > 0, got {o.lr}")
     _require(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")
     _require(o.sync_every >= 1, "outer.sync_every", f"must be >= 1, got {o.sync_every}")
+    _require(0 <= o.sync_every_start <= o.sync_every, "outer.sync_every_start",
+             f"must be in [0, outer.sync_every={o.sync_every}], got {o.sync_every_start}")
+    _require(o.sync_ramp_steps >= 0, "outer.sync_ramp_steps", f"must be >= 0, got {o.sync_ramp_steps}")
+    _require(o.sync_ramp_steps == 0 or o.sync_every_start >= 1, "outer.sync_every_start",
+             "must be >= 1 when outer.sync_ramp_steps is set")
     _require(1 <= o.fragments <= m.n_layer, "outer.fragments",
              f"must be in [1, model.n_layer={m.n_layer}] (a fragment holds at least one block), got {o.fragments}")
     _require(o.fragments <= o.sync_every, "outer.fragments",
              f"must be <= outer.sync_every={o.sync_every} so each fragment gets its own offset, got {o.fragments}")
     _require(0 <= o.overlap < o.sync_every, "outer.overlap",
              f"tau must be in [0, outer.sync_every={o.sync_every}), got {o.overlap}")
+    _require(o.overlap < max(1, o.sync_every_start or o.sync_every), "outer.overlap",
+             f"tau must be below the shortest sync period ({o.sync_every_start or o.sync_every}), got {o.overlap}")
     _require(0.0 <= o.alpha < 1.0, "outer.alpha", f"must be in [0, 1), got {o.alpha}")
     _require(o.codec in CODECS, "outer.codec", f"must be one of {', '.join(CODECS)}, got {o.codec!r}")
     _require(o.merge in MERGES, "outer.merge", f"must be one of {', '.join(MERGES)}, got {o.merge!r}")
@@ -275,6 +309,30 @@ def validate(cfg: Config) -> None:
              f"must list one speed per learner (sim.learners={s.learners}), got {len(s.speeds)}")
     _require(all(0 < v <= 1 for v in s.speeds), "sim.speeds", f"each speed must be in (0, 1], got {list(s.speeds)}")
     _require(0.0 <= s.drop_prob < 1.0, "sim.drop_prob", f"must be in [0, 1), got {s.drop_prob}")
+    a = cfg.averaging
+    _require(a.min_group_size >= 1, "averaging.min_group_size", f"must be >= 1, got {a.min_group_size}")
+    _require(a.target_group_size == 0 or a.target_group_size >= a.min_group_size, "averaging.target_group_size",
+             f"must be 0 or >= averaging.min_group_size={a.min_group_size}, got {a.target_group_size}")
+    _require(a.request_timeout_s > 0, "averaging.request_timeout_s", f"must be > 0, got {a.request_timeout_s}")
+    _require(a.window_min_s > a.request_timeout_s, "averaging.window_min_s",
+             f"must exceed averaging.request_timeout_s={a.request_timeout_s} (hivemind deadlocks otherwise), "
+             f"got {a.window_min_s}")
+    _require(a.window_min_s <= a.window_s <= a.window_max_s, "averaging.window_s",
+             f"must be in [averaging.window_min_s={a.window_min_s}, averaging.window_max_s={a.window_max_s}], "
+             f"got {a.window_s}")
+    _require(a.next_chunk_timeout_s > 0, "averaging.next_chunk_timeout_s", f"must be > 0, got {a.next_chunk_timeout_s}")
+    _require(a.allreduce_timeout_s > 2 * a.next_chunk_timeout_s, "averaging.allreduce_timeout_s",
+             f"must exceed 2 x averaging.next_chunk_timeout_s={a.next_chunk_timeout_s} (the reducer timeout), "
+             f"got {a.allreduce_timeout_s}")
+    _require(a.round_timeout_s > a.window_max_s, "averaging.round_timeout_s",
+             f"must exceed averaging.window_max_s={a.window_max_s}, got {a.round_timeout_s}")
+    _require(a.state_timeout_s > 0, "averaging.state_timeout_s", f"must be > 0, got {a.state_timeout_s}")
+    _require(a.commit_timeout_s > 0, "averaging.commit_timeout_s", f"must be > 0, got {a.commit_timeout_s}")
+    _require(a.shutdown_timeout_s > 0, "averaging.shutdown_timeout_s", f"must be > 0, got {a.shutdown_timeout_s}")
+    _require(a.sync_period_s == 0 or a.sync_period_s > a.window_max_s, "averaging.sync_period_s",
+             f"must be 0 or exceed averaging.window_max_s={a.window_max_s} (a round must fit in a period), "
+             f"got {a.sync_period_s}")
+    _require(a.record_ttl_s > 0, "averaging.record_ttl_s", f"must be > 0, got {a.record_ttl_s}")
 
 
 def render(cfg: Config) -> str:

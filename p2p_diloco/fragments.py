@@ -11,10 +11,12 @@ Everything here is a pure function of parameter names and sizes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+_EPS = 1e-9
 _BLOCK_RE = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")
 
 
@@ -23,7 +25,6 @@ class Fragment:
     index: int
     names: tuple[str, ...]
     numel: int
-    offset: int  # inner step (mod H) at which this fragment is due
 
 
 def block_index(name: str) -> int | None:
@@ -57,23 +58,59 @@ def partition(sizes: Mapping[str, int], num_fragments: int) -> list[list[str]]:
     return [sorted(g, key=order.__getitem__) for g in groups]
 
 
-def offsets(num_fragments: int, sync_every: int) -> list[int]:
-    """Staggered offsets: fragment f is due when ``step % H == offsets[f]`` (evenly spread over H)."""
-    return [(f * sync_every) // num_fragments for f in range(num_fragments)]
-
-
-def make_fragments(sizes: Mapping[str, int], num_fragments: int, sync_every: int) -> list[Fragment]:
+def make_fragments(sizes: Mapping[str, int], num_fragments: int) -> list[Fragment]:
     groups = partition(sizes, num_fragments)
-    offs = offsets(num_fragments, sync_every)
-    return [Fragment(i, tuple(g), sum(sizes[n] for n in g), offs[i]) for i, g in enumerate(groups)]
+    return [Fragment(i, tuple(g), sum(sizes[n] for n in g)) for i, g in enumerate(groups)]
 
 
-def due_fragments(step: int, fragments: Sequence[Fragment], sync_every: int) -> list[int]:
-    """Fragments due after inner step ``step`` (1-based count of completed steps).
+@dataclass(frozen=True)
+class SyncSchedule:
+    """When each fragment is due, as a pure function of the inner step (or of the swarm clock in steps).
 
-    The first sync of fragment f happens after ``H + offset_f`` steps, so every fragment has at
-    least H steps of local progress the first time; thereafter every H steps.
+    The sync period ramps linearly from ``start_every`` to ``sync_every`` over ``ramp_steps``, then stays:
+    learners drift apart fastest early in training, so early syncs buy the most quality per byte.
+    The *phase* ``phi(t) = sum over s < t of 1 / H(s)`` counts elapsed periods; fragment f is due
+    whenever ``phi - f / F`` crosses an integer >= 1, so fragments are evenly staggered over each
+    period and every fragment has at least one full period of progress at its first sync.
     """
-    if step < sync_every:
-        return []
-    return [fr.index for fr in fragments if step % sync_every == fr.offset]
+
+    num_fragments: int
+    sync_every: int
+    start_every: int = 0  # 0: no ramp
+    ramp_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_fragments < 1 or self.sync_every < 1:
+            raise ValueError(f"need num_fragments >= 1 and sync_every >= 1, got {self.num_fragments}, {self.sync_every}")
+        if self.start_every < 0 or self.start_every > self.sync_every or self.ramp_steps < 0:
+            raise ValueError(f"need 0 <= start_every <= sync_every and ramp_steps >= 0, got {self}")
+
+    def period(self, step: float) -> float:
+        """H at (fractional) step ``step``."""
+        h0 = self.start_every or self.sync_every
+        if self.ramp_steps == 0 or step >= self.ramp_steps:
+            return float(self.sync_every)
+        return h0 + (self.sync_every - h0) * step / self.ramp_steps
+
+    def phase(self, step: float) -> float:
+        """Periods elapsed after ``step`` steps (closed form of the sum for a linear ramp)."""
+        h0, h = self.start_every or self.sync_every, self.sync_every
+        if self.ramp_steps == 0 or h0 == h:
+            return step / h
+        w = self.ramp_steps
+        ramp = min(step, w)
+        phi = w / (h - h0) * math.log(self.period(ramp) / h0)
+        return phi + max(0.0, step - w) / h
+
+    def due(self, step: int) -> list[int]:
+        """Fragments due after inner step ``step`` (1-based count of completed steps)."""
+        if step < 1:
+            return []
+        now, before = self.phase(step), self.phase(step - 1)
+        out = []
+        for f in range(self.num_fragments):
+            shift = f / self.num_fragments
+            k_now, k_before = math.floor(now - shift + _EPS), math.floor(before - shift + _EPS)
+            if k_now > k_before and k_now >= 1:
+                out.append(f)
+        return out

@@ -9,8 +9,8 @@ network and how tests pin the maths.
 
 Time is counted in *ticks* of the swarm clock: a learner of speed s does s inner steps per tick
 on average, so slower learners bring fewer tokens to the same round (weighting by progress),
-exactly as with the DHT-clock schedule of the networked learner. Fragment f is due at ticks
-``T >= H`` with ``T % H == offset_f``; the merged result is applied ``tau`` ticks later.
+exactly as with the DHT-clock schedule of the networked learner. Fragments are due on the
+staggered :class:`~p2p_diloco.fragments.SyncSchedule`; a merged result is applied ``tau`` ticks later.
 
 Protocol rules reproduced here:
 - participants of a round alpha-mix the new anchor into their weights; live learners that were
@@ -35,20 +35,13 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from p2p_diloco import compression, data, fragments, outer
+from p2p_diloco.inner import build_optimizer, lr_at, train_step  # noqa: F401  (lr_at re-exported)
 from p2p_diloco.config import Config
 from p2p_diloco.model import build_model
 
 log = logging.getLogger(__name__)
 
 MODES = ("diloco", "data-parallel", "single")
-
-
-def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> float:
-    """Linear warm-up then cosine decay to ``min_ratio * peak`` (step is 0-based)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass(frozen=True)
@@ -116,8 +109,7 @@ class _Learner:
         self.error_feedback = compression.ErrorFeedback(cfg.outer.codec) if cfg.outer.error_feedback else None
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        i = self.cfg.inner
-        return torch.optim.AdamW(self.model.parameters(), lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
+        return build_optimizer(self.model, self.cfg.inner)
 
     def reset_from(self, anchor: dict[str, torch.Tensor]) -> None:
         """(Re)join: take the current anchors, a fresh inner optimizer, no unsynced progress."""
@@ -137,17 +129,8 @@ class _Learner:
             self.step()
 
     def step(self) -> None:
-        i = self.cfg.inner
-        lr = lr_at(self.steps, self.total_steps, i.warmup_steps, i.lr, i.min_lr_ratio)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
         x, y = next(self.batches)
-        _, loss = self.model(x, y)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if i.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), i.grad_clip)
-        self.opt.step()
+        train_step(self.model, self.opt, (x, y), self.steps, self.total_steps, self.cfg.inner)
         self.steps += 1
         n = x.numel()
         self.tokens += n
@@ -176,7 +159,8 @@ class Simulator:
         self.global_model = build_model(cfg.model, cfg.run.seed)
         self.anchor = {n: p.detach() for n, p in self.global_model.named_parameters()}
         sizes = {n: p.numel() for n, p in self.anchor.items()}
-        self.fragments = fragments.make_fragments(sizes, o.fragments, o.sync_every)
+        self.fragments = fragments.make_fragments(sizes, o.fragments)
+        self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
         self.outer_states = [outer.OuterState() for _ in self.fragments]
         self.learners = [_Learner(i, cfg, splits.shards[i], speeds[i], max(1, round(self.ticks * speeds[i])))
                          for i in range(k)]
@@ -184,7 +168,7 @@ class Simulator:
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
         self.eval_every = max(1, self.ticks // eval_points)
         self.rng = random.Random(cfg.run.seed)
-        self.pending: list[tuple[int, int, dict[str, torch.Tensor], list[int]]] = []
+        self.pending: list[tuple[int, int, dict[str, torch.Tensor], list[int], bool]] = []
         self.result = SimResult(mode="diloco", learners=k)
         self.n_params = sum(sizes.values())
 
@@ -224,18 +208,23 @@ class Simulator:
             return
         merged = self._merge_round(f, members)
         apply_at = tick if final else tick + self.cfg.outer.overlap
-        self.pending.append((apply_at, f, merged, [m.idx for m in members]))
+        plain = final and self.cfg.outer.final_average
+        self.pending.append((apply_at, f, merged, [m.idx for m in members], plain))
 
     def _apply_due(self, tick: int) -> None:
         o = self.cfg.outer
         due = [p for p in self.pending if p[0] <= tick]
         self.pending = [p for p in self.pending if p[0] > tick]
-        for _, f, merged, member_ids in due:
+        for _, f, merged, member_ids, plain in due:
             names = self.fragments[f].names
             old = {n: self.anchor[n].clone() for n in names}
             with torch.no_grad():
                 frag_anchor = {n: self.anchor[n] for n in names}
-                outer.nesterov_step(frag_anchor, merged, self.outer_states[f], o.lr, o.momentum)
+                if plain:  # anchor <- anchor - mean delta = the weighted average of the members' weights
+                    outer.nesterov_step(frag_anchor, merged, outer.OuterState(), lr=1.0, momentum=0.0)
+                    self.outer_states[f].version += 1
+                else:
+                    outer.nesterov_step(frag_anchor, merged, self.outer_states[f], o.lr, o.momentum)
                 for m in self.learners:
                     if not m.alive:
                         continue
@@ -264,7 +253,6 @@ class Simulator:
 
     def run(self, progress: bool = False) -> SimResult:
         t0 = time.monotonic()
-        H = self.cfg.outer.sync_every
         self._evaluate()
         for tick in range(1, self.ticks + 1):
             self._handle_events(tick)
@@ -272,7 +260,7 @@ class Simulator:
                 if m.alive:
                     m.tick()
             self._apply_due(tick)  # results of rounds sent tau ticks ago
-            for f in fragments.due_fragments(tick, self.fragments, H):
+            for f in self.schedule.due(tick):
                 self._start_round(f, tick)
             self._apply_due(tick)  # tau = 0: apply at once
             if tick % self.eval_every == 0 and tick < self.ticks:
@@ -310,7 +298,7 @@ def run_reference(cfg: Config, splits: data.Splits, mode: str, eval_points: int 
     batch = i.batch_size * k if mode == "data-parallel" else i.batch_size
     stream = splits.train if mode == "data-parallel" else splits.shards[0]
     model = build_model(cfg.model, cfg.run.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=i.lr, betas=(i.beta1, i.beta2), weight_decay=i.weight_decay)
+    opt = build_optimizer(model, i)
     # "single" sees exactly learner 0's batches, so DiLoCo with one learner, outer lr 1 and no
     # momentum reproduces it bit for bit (a test pins this)
     seed = cfg.run.seed * 1000 + (999 if mode == "data-parallel" else 0)
@@ -321,15 +309,8 @@ def run_reference(cfg: Config, splits: data.Splits, mode: str, eval_points: int 
     tokens = 0
     result.curve.append({"tokens": 0, "eval_loss": data.evaluate(model, eval_set)})
     for step in range(i.total_steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, i.total_steps, i.warmup_steps, i.lr, i.min_lr_ratio)
         x, y = next(it)
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if i.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
-        opt.step()
+        train_step(model, opt, (x, y), step, i.total_steps, i)
         tokens += x.numel()
         if (step + 1) % every == 0 or step + 1 == i.total_steps:
             result.curve.append({"tokens": tokens, "eval_loss": data.evaluate(model, eval_set)})

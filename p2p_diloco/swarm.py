@@ -38,6 +38,7 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2p_diloco import procguard
 from p2p_diloco.addresses import PeerAddress, host_multiaddr
 from p2p_diloco.identity import (  # noqa: F401  (swarm key file helpers re-exported)
     Identity,
@@ -232,6 +233,7 @@ def start_dht(opts: SwarmOptions, run_id: str, *, private_key: RSAPrivateKey | N
         kwargs["check_if_identity_free"] = opts.check_identity_free
     if opts.swarm_key is not None:
         kwargs["authorizer"] = SwarmKeyAuthorizer(opts.swarm_key, private_key)
+    procguard.install()  # the DHT process and its p2pd must not outlive us, even after kill -9
     t0 = time.monotonic()
     dht = DHT(
         initial_peers=[a.text for a in opts.initial_peers] or None,

@@ -12,15 +12,16 @@ every run, so ``status`` lists other runs sharing the DHT and shows their peers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     from p2p_diloco.records import LocalRun
@@ -215,66 +216,98 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- heartbeat (stand-in member)
 
 
-def cmd_heartbeat(args: argparse.Namespace) -> int:
-    _setup_logging(args.verbose)
-    from p2p_diloco.config import load_config
-    from p2p_diloco.records import LocalRun, PeerRecord, check_join
+@dataclass(frozen=True)
+class Joined:
+    """A peer that joined a run: its DHT, its record publisher, and what it saw when joining."""
 
-    if args.ttl_s <= 0:
-        raise ValueError(f"--ttl: must be > 0 s, got {args.ttl_s}")
-    cfg = load_config(args.config, args.overrides)
-    local = LocalRun.from_config(cfg)
+    dht: Any
+    publisher: Any
+    opts: "SwarmOptions"
+    snapshot: "SwarmSnapshot"
+    peer_id: str
+    name: str
+    private_key: Any
+
+
+@contextlib.contextmanager
+def joined_run(args: argparse.Namespace, local: "LocalRun", num_fragments: int, *, ttl_s: float,
+               state: str = "idle", profile: str = "") -> Iterator[Joined]:
+    """Join ``local``'s run as a member (shared by ``heartbeat`` and the learner's ``join``).
+
+    Starts the DHT (a fresh private identity unless ``--identity``), refuses to go on if the run's
+    live peers disagree with our config hash or protocol (:func:`records.check_join`), publishes our
+    first record and prints the ``joined run`` line. On exit the DHT is shut down; a graceful
+    leave (tombstone) is the caller's ``joined.publisher.leave()``.
+    """
+    from p2p_diloco.records import PeerRecord, check_join
+
     opts = _swarm_options(args, client_mode=False)
-    from p2p_diloco.swarm import RecordPublisher, check_split, read_swarm, start_dht, visible_addresses
+    from p2p_diloco.swarm import RecordPublisher, read_swarm, start_dht, visible_addresses
 
     ephemeral = opts.identity is None
     if ephemeral:  # no --identity: a fresh key, written to a private temp file so libp2p uses it too
         opts = _ephemeral_identity(opts)
     assert opts.identity is not None
     key = opts.identity.private_key()
-    with _StopOnSignal() as stop:
-        try:
-            dht = start_dht(opts, local.run_id, private_key=key)
-        except BaseException:
-            if ephemeral:
-                _remove_ephemeral(opts)
-            raise
-        try:
-            peer_id = dht.peer_id.to_base58()
-            snapshot = read_swarm(dht, local)
-            ok, reason = check_join(snapshot.views, local, peer_id)
-            if not ok:
-                raise ValueError(reason)
-            name = args.name or f"peer-{peer_id[-6:]}"
-            record = PeerRecord(
-                run_id=local.run_id, protocol_version=local.protocol_version, config_hash=local.config_hash,
-                software_version=local.software_version, peer_id=peer_id, name=name, profile=args.profile,
-                addresses=tuple(visible_addresses(dht)), state="idle", fragment_versions=(0,) * cfg.outer.fragments,
-            )
-            publisher = RecordPublisher(dht, key, record, ttl_s=args.ttl_s)
-            if not publisher.publish():
-                raise ValueError("could not publish our peer record: no DHT node accepted it (see the log above)")
-            for v in snapshot.views:
-                if v.status == "foreign":
-                    _out(f"note: foreign peer {v.record.name} ({v.peer_id}): {v.reason}")
-            _out(f"joined run {local.run_id} as {name} ({peer_id}); config hash {local.config_hash}; "
-                 f"{len(snapshot.live())} other live peers; heartbeat every {args.ttl_s / 3:.1f} s, ttl {args.ttl_s:g} s")
-            split_every = max(1, int(args.split_check_every))
-            beats = 0
-            while not stop.event.wait(publisher.period_s):
-                publisher.beat()
-                beats += 1
-                if beats % split_every == 0:
-                    report = check_split(dht, read_swarm(dht, local), opts.initial_peers)
-                    if report.missing:
-                        _out(f"warning: split swarm suspected: {len(report.missing)} known peers were not in our routing "
-                             f"table; re-joined {len(report.healed)}")
-            ok = publisher.leave()
-            _out(f"left run {local.run_id} ({stop.signal_name}); tombstone {'published' if ok else 'NOT accepted'}")
-        finally:
-            dht.shutdown()
-            if ephemeral:
-                _remove_ephemeral(opts)
+    try:
+        dht = start_dht(opts, local.run_id, private_key=key)
+    except BaseException:
+        if ephemeral:
+            _remove_ephemeral(opts)
+        raise
+    try:
+        peer_id = dht.peer_id.to_base58()
+        snapshot = read_swarm(dht, local)
+        ok, reason = check_join(snapshot.views, local, peer_id)
+        if not ok:
+            raise ValueError(reason)
+        name = args.name or f"peer-{peer_id[-6:]}"
+        record = PeerRecord(
+            run_id=local.run_id, protocol_version=local.protocol_version, config_hash=local.config_hash,
+            software_version=local.software_version, peer_id=peer_id, name=name, profile=profile,
+            addresses=tuple(visible_addresses(dht)), state=state, fragment_versions=(0,) * num_fragments,
+        )
+        publisher = RecordPublisher(dht, key, record, ttl_s=ttl_s)
+        if not publisher.publish():
+            raise ValueError("could not publish our peer record: no DHT node accepted it (see the log above)")
+        for v in snapshot.views:
+            if v.status == "foreign":
+                _out(f"note: foreign peer {v.record.name} ({v.peer_id}): {v.reason}")
+        _out(f"joined run {local.run_id} as {name} ({peer_id}); config hash {local.config_hash}; "
+             f"{len(snapshot.live())} other live peers; heartbeat every {ttl_s / 3:.1f} s, ttl {ttl_s:g} s")
+        yield Joined(dht, publisher, opts, snapshot, peer_id, name, key)
+    finally:
+        dht.shutdown()
+        if ephemeral:
+            _remove_ephemeral(opts)
+
+
+def cmd_heartbeat(args: argparse.Namespace) -> int:
+    _setup_logging(args.verbose)
+    from p2p_diloco.config import load_config
+    from p2p_diloco.records import LocalRun
+
+    if args.ttl_s <= 0:
+        raise ValueError(f"--ttl: must be > 0 s, got {args.ttl_s}")
+    cfg = load_config(args.config, args.overrides)
+    local = LocalRun.from_config(cfg)
+    with _StopOnSignal() as stop, joined_run(args, local, cfg.outer.fragments, ttl_s=args.ttl_s,
+                                             profile=args.profile) as joined:
+        from p2p_diloco.swarm import check_split, read_swarm
+
+        publisher = joined.publisher
+        split_every = max(1, int(args.split_check_every))
+        beats = 0
+        while not stop.event.wait(publisher.period_s):
+            publisher.beat()
+            beats += 1
+            if beats % split_every == 0:
+                report = check_split(joined.dht, read_swarm(joined.dht, local), joined.opts.initial_peers)
+                if report.missing:
+                    _out(f"warning: split swarm suspected: {len(report.missing)} known peers were not in our routing "
+                         f"table; re-joined {len(report.healed)}")
+        ok = publisher.leave()
+        _out(f"left run {local.run_id} ({stop.signal_name}); tombstone {'published' if ok else 'NOT accepted'}")
     return 0
 
 

@@ -58,6 +58,7 @@ def grid(decoupled_h: int) -> list[Run]:
         runs.append(Run(f"decoupled H={decoupled_h}", budget, "diloco", (*DECOUPLED, f"outer.sync_every={decoupled_h}"),
                         headline=True))
         runs.append(Run("DiLoCo H=25 fp32", budget, "diloco", (*DILOCO, "outer.sync_every=25")))
+        runs.append(Run("decoupled H=64", budget, "diloco", (*DECOUPLED, "outer.sync_every=64")))
     short = "short"
     runs += [
         Run("DiLoCo H=10 fp32", short, "diloco", (*DILOCO, "outer.sync_every=10")),
@@ -69,7 +70,8 @@ def grid(decoupled_h: int) -> list[Run]:
             (*DECOUPLED, f"outer.sync_every={decoupled_h}", "outer.codec=fp32")),
         Run(f"decoupled H={decoupled_h} hetero 1x/0.5x", short, "diloco",
             (*DECOUPLED, f"outer.sync_every={decoupled_h}", "sim.speeds=[1.0, 1.0, 0.5, 0.5]")),
-        Run("decoupled H=50", short, "diloco", (*DECOUPLED, "outer.sync_every=50")),
+        Run(f"decoupled H={decoupled_h} ramp from H=2", short, "diloco",
+            (*DECOUPLED, f"outer.sync_every={decoupled_h}", "outer.sync_every_start=2", "outer.sync_ramp_steps=100")),
     ]
     return runs
 
@@ -184,12 +186,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 5), squeeze=False)
     for ax, budget in zip(axes[0], budgets):
         for r in sorted((r for r in results if r["budget"] == budget), key=lambda r: r["name"]):
-            xs = [p["tokens"] / 1e6 for p in r["curve"]]
+            per_step = r["tokens"] / r["total_steps"]  # tokens per (nominal) inner step, all learners together
+            xs = [p["tokens"] / per_step for p in r["curve"]]
             ys = [p["eval_loss"] for p in r["curve"]]
             style = "-" if r["name"] in ("data-parallel", "single") or r["headline"] else "--"
             ax.plot(xs, ys, style, label=f"{r['name']} ({r['final_eval_loss']:.3f})", linewidth=2 if r["headline"] else 1)
-        ax.set_title(f"{budget} budget: eval loss vs tokens (all learners)")
-        ax.set_xlabel("tokens (M)")
+        ax.set_title(f"{budget} budget: held-out loss of the global model")
+        ax.set_xlabel("inner steps per learner (single: 1/4 of the tokens of the others)")
         ax.set_ylabel("held-out loss (nats/byte)")
         ax.set_ylim(top=3.0)
         ax.grid(alpha=0.3)
@@ -208,8 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decoupled-h", type=int, default=32, help="H of the decoupled default (default: 32)")
     p.add_argument("--only", action="append", default=[], help="run only methods whose name contains this (repeatable)")
     p.add_argument("--budget", choices=list(BUDGETS), help="run only this budget")
-    p.add_argument("--quick", action="store_true", help="40 steps per run: checks the pipeline, not the numbers")
+    p.add_argument("--quick", action="store_true", help="1/15 of the steps: checks the pipeline, not the numbers")
+    p.add_argument("--replot", action="store_true", help="rewrite parity.md and parity.png from --out/parity.json")
     args = p.parse_args(argv)
+    if args.replot:
+        payload = json.loads((Path(args.out) / "parity.json").read_text())
+        (Path(args.out) / "parity.md").write_text(markdown(analyse(payload["results"])))
+        plot(payload["results"], Path(args.out) / "parity.png")
+        return 0
 
     runs = grid(args.decoupled_h)
     if args.only:

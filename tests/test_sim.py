@@ -88,3 +88,19 @@ def test_dropped_contributions_are_kept_for_the_next_round(tiny: Config, splits:
 def test_unknown_event_kind(tiny: Config, splits: data.Splits) -> None:
     with pytest.raises(ValueError, match="unknown event kind"):
         sim.run(tiny, splits, "diloco", events=[sim.Event(3, 0, "explode")])
+
+
+def test_cli_sim_reports_json() -> None:
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "sim", "--config", str(ROOT / "configs" / "tiny.toml"),
+                        "--set", "inner.total_steps=12", "--set", "inner.warmup_steps=2", "--set", "outer.sync_every=5",
+                        "--quiet", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "diloco" and out["rounds"] > 0 and out["final_eval_loss"] < out["curve"][0]["eval_loss"]
+    bad = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "sim", "--data", "/nonexistent/corpus"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr

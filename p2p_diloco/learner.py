@@ -1,0 +1,521 @@
+"""The learner unit: inner AdamW steps on its own shard, fragments averaged in the background.
+
+Decoupled DiLoCo (arXiv 2604.21428) without its syncer. The loop below reads top to bottom:
+
+1. one inner AdamW step on this learner's shard (padded to the profile's speed);
+2. which fragments are due (by our step count, or by the swarm's DHT clock);
+3. hand each due fragment's encoded pseudo-gradient ``anchor - theta`` to its averager -- a
+   background round, never waited for;
+4. apply what came back: a committed round moves the anchor by the outer Nesterov step and is
+   alpha-mixed into the weights at least ``outer.overlap`` (tau) steps after it was sent; a
+   discarded round changes nothing (the pseudo-gradient is still measured against the unchanged
+   anchor and goes out again at the next round);
+5. catch up: a fragment whose anchor the swarm has moved past (a newer version in the peer
+   records) is downloaded from a peer that has it and our progress is *rebased* onto it,
+   ``theta <- new_anchor + (theta - old_anchor)``, so no local work is lost;
+6. publish our record (step, tokens, speed, versions, bytes, loss) from a background thread.
+
+The time the loop spends on 3-5 (copies, outer steps; never network waits) is measured as
+*blocked* time. At the end every fragment with unsynced progress gets a final round, then the
+learner lingers until the live peers agree on the fragment versions, and prints one ``final``
+JSON line (anchor hashes, eval loss of the anchors before and after, rounds, blocked time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import threading
+import time
+import tomllib
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from p2p_diloco import data, fragments, outer
+from p2p_diloco.averaging import (
+    Contribution, FetchedState, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, clock_boundary,
+    due_by_clock, state_payload,
+)
+from p2p_diloco.config import Config, config_hash
+from p2p_diloco.model import build_model
+from p2p_diloco.inner import build_optimizer, train_step
+
+logger = logging.getLogger(__name__)
+
+START_MARGIN_S = 2.0
+"""How far ahead a learner proposes the common start (covers DHT propagation of the proposals)."""
+LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
+"""Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
+
+
+# ---------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A kind of machine (``peers/NAME.toml``): how fast this learner steps and how many threads it uses."""
+
+    name: str = "default"
+    slowdown: float = 1.0
+    """Each inner step takes this many times its natural time (the rest is slept): 3.0 = a 3x slower machine."""
+    min_step_s: float = 0.0
+    """Pad every inner step to at least this many seconds before ``slowdown`` (a steady pace for tests)."""
+    threads: int = 0
+    """torch threads; 0 = one (several learners share a machine; more would measure thread thrashing)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or self.slowdown < 1.0 or self.min_step_s < 0 or self.threads < 0:
+            raise ValueError(f"profile needs a name, slowdown >= 1, min_step_s >= 0, threads >= 0; got {self}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{p}: profile not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{p}: not valid TOML ({e})") from None
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{p}: unknown profile key(s) {sorted(unknown)} (known: {sorted(known)})")
+        return cls(**{k: (float(v) if k in ("slowdown", "min_step_s") and isinstance(v, int) else v)
+                      for k, v in raw.items()})
+
+
+@dataclass(frozen=True)
+class LearnerOptions:
+    """Per-learner choices that are not part of the run's config (they do not change its hash)."""
+
+    name: str
+    shard: int
+    num_shards: int
+    max_steps: int
+    """Inner steps this learner runs (the LR schedule still spans ``inner.total_steps``)."""
+    max_time_s: float = 0.0
+    """Stop training after this many seconds (0 = no limit)."""
+    events_path: Path | None = None
+    wait_peers: int = 0
+    """Wait until this many learners (us included) are live before the first step."""
+    wait_peers_timeout_s: float = 120.0
+    linger_s: float = 20.0
+    """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
+    status_period_s: float = 1.0
+    """How often the background thread publishes our record and reads the swarm."""
+
+
+# ---------------------------------------------------------------- per-fragment state
+
+
+@dataclass
+class FragmentSlot:
+    """The learner's view of one fragment: its anchor, outer state, progress, and what is in flight."""
+
+    index: int
+    names: tuple[str, ...]
+    anchor: dict[str, torch.Tensor]
+    state: outer.OuterState = field(default_factory=outer.OuterState)
+    anchor_hash: str = ""
+    since_tokens: int = 0
+    since_steps: int = 0
+    inflight: Future | None = None
+    inflight_kind: str = ""  # "round" or "fetch"
+    sent_step: int = 0
+    sent_tokens: int = 0
+    sent_steps: int = 0
+    committed: int = 0
+    discarded: int = 0
+    resynced: int = 0
+    busy_skips: int = 0
+    last_fetch_try: float = -math.inf
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+
+# ---------------------------------------------------------------- the learner
+
+
+class Learner:
+    """One learner unit on a joined swarm (see the module docstring for the loop)."""
+
+    def __init__(self, cfg: Config, profile: Profile, opts: LearnerOptions, joined: Any, local: Any,
+                 membership: Any = None) -> None:
+        for key, value in (("outer.error_feedback", cfg.outer.error_feedback), ("outer.final_average", cfg.outer.final_average)):
+            if value:  # the simulator has them; silently ignoring them would make the runs differ
+                raise ValueError(f"{key} = true is not supported by the networked learner yet (simulator only)")
+        torch.set_num_threads(profile.threads or 1)
+        self.cfg, self.profile, self.opts, self.joined, self.local = cfg, profile, opts, joined, local
+        i, o = cfg.inner, cfg.outer
+        corpus = data.load_corpus(cfg.data)
+        splits = data.split_corpus(corpus, opts.num_shards, cfg.data.eval_fraction)
+        self.batches = data.batches(splits.shards[opts.shard], i.batch_size, cfg.model.block_size,
+                                    seed=cfg.run.seed * 1000 + opts.shard)
+        self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size,
+                                          cfg.model.block_size)
+        self.model = build_model(cfg.model, cfg.run.seed)
+        self.params = dict(self.model.named_parameters())
+        self.opt = build_optimizer(self.model, i)
+        sizes = {n: p.numel() for n, p in self.params.items()}
+        self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
+        self.slots: list[FragmentSlot] = []
+        for frag in fragments.make_fragments(sizes, o.fragments):
+            anchor = {n: self.params[n].detach().clone() for n in frag.names}
+            self.slots.append(FragmentSlot(frag.index, frag.names, anchor, anchor_hash=anchor_hash(anchor)))
+        shapes = {n: p.shape for n, p in self.params.items()}
+        self.averaging = [FragmentAveraging(cfg, s.index, s.names, shapes, joined.dht, joined.private_key,
+                                            membership=membership,
+                                            state_provider=self._state_provider(s)) for s in self.slots]
+        self.step = self.tokens = 0
+        self.loss: float | None = None
+        self.spreads: list[float] = []
+        self.window_s = cfg.averaging.window_s
+        self.blocked_s = self.stepping_s = 0.0
+        self.t_start = time.monotonic()
+        self.peer_versions: list[list[int]] = []  # fragment versions of the other live learners
+        self.peer_states: list[str] = []
+        self.live_learners = 1
+        self._events = opts.events_path.open("a") if opts.events_path else None
+        self._stop_status = threading.Event()
+        self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
+        self._last_clock = self._dht_time()
+
+    # -------------------------------------------------------------- the loop
+
+    def run(self, stop: threading.Event) -> dict[str, Any]:
+        self._status_thread.start()
+        self.wait_for_peers(stop)
+        eval_start = self.evaluate_anchors()
+        self._set_state("training")
+        self.t_start = time.monotonic()
+        self._last_clock = self._dht_time()  # boundaries passed while waiting for peers are not due
+        while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time():
+            self.loss = self.inner_step()
+            with self.blocked():
+                for f in self.due_fragments():
+                    self.hand_off(self.slots[f])
+                self.collect(min_age_steps=self.cfg.outer.overlap)
+                self.catch_up()
+        train_s = time.monotonic() - self.t_start
+        self.finish(stop)
+        return self.summary(eval_start, self.evaluate_anchors(), train_s)
+
+    def inner_step(self) -> float:
+        """One AdamW step on our shard, padded to the profile's pace."""
+        t0 = time.monotonic()
+        x, y = next(self.batches)
+        loss = train_step(self.model, self.opt, (x, y), self.step, self.cfg.inner.total_steps, self.cfg.inner)
+        self.step += 1
+        self.tokens += x.numel()
+        for s in self.slots:
+            s.since_tokens += x.numel()
+            s.since_steps += 1
+        natural = time.monotonic() - t0
+        pace = max(natural, self.profile.min_step_s) * self.profile.slowdown
+        if pace > natural:
+            time.sleep(pace - natural)  # a slower machine, emulated
+        self.stepping_s += time.monotonic() - t0
+        return loss
+
+    def due_fragments(self) -> list[int]:
+        """Fragments due now: on the swarm clock if ``averaging.sync_period_s`` is set, else by our step count."""
+        period = self.cfg.averaging.sync_period_s
+        if period <= 0:
+            return self.schedule.due(self.step)
+        now = self._dht_time()
+        due = due_by_clock(self._last_clock, now, period, len(self.slots))
+        self._last_clock = now
+        return due
+
+    def hand_off(self, slot: FragmentSlot) -> None:
+        """Start a background round with this fragment's pseudo-gradient (never waits for it)."""
+        if slot.inflight is not None:
+            slot.busy_skips += 1
+            logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the next "
+                        "round", slot.index, self.step, slot.inflight_kind)
+            return
+        o, a = self.cfg.outer, self.cfg.averaging
+        with torch.no_grad():
+            delta = {n: slot.anchor[n] - self.params[n].detach() for n in slot.names}
+        sent, norms = outer.encode_contribution(delta, o.merge)
+        now = self._dht_time()
+        if a.sync_period_s > 0:  # everyone due at this boundary starts at the same instant
+            scheduled = clock_boundary(now, a.sync_period_s, slot.index, len(self.slots)) + self.window_s
+            scheduled = max(scheduled, now + a.request_timeout_s)
+        else:
+            scheduled = now + self.window_s
+        meta = RoundMeta(fragment=slot.index, version=slot.version, anchor=slot.anchor_hash, config=self.local.config_hash,
+                         tokens=slot.since_tokens, steps=slot.since_steps,
+                         weight=outer.contribution_weight(slot.since_tokens, slot.since_steps, o.weighting),
+                         due=now, norms=norms)
+        slot.sent_step, slot.sent_tokens, slot.sent_steps = self.step, slot.since_tokens, slot.since_steps
+        slot.inflight = self.averaging[slot.index].start_round(Contribution(meta, sent, scheduled, self.window_s))
+        slot.inflight_kind = "round"
+
+    def collect(self, min_age_steps: int) -> None:
+        """Apply finished rounds at least ``min_age_steps`` after they were sent, and finished downloads."""
+        for slot in self.slots:
+            fut = slot.inflight
+            if fut is None or not fut.done():
+                continue
+            if slot.inflight_kind == "round":
+                outcome: RoundOutcome = fut.result()
+                if outcome.committed and self.step - slot.sent_step < min_age_steps:
+                    continue  # tau: the result is mixed in a few steps after it was sent
+                slot.inflight = None
+                self.apply_round(slot, outcome)
+            else:
+                slot.inflight = None
+                try:
+                    fetched = fut.result()
+                except Exception as e:  # a failed download changes nothing; we retry later
+                    self._event({"event": "resync", "fragment": slot.index, "outcome": "failed",
+                                 "reason": f"{type(e).__name__}: {e}"[:300]})
+                    logger.warning("fragment %d: state download failed: %s: %s", slot.index, type(e).__name__, e)
+                    continue
+                self.apply_fetched(slot, fetched)
+
+    def apply_round(self, slot: FragmentSlot, outcome: RoundOutcome) -> None:
+        """Commit: outer Nesterov step on the anchor, alpha-mix into the weights. Discard: nothing changes."""
+        o = self.cfg.outer
+        if outcome.committed:
+            assert outcome.merged is not None
+            with slot.lock, torch.no_grad():
+                outer.nesterov_step(slot.anchor, outcome.merged, slot.state, o.lr, o.momentum)
+                outer.alpha_mix({n: self.params[n] for n in slot.names}, slot.anchor, o.alpha)
+                slot.anchor_hash = anchor_hash(slot.anchor)
+            slot.since_tokens -= slot.sent_tokens  # what went out is in the anchor now
+            slot.since_steps -= slot.sent_steps
+            slot.committed += 1
+            self.averaging[slot.index].set_version(slot.version)
+            if math.isfinite(outcome.arrival_spread_s):
+                self.spreads.append(outcome.arrival_spread_s)
+                self.window_s = adapt_window(self.spreads, self.cfg.averaging)
+        else:
+            slot.discarded += 1
+        self._event({"event": "round", **outcome.event(), "anchor_hash": slot.anchor_hash,
+                     "version_after": slot.version})
+        logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
+                    outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
+                    outcome.own_share, outcome.bytes_sent, outcome.bytes_received, outcome.duration_s, outcome.reason)
+
+    def catch_up(self) -> None:
+        """Download fragments whose anchor the swarm has moved past (newer version in a live peer's record)."""
+        now = time.monotonic()
+        for slot in self.slots:
+            newest = max((v[slot.index] for v in self.peer_versions if len(v) > slot.index), default=0)
+            if slot.inflight is not None or newest <= slot.version or now - slot.last_fetch_try < 2.0:
+                continue
+            slot.last_fetch_try = now
+            logger.info("fragment %d: we are at v%d, a peer is at v%d: fetching its anchor", slot.index, slot.version,
+                        newest)
+            slot.inflight = self.averaging[slot.index].fetch_state(min_version=newest)
+            slot.inflight_kind = "fetch"
+
+    def apply_fetched(self, slot: FragmentSlot, fetched: FetchedState | None) -> None:
+        """Rebase our progress onto a downloaded anchor: ``theta <- new + (theta - old)``."""
+        if fetched is None or fetched.version <= slot.version:
+            self._event({"event": "resync", "fragment": slot.index, "outcome": "nothing newer",
+                         "version": slot.version})
+            return
+        with slot.lock, torch.no_grad():
+            outer.rebase({n: self.params[n] for n in slot.names}, slot.anchor, fetched.anchor)
+            old = slot.version
+            slot.anchor = fetched.anchor
+            slot.state = outer.OuterState(momentum=fetched.momentum, version=fetched.version)
+            slot.anchor_hash = fetched.anchor_hash
+        slot.resynced += 1
+        self.averaging[slot.index].set_version(slot.version)
+        self._event({"event": "resync", "fragment": slot.index, "outcome": "rebased", "version": old,
+                     "version_after": slot.version, "anchor_hash": slot.anchor_hash})
+        logger.info("fragment %d: rebased from v%d onto v%d (%s)", slot.index, old, slot.version, slot.anchor_hash)
+
+    # -------------------------------------------------------------- the end
+
+    def finish(self, stop: threading.Event) -> None:
+        """Final rounds for every fragment with unsynced progress, then linger until peers agree."""
+        self._set_state("syncing")
+        self.drain()
+        if not stop.is_set():
+            for slot in self.slots:
+                if slot.since_steps > 0:
+                    self.hand_off(slot)
+            self.drain()
+        self._set_state("leaving")
+        deadline = time.monotonic() + self.opts.linger_s
+        while time.monotonic() < deadline and not stop.is_set():
+            self.catch_up()
+            self.drain()
+            if self._peers_settled():
+                break
+            time.sleep(0.25)
+        time.sleep(min(1.0, self.opts.status_period_s))  # let peers still fetching from us finish
+
+    def drain(self) -> None:
+        """Wait for everything in flight and apply it (only at the end: training has stopped)."""
+        while any(s.inflight is not None for s in self.slots):
+            for s in self.slots:
+                if s.inflight is not None:
+                    with contextlib.suppress(TimeoutError):  # wait in slices; collect() below applies it
+                        s.inflight.result(timeout=0.2)
+            self.collect(min_age_steps=0)
+
+    def _peers_settled(self) -> bool:
+        ours = [s.version for s in self.slots]
+        return all(state == "leaving" for state in self.peer_states) and all(
+            list(v) == ours for v in self.peer_versions)
+
+    # -------------------------------------------------------------- reporting
+
+    @contextlib.contextmanager
+    def blocked(self) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.blocked_s += time.monotonic() - t0
+
+    def evaluate_anchors(self) -> float:
+        """Eval loss of the global model (the anchors), not of our local replica."""
+        model = build_model(self.cfg.model, self.cfg.run.seed)
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for s in self.slots:
+                with s.lock:
+                    for n in s.names:
+                        params[n].copy_(s.anchor[n])
+        return data.evaluate(model, self.eval_set)
+
+    def summary(self, eval_start: float, eval_end: float, train_s: float) -> dict[str, Any]:
+        sent = sum(a.bytes_total()[0] for a in self.averaging)
+        received = sum(a.bytes_total()[1] for a in self.averaging)
+        return {
+            "name": self.opts.name, "peer_id": self.joined.peer_id, "config_hash": config_hash(self.cfg),
+            "steps": self.step, "tokens": self.tokens, "versions": [s.version for s in self.slots],
+            "anchor_hashes": [s.anchor_hash for s in self.slots],
+            "committed": [s.committed for s in self.slots], "discarded": [s.discarded for s in self.slots],
+            "resynced": [s.resynced for s in self.slots], "busy_skips": [s.busy_skips for s in self.slots],
+            "eval_loss_start": eval_start, "eval_loss_end": eval_end,
+            "train_s": round(train_s, 3), "stepping_s": round(self.stepping_s, 3), "blocked_s": round(self.blocked_s, 4),
+            "blocked_share": self.blocked_s / train_s if train_s > 0 else 0.0,
+            "utilization": self.stepping_s / train_s if train_s > 0 else 0.0,
+            "bytes_sent": sent, "bytes_received": received, "window_s": round(self.window_s, 3),
+        }
+
+    def _event(self, record: dict[str, Any]) -> None:
+        if self._events is None:
+            return
+        record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), **record}
+        self._events.write(json.dumps(record) + "\n")
+        self._events.flush()
+
+    # -------------------------------------------------------------- background: record + swarm view
+
+    def _status_loop(self) -> None:
+        """Publish our record and read the others' every ``status_period_s`` (DHT calls never block the loop)."""
+        from p2p_diloco.records import PeerRecord
+        from p2p_diloco.swarm import read_swarm
+
+        publisher = self.joined.publisher
+        last_tokens, last_t = 0, time.monotonic()
+        while not self._stop_status.wait(self.opts.status_period_s):
+            now = time.monotonic()
+            tokens_per_s = max(0.0, (self.tokens - last_tokens) / max(1e-6, now - last_t))
+            last_tokens, last_t = self.tokens, now
+            sent = sum(a.bytes_total()[0] for a in self.averaging)
+            received = sum(a.bytes_total()[1] for a in self.averaging)
+            publisher.update(inner_step=self.step, tokens=self.tokens, tokens_per_s=tokens_per_s,
+                             fragment_versions=tuple(s.version for s in self.slots), bytes_sent=sent,
+                             bytes_received=received,
+                             loss=self.loss if self.loss is not None and math.isfinite(self.loss) else None)
+            publisher.beat()
+            try:
+                snapshot = read_swarm(self.joined.dht, self.local)
+            except Exception:  # a DHT hiccup: keep the last view, log it whole, try again next period
+                logger.exception("reading the swarm failed")
+                continue
+            others = [v.record for v in snapshot.live()
+                      if isinstance(v.record, PeerRecord) and v.peer_id != self.joined.peer_id
+                      and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == len(self.slots)]
+            self.peer_versions = [list(r.fragment_versions) for r in others]
+            self.peer_states = [r.state for r in others]
+            self.live_learners = 1 + len(others)
+
+    def wait_for_peers(self, stop: threading.Event) -> None:
+        """Start together: wait until ``wait_peers`` learners (us included) are live, then agree on a start
+        instant. Each learner proposes ``now + START_MARGIN_S`` (DHT time, signed subkey) and all start at
+        the latest of the first ``wait_peers`` proposals -- the same instant for everyone, which keeps
+        step-count schedules in phase (seeing the records at different moments would not)."""
+        from p2p_diloco.averaging import start_instant
+        from p2p_diloco.swarm import owner_peer_id, owner_subkey
+
+        n = self.opts.wait_peers
+        if n <= 1:
+            return
+        deadline = time.monotonic() + self.opts.wait_peers_timeout_s
+
+        def check_deadline(what: str) -> None:
+            if stop.is_set() or time.monotonic() > deadline:
+                raise ValueError(f"{what} within {self.opts.wait_peers_timeout_s:.0f} s (--wait-peers {n})")
+
+        while self.live_learners < n:
+            check_deadline(f"only {self.live_learners} of {n} learners came up")
+            time.sleep(0.1)
+        key = f"{self.local.run_id}_start_barrier"
+        now = self._dht_time()
+        self.joined.dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60,
+                              subkey=owner_subkey(self.joined.private_key))
+        while True:
+            found = self.joined.dht.get(key, latest=True)
+            proposals: dict[str, float] = {}
+            if found is not None and isinstance(found.value, dict):
+                for subkey, item in found.value.items():
+                    pid = owner_peer_id(subkey)
+                    if pid is not None and isinstance(item.value, (int, float)) and math.isfinite(item.value):
+                        proposals[pid] = float(item.value)
+            start = start_instant(proposals, n)
+            if start is not None:
+                break
+            check_deadline(f"only {len(proposals)} of {n} learners proposed a start")
+            time.sleep(0.1)
+        wait_s = start - self._dht_time()
+        logger.info("%d learners ready; starting together in %.2f s", n, wait_s)
+        if wait_s > 0:
+            stop.wait(wait_s)
+
+    def _set_state(self, state: str) -> None:
+        self.joined.publisher.update(state=state)
+
+    def _state_provider(self, slot: FragmentSlot) -> Any:
+        def provide() -> tuple[dict[str, Any], list[torch.Tensor]]:
+            with slot.lock:
+                return state_payload(slot.index, slot.version, slot.anchor, slot.state.momentum, slot.names)
+        return provide
+
+    def _out_of_time(self) -> bool:
+        return self.opts.max_time_s > 0 and time.monotonic() - self.t_start > self.opts.max_time_s
+
+    @staticmethod
+    def _dht_time() -> float:
+        from hivemind.utils import get_dht_time
+
+        return get_dht_time()
+
+    def close(self) -> None:
+        self._stop_status.set()
+        self._status_thread.join(timeout=5)
+        for a in self.averaging:
+            a.shutdown()
+        if self._events is not None:
+            self._events.close()
+
+

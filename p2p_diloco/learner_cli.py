@@ -1,0 +1,86 @@
+"""``p2p-diloco join``: run a learner unit in a swarm (inner steps + background fragment averaging).
+
+Only the standard library is imported here; torch and hivemind load when the command runs, so
+``p2p-diloco --help`` stays fast. Joining, the compatibility check (config hash, protocol) and the
+graceful leave are the swarm commands' own (:func:`p2p_diloco.swarm_cli.joined_run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.swarm_cli import _StopOnSignal, _add_config_args, _add_network_args, _out, _setup_logging, joined_run
+
+logger = logging.getLogger(__name__)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    _setup_logging(args.verbose)
+    logging.getLogger("p2p_diloco.learner").setLevel(logging.INFO)  # one line per round, even without -v
+    from p2p_diloco.config import load_config
+    from p2p_diloco.learner import Profile
+    from p2p_diloco.records import LocalRun
+
+    cfg = load_config(args.config, args.overrides)
+    profile = Profile.load(args.profile) if args.profile else Profile()
+    num_shards = args.num_shards or cfg.sim.learners
+    if args.shard is not None and not 0 <= args.shard < num_shards:
+        raise ValueError(f"--shard: must be in [0, {num_shards}), got {args.shard}")
+    for flag, value in (("--steps", args.steps), ("--wait-peers", args.wait_peers)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag}: must be >= 0, got {value}")
+    local = LocalRun.from_config(cfg)
+    with _StopOnSignal() as stop, joined_run(args, local, cfg.outer.fragments, ttl_s=cfg.averaging.record_ttl_s,
+                                             state="joining", profile=profile.name) as joined:
+        from p2p_diloco.learner import Learner, LearnerOptions
+        from p2p_diloco.swarm import Membership
+
+        shard = args.shard if args.shard is not None else int(hashlib.sha256(joined.peer_id.encode()).hexdigest(), 16) % num_shards
+        opts = LearnerOptions(
+            name=joined.name, shard=shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
+            max_time_s=args.max_time_s, events_path=Path(args.events) if args.events else None,
+            wait_peers=args.wait_peers or 0, linger_s=args.linger_s,
+        )
+        # our averaging / state handlers are not covered by the DHT authorizer: check members there
+        membership = Membership(joined.dht, local) if joined.opts.swarm_key is not None else None
+        learner = Learner(cfg, profile, opts, joined, local, membership=membership)
+        try:
+            _out(f"learner {joined.name}: shard {shard}/{num_shards}, profile {profile.name}, "
+                 f"{opts.max_steps} steps, {cfg.outer.fragments} fragments, codec {cfg.outer.codec}")
+            summary: dict[str, Any] = learner.run(stop.event)
+        finally:
+            learner.close()
+        _out("final " + json.dumps(summary))
+        ok = joined.publisher.leave()
+        _out(f"left run {local.run_id} ({stop.signal_name or 'done'}); tombstone {'published' if ok else 'NOT accepted'}")
+    return 0
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``join`` on ``cli.build_parser``'s subparsers."""
+    help = ("run a learner unit: inner AdamW steps on its shard, fragments averaged in the background with the "
+            "live peers; SIGINT/SIGTERM leave gracefully")
+    p = subparsers.add_parser("join", help=help, description=help)
+    p.set_defaults(handler=cmd_join, identity=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO) on stderr")
+    _add_network_args(p, peers_required=True, listen=True)
+    _add_config_args(p)
+    p.add_argument("--name", default="", help="peer name shown by status (default: peer-<end of peer id>)")
+    p.add_argument("--profile", metavar="FILE", help="peer profile (TOML: name, slowdown, min_step_s, threads), "
+                   "e.g. peers/half.toml")
+    p.add_argument("--shard", type=int, help="data shard index (default: from the peer id)")
+    p.add_argument("--num-shards", dest="num_shards", type=int, default=0,
+                   help="number of data shards (default: the config's sim.learners)")
+    p.add_argument("--steps", type=int, help="inner steps to run (default: inner.total_steps)")
+    p.add_argument("--max-time", dest="max_time_s", type=float, default=0.0, metavar="SECONDS",
+                   help="stop training after this many seconds (default: no limit)")
+    p.add_argument("--events", metavar="FILE", help="append one JSON line per round / resync to FILE")
+    p.add_argument("--wait-peers", dest="wait_peers", type=int, metavar="N",
+                   help="wait until N learners (us included) are live before the first step")
+    p.add_argument("--linger", dest="linger_s", type=float, default=20.0, metavar="SECONDS",
+                   help="after the final rounds, wait up to this long for the peers to agree (default: 20)")

@@ -1,0 +1,153 @@
+"""Pure decisions of per-fragment averaging: group checks, completeness, window, schedule, state parsing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.averaging import (
+    RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, clock_boundary, completeness_problem,
+    due_by_clock, parse_state, state_payload, version_group_bits,
+)
+from p2p_diloco.config import AveragingConfig
+
+RADIAL = ("blocks.0.fc.weight",)
+
+
+def meta(**kw: object) -> RoundMeta:
+    base: dict[str, object] = dict(fragment=0, version=3, anchor="a" * 16, config="c" * 16, tokens=2560, steps=10,
+                                   weight=2560.0, due=100.0, norms={"blocks.0.fc.weight": 0.5})
+    base.update(kw)
+    return RoundMeta(**base)  # type: ignore[arg-type]
+
+
+def decide(own: RoundMeta, members: list[RoundMeta], min_group_size: int = 2) -> tuple[bool, str]:
+    d = check_group(own, members, RADIAL, min_group_size=min_group_size, weighting="tokens")
+    return d.ok, d.reason
+
+
+def test_a_consistent_group_is_accepted_by_every_member() -> None:
+    members = [meta(), meta(tokens=768, steps=3, weight=768.0, due=100.4)]
+    for own in members:
+        assert decide(own, members) == (True, "")
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(version=4), "version mismatch"),
+    (dict(anchor="b" * 16), "anchor mismatch"),
+    (dict(config="d" * 16), "config hash"),
+    (dict(fragment=1), "fragment 1"),
+    (dict(weight=1.0), "does not match its progress"),
+    (dict(norms={}), "lacks the norms"),
+])
+def test_a_disagreeing_member_makes_everyone_discard(change: dict[str, object], reason: str) -> None:
+    members = [meta(), meta(**change)]
+    verdicts = [decide(own, members) for own in members]
+    assert all(not ok for ok, _ in verdicts), verdicts  # every member takes the same decision
+    assert reason in verdicts[0][1], verdicts
+
+
+def test_all_zero_weights_are_refused_not_nan() -> None:
+    members = [meta(tokens=0, steps=0, weight=0.0), meta(tokens=0, steps=0, weight=0.0, due=101.0)]
+    ok, why = decide(members[0], members)
+    assert not ok and "all weights are zero" in why
+
+
+def test_group_too_small() -> None:
+    ok, why = decide(meta(), [meta()])
+    assert not ok and "min_group_size" in why
+    ok, why = decide(meta(), [meta(), meta(due=1.0)], min_group_size=3)
+    assert not ok and "< min_group_size 3" in why
+
+
+def test_round_meta_wire_is_strict() -> None:
+    m = meta()
+    assert RoundMeta.from_wire(m.to_wire()) == m
+    wire = m.to_wire()
+    assert all(isinstance(k, str) for k in wire) and all(isinstance(k, str) for k in wire["norms"])
+    for bad in ({**wire, "extra": 1}, {**wire, "tokens": -1}, {**wire, "weight": math.nan},
+                {**wire, "norms": {"x": -1.0}}, {**wire, "anchor": 5}, [1, 2]):
+        with pytest.raises(ValueError):
+            RoundMeta.from_wire(bad)
+
+
+def test_completeness_problem_names_the_partial_cause() -> None:
+    assert completeness_problem(1000, 0, 0, 6, 6) is None
+    assert "300 of 1000 elements" in (completeness_problem(1000, 300, 0, 6, 6) or "")
+    assert "1 sender(s) dropped" in (completeness_problem(1000, 0, 1, 6, 6) or "")
+    assert "received 4 of 6 parts" in (completeness_problem(1000, 0, 0, 6, 4) or "")
+
+
+def test_adaptive_window_follows_arrivals_within_bounds() -> None:
+    cfg = AveragingConfig(window_s=2.0, window_min_s=1.0, window_max_s=5.0, request_timeout_s=0.5)
+    assert adapt_window([], cfg) == 2.0
+    assert adapt_window([0.1, 0.1, 0.1], cfg) == 1.0  # clamped below
+    assert adapt_window([1.0, 1.2, 1.1, 30.0], cfg) == pytest.approx(1.15 + 2 * 0.1 + 0.5)  # one outlier: robust
+    assert adapt_window([9.0] * 4, cfg) == 5.0  # clamped above
+
+
+def test_clock_schedule_meets_at_the_same_instants_whatever_the_speed() -> None:
+    period, frags = 10.0, 2
+    fast = [f for t in range(1, 100) for f in due_by_clock(t - 1 + 0.5, t + 0.5, period, frags)]
+    slow = [f for t in range(1, 34) for f in due_by_clock(3 * (t - 1) + 0.5, 3 * t + 0.5, period, frags)]
+    assert fast.count(0) == slow.count(0) == 9 and fast.count(1) == slow.count(1) == 10  # (0.5, 99.5]
+    assert clock_boundary(27.0, period, 0, frags) == 20.0 and clock_boundary(27.0, period, 1, frags) == 25.0
+    assert due_by_clock(5.0, 5.0, period, frags) == [] and due_by_clock(0.0, 10.0, 0.0, frags) == []
+
+
+def test_version_bits_and_prefix() -> None:
+    assert version_group_bits(0) == "00000000" and version_group_bits(257) == "00000001"
+    assert "." not in averager_prefix("run.v2", 3)
+
+
+def test_state_payload_roundtrip_and_validation() -> None:
+    names = ("a", "b")
+    anchor = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    momentum = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    shapes = {n: t.shape for n, t in anchor.items()}
+    meta_, tensors = state_payload(1, 7, anchor, momentum, names)
+    got = parse_state(meta_, tensors, 1, names, shapes, min_version=5)
+    assert got is not None and got.version == 7 and got.anchor_hash == anchor_hash(anchor)
+    assert all(torch.equal(got.anchor[n], anchor[n]) and torch.equal(got.momentum[n], momentum[n]) for n in names)
+    assert parse_state(meta_, tensors, 1, names, shapes, min_version=8) is None  # not newer
+    with pytest.raises(ValueError, match="anchor hash"):
+        parse_state({**meta_, "anchor": "0" * 16}, tensors, 1, names, shapes, 5)
+    with pytest.raises(ValueError, match="not finite"):
+        parse_state(meta_, [tensors[0] * math.nan, *tensors[1:]], 1, names, shapes, 5)
+    with pytest.raises(ValueError, match="fragment 2"):
+        parse_state(meta_, tensors, 2, names, shapes, 5)
+    fresh = state_payload(1, 0, anchor, {}, names)  # version 0: no momentum yet
+    assert parse_state(*fresh, 1, names, shapes, 0).momentum == {}  # type: ignore[union-attr]
+
+
+def test_anchor_hash_is_bit_exact() -> None:
+    t = {"w": torch.ones(4)}
+    assert anchor_hash(t) == anchor_hash({"w": torch.ones(4)})
+    assert anchor_hash(t) != anchor_hash({"w": torch.ones(4) + 1e-7})
+
+
+def test_commit_needs_every_member_ok() -> None:
+    from p2p_diloco.averaging import commit_decision, commit_key
+
+    peers = ["QmA", "QmB", "QmC"]
+    assert commit_decision({"QmA": "ok", "QmB": "ok", "QmC": "ok"}, peers).ok
+    d = commit_decision({"QmA": "ok", "QmB": "partial all-reduce: 1 sender(s) dropped mid-round", "QmC": "ok"}, peers)
+    assert not d.ok and "partial all-reduce" in d.reason  # one member's partial result vetoes everyone
+    d = commit_decision({"QmA": "ok", "QmC": "ok"}, peers)
+    assert not d.ok and "no verdict from 1 of 3" in d.reason  # silence is a veto
+    assert commit_decision({"QmA": "ok", "QmB": "ok", "QmC": "ok", "QmX": "fail"}, peers).ok  # outsiders ignored
+    # a retry by the same group at the same version posts under another key
+    first = {p: meta(due=100.0 + i) for i, p in enumerate(peers)}
+    retry = {p: meta(due=130.0 + i) for i, p in enumerate(peers)}
+    assert commit_key("run_frag0", first) != commit_key("run_frag0", retry)
+    assert commit_key("run_frag0", first) == commit_key("run_frag0", dict(reversed(list(first.items()))))
+
+
+def test_start_instant_is_the_same_for_everyone_who_saw_the_first_proposals() -> None:
+    from p2p_diloco.averaging import start_instant
+
+    assert start_instant({"a": 10.0, "b": 11.5}, 3) is None
+    assert start_instant({"a": 10.0, "b": 11.5, "c": 10.7}, 3) == 11.5
+    assert start_instant({"a": 10.0, "b": 11.5, "c": 10.7, "late": 30.0}, 3) == 11.5  # a 4th does not move it

@@ -1,0 +1,159 @@
+"""Faults injected into real hivemind all-reduces (3 DHTs + 3 fragment averagers on 127.0.0.1, in-process).
+
+The hivemind trap: when a reducer drops a sender mid-round, the third peer's ``step()`` succeeds
+with an average that silently lacks a contribution. We inject exactly that (a reducer bans its
+first remote sender) and check that the fault fired, that *no* member commits the round (the
+faulty reducer and the dropped sender see a partial all-reduce; the third peer waits for their
+verdicts and vetoes by their silence), and that the next, clean round commits bit-identical
+results on every member -- the weighted mean within the int4 codec's bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import multiprocessing as mp
+import time
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from p2p_diloco.averaging import (
+    Contribution, ExactAllReduceRunner, FragmentAveraging, RoundMeta, RoundOutcome,
+)
+from p2p_diloco.compression import error_bound
+from p2p_diloco.config import config_hash, load_config
+
+pytestmark = pytest.mark.integration
+
+FIRED = mp.Value(ctypes.c_int, 0)  # shared with the forked averager processes
+STALLED = mp.Value(ctypes.c_int, 0)
+# six equal tensors: hivemind cuts a part per tensor here (they are far below part_size_bytes) and deals
+# parts to reducers by position, so with fewer parts than peers some peer would reduce nothing
+NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(6))
+SHAPES = {n: torch.Size([64, 32]) for n in NAMES}
+TOKENS = (2560, 1280, 3840)
+ROUND_DEADLINE_S = 60.0
+CFG = load_config(None, ["run.run_id=faults", "model.n_layer=2", "outer.fragments=2", "outer.merge=\"mean\"",
+                         "outer.codec=\"int4\"", "averaging.window_s=1.5", "averaging.commit_timeout_s=3.0",
+                         "averaging.next_chunk_timeout_s=2.0", "averaging.allreduce_timeout_s=10.0"])
+
+
+class DropFirstRemoteSender(ExactAllReduceRunner):
+    """As a reducer, ban the first remote sender before reading any of its parts (once)."""
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[Any], sender_index: int) -> AsyncIterator[Any]:
+        sender = self.sender_peer_ids[sender_index]
+        if sender != self.peer_id:
+            with FIRED.get_lock():
+                fire = FIRED.value == 0
+                FIRED.value += fire
+            if fire:
+                await self._ban_sender(sender)
+                return
+        async for message in super()._accumulate_parts_streaming(stream, sender_index):
+            yield message
+
+
+def run_round(peers: list[FragmentAveraging], tensors: list[dict[str, torch.Tensor]], cfg: Any) -> list[RoundOutcome]:
+    from hivemind.utils import get_dht_time
+
+    start = get_dht_time() + cfg.averaging.window_s
+    futures = []
+    for i, (peer, t) in enumerate(zip(peers, tensors)):
+        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(cfg), tokens=TOKENS[i], steps=10,
+                         weight=float(TOKENS[i]), due=get_dht_time(), norms={})
+        futures.append(peer.start_round(Contribution(meta, t, start, cfg.averaging.window_s)))
+    return [f.result(timeout=ROUND_DEADLINE_S) for f in futures]
+
+
+def test_partial_round_is_discarded_by_every_member_then_a_clean_round_commits(tmp_path: Any) -> None:
+    cfg = CFG
+    with swarm(tmp_path, (DropFirstRemoteSender, ExactAllReduceRunner, ExactAllReduceRunner)) as peers:
+        gen = torch.Generator().manual_seed(0)
+        tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
+
+        faulty = run_round(peers, tensors, cfg)
+        for o in faulty:
+            print(f"\nfaulty round: committed={o.committed} group={o.group_size} {o.duration_s:.2f} s: {o.reason}")
+        assert FIRED.value == 1, "the fault did not fire"
+        assert not any(o.committed for o in faulty), [o.reason for o in faulty]
+        assert any("partial all-reduce" in o.reason for o in faulty), [o.reason for o in faulty]
+        # the members that saw a complete all-reduce were told by the others' vetoes, not by a timeout
+        assert all("partial all-reduce" in o.reason or "reported" in o.reason for o in faulty), [o.reason for o in faulty]
+        assert all(o.merged is None for o in faulty)
+
+        clean = run_round(peers, tensors, cfg)
+        assert all(o.committed and o.group_size == 3 for o in clean), [o.reason for o in clean]
+        merged = [o.merged for o in clean]
+        assert merged[0] is not None
+        total = sum(TOKENS)
+        for n in NAMES:
+            assert all(torch.equal(m[n], merged[0][n]) for m in merged if m is not None), n  # bit-identical
+            exact = sum(t[n] * (w / total) for t, w in zip(tensors, TOKENS))
+            # two codec passes: each sender's part into the reducer, then the reducer's average back;
+            # block absmaxes replaced by tensor absmaxes, which holds whatever the part layout
+            e_in = sum(w / total * error_bound("int4", torch.full_like(t[n], float(t[n].abs().max())))
+                       for t, w in zip(tensors, TOKENS))
+            e_out = error_bound("int4", torch.full_like(exact, float(exact.abs().max() + e_in.max())))
+            assert bool(((merged[0][n] - exact).abs() <= e_in + e_out + 1e-6).all()), n
+        shares = [o.own_share for o in clean]
+        assert shares == pytest.approx([w / total for w in TOKENS])
+        print(f"clean round: shares {[round(s, 3) for s in shares]}, bytes out {[o.bytes_sent for o in clean]}")
+
+
+class Stall(ExactAllReduceRunner):
+    """As a reducer, never answer (a peer that hangs with its connections open, like one stopped by SIGSTOP)."""
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[Any], sender_index: int) -> AsyncIterator[Any]:
+        if self.sender_peer_ids[sender_index] != self.peer_id:
+            with STALLED.get_lock():
+                STALLED.value += 1
+            await asyncio.sleep(3600)
+        async for message in super()._accumulate_parts_streaming(stream, sender_index):
+            yield message
+
+
+def test_a_hanging_peer_fails_the_round_in_bounded_time_and_nobody_commits(tmp_path: Any) -> None:
+    a = CFG.averaging
+    with swarm(tmp_path, (ExactAllReduceRunner, ExactAllReduceRunner, Stall)) as peers:
+        gen = torch.Generator().manual_seed(1)
+        tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
+        t0 = time.monotonic()
+        outcomes = run_round(peers, tensors, CFG)
+        wall_s = time.monotonic() - t0
+        for o in outcomes:
+            print(f"\nhanging peer: committed={o.committed} {o.duration_s:.2f} s: {o.reason}")
+        assert STALLED.value >= 1, "the fault did not fire"
+        assert not any(o.committed for o in outcomes), [o.reason for o in outcomes]
+        # bounded by the window, the all-reduce timeout and the commit timeout -- never a hang
+        bound_s = 3 * a.window_s + a.allreduce_timeout_s + a.commit_timeout_s + 5
+        assert wall_s < bound_s, (wall_s, bound_s)
+        print(f"all three rounds ended {wall_s:.1f} s after they started (bound {bound_s:.0f} s)")
+
+
+@contextlib.contextmanager
+def swarm(tmp_path: Any, runners: tuple[type[ExactAllReduceRunner], ...]) -> Iterator[list[FragmentAveraging]]:
+    """One DHT + one fragment averager per runner class, on 127.0.0.1, all shut down on exit."""
+    from p2p_diloco.addresses import parse_initial_peers
+    from p2p_diloco.identity import load_or_create_identity
+    from p2p_diloco.swarm import SwarmOptions, start_dht, visible_addresses
+
+    dhts: list[Any] = []
+    peers: list[FragmentAveraging] = []
+    try:
+        for i, runner in enumerate(runners):
+            identity = load_or_create_identity(tmp_path / f"peer{i}.id")  # libp2p id = record-signing key
+            key = identity.private_key()
+            initial = parse_initial_peers(visible_addresses(dhts[0])[:1]) if dhts else ()
+            opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False)
+            dhts.append(start_dht(opts, CFG.run.run_id, private_key=key))
+            peers.append(FragmentAveraging(CFG, 0, NAMES, SHAPES, dhts[-1], key, runner_class=runner))
+        yield peers
+    finally:
+        for p in peers:
+            p.shutdown()
+        for d in dhts:
+            d.shutdown()

@@ -1,0 +1,177 @@
+"""Real learners on 127.0.0.1: bootstrap + ``p2p-diloco join`` processes on ``configs/tiny.toml``.
+
+1. Three learners (step-count schedule): every learner commits >= 3 rounds of every fragment;
+   after the last round all members of the last group of each fragment hold bit-identical anchors
+   (int4 codec: the exact all-reduce gives every member the same bytes); the anchors' eval loss
+   goes down; the inner loop is almost never blocked.
+2. A 3x slower learner (swarm-clock schedule): its weight share equals its token share (+-20%)
+   and the fast learners are never blocked waiting for it.
+3. A late joiner: behind on every fragment, it downloads anchor + outer state, rebases, and ends
+   with the same anchors as the others.
+
+Figures are printed (``-s``); only loose bounds are asserted (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from procs import ProcGroup, Proc, start_bootstrap
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.toml")
+CONFIG = ("--config", TINY, "--set", "inner.total_steps=120", "--set", "outer.sync_every=30")
+RUN_DEADLINE_S = 150.0  # start to "final" line, generous: the machine is shared with benchmarks
+
+
+def write_profile(tmp: Path, name: str, slowdown: float = 1.0, min_step_s: float = 0.1) -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(f'name = "{name}"\nslowdown = {slowdown}\nmin_step_s = {min_step_s}\nthreads = 1\n')
+    return path
+
+
+def start_learner(procs: ProcGroup, peers: str, name: str, tmp: Path, *extra: str) -> Proc:
+    return procs.cli("join", "--initial-peers", peers, *CONFIG, "--name", name, "--events", str(tmp / f"{name}.jsonl"),
+                     *extra, name=name)
+
+
+def final_summary(proc: Proc, timeout_s: float = RUN_DEADLINE_S) -> dict[str, Any]:
+    line = proc.wait_for(r"^final (\{.*\})$", timeout_s=timeout_s).group(1)
+    return json.loads(line)
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def print_discards(path: Path) -> None:
+    for e in events(path):
+        if e["event"] == "round" and e["outcome"] != "committed":
+            print(f"  {path.stem} discarded f{e['fragment']} v{e['version']} at step {e['step']}: {e['reason']}")
+
+
+def test_three_learners_average_every_fragment(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, "paced")
+    t0 = time.monotonic()
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        names = ("l0", "l1", "l2")
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(profile), "--shard", str(i),
+                                     "--wait-peers", "3", "--linger", "15")
+                    for i, n in enumerate(names)}
+        finals = {n: final_summary(p) for n, p in learners.items()}
+        for p in learners.values():
+            assert p.wait_exit(30) == 0, p.output()
+    wall_s = time.monotonic() - t0
+
+    fragments = len(finals["l0"]["versions"])
+    for n, s in finals.items():
+        print(f"\n{n}: committed {s['committed']} discarded {s['discarded']} resynced {s['resynced']} "
+              f"eval {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}; blocked {100 * s['blocked_share']:.2f}% "
+              f"utilization {100 * s['utilization']:.1f}%; {s['bytes_sent']} B out")
+        print_discards(tmp_path / f"{n}.jsonl")
+        assert all(c >= 3 for c in s["committed"]), s
+        assert s["eval_loss_end"] < s["eval_loss_start"] - 0.5, s
+        assert s["blocked_share"] < 0.05, s
+    # every learner ends at the same versions with bit-identical anchors
+    assert len({tuple(s["versions"]) for s in finals.values()}) == 1, finals
+    assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
+
+    # the last committed group of each fragment: its members report the same anchor after it
+    by_peer = {s["peer_id"]: n for n, s in finals.items()}
+    for f in range(fragments):
+        last = {n: [e for e in events(tmp_path / f"{n}.jsonl") if e["event"] == "round" and e["fragment"] == f
+                    and e["outcome"] == "committed"][-1] for n in names}
+        top = max(e["version_after"] for e in last.values())
+        group = next(e for e in last.values() if e["version_after"] == top)
+        members = [by_peer[p] for p in group["peers"] if p in by_peer]
+        assert len(members) >= 2, group
+        assert len({last[m]["anchor_hash"] for m in members}) == 1, {m: last[m] for m in members}
+        for m in members:
+            e = last[m]
+            assert e["group_size"] == len(group["peers"]) and 0 < e["own_share"] <= 1, e
+            assert e["bytes_sent"] > 0 and e["bytes_received"] > 0 and e["duration_s"] > 0, e
+    print(f"3 learners: {wall_s:.1f} s wall for the whole test")
+
+
+def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
+    """Swarm-clock schedule: a 3x slower learner meets the fast ones at the same DHT-time boundaries and
+    brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""
+    fast = write_profile(tmp_path, "fast")
+    slow = write_profile(tmp_path, "slow", slowdown=3.0)
+    clock = ("--set", "averaging.sync_period_s=4.0", "--set", "averaging.window_max_s=3.0", "--set",
+             "inner.total_steps=200", "--steps", "100000", "--max-time", "20", "--wait-peers", "3", "--linger", "15")
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(prof), "--shard", str(i), *clock)
+                    for i, (n, prof) in enumerate((("f0", fast), ("f1", fast), ("s", slow)))}
+        finals = {n: final_summary(p) for n, p in learners.items()}
+        for p in learners.values():
+            assert p.wait_exit(30) == 0, p.output()
+
+    total_tokens = sum(s["tokens"] for s in finals.values())
+    for n, s in finals.items():
+        # rounds where all three met: each brought the tokens of the same period of swarm time
+        rounds = [e for e in events(tmp_path / f"{n}.jsonl") if e["event"] == "round" and e["outcome"] == "committed"
+                  and e["group_size"] == 3]
+        own = sum(e["own_share"] * sum(e["weights"]) for e in rounds)
+        weight_share = own / sum(sum(e["weights"]) for e in rounds)
+        token_share = s["tokens"] / total_tokens
+        print(f"\n{n}: {s['steps']} steps, token share {token_share:.3f}, weight share {weight_share:.3f} over "
+              f"{len(rounds)} rounds (committed {s['committed']}, discarded {s['discarded']}); blocked "
+              f"{100 * s['blocked_share']:.2f}%, utilization {100 * s['utilization']:.1f}%")
+        print_discards(tmp_path / f"{n}.jsonl")
+        assert all(c >= 2 for c in s["committed"]), s
+        if n == "s":
+            assert abs(weight_share - token_share) <= 0.2 * token_share, (n, weight_share, token_share)
+        else:  # the fast ones never wait for the slow one
+            assert s["blocked_share"] < 0.02, s
+    assert finals["s"]["tokens"] < 0.5 * finals["f0"]["tokens"]
+    assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
+
+
+def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
+    """A learner joining a running swarm is behind on every fragment: it downloads the current anchor and
+    outer state from a peer, rebases onto it, then takes part in rounds; all end with identical anchors."""
+    profile = write_profile(tmp_path, "paced")
+    clock = ("--set", "averaging.sync_period_s=4.0", "--set", "averaging.window_max_s=3.0", "--set",
+             "inner.total_steps=300", "--steps", "100000", "--profile", str(profile), "--linger", "15")
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        early = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--wait-peers", "2",
+                                  "--max-time", "30", *clock) for i, n in enumerate(("e0", "e1"))}
+        for p in early.values():
+            p.wait_for(r"^learner ")
+        t_late = time.monotonic()
+        # join once the early ones have committed a round of each fragment
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            done = [e for e in events(tmp_path / "e0.jsonl") if e["event"] == "round" and e["outcome"] == "committed"] \
+                if (tmp_path / "e0.jsonl").exists() else []
+            if {e["fragment"] for e in done} == {0, 1}:
+                break
+            time.sleep(0.5)
+        late = start_learner(procs, peers, "late", tmp_path, "--shard", "2", "--max-time", "15", *clock)
+        finals = {n: final_summary(p) for n, p in {**early, "late": late}.items()}
+        for p in (*early.values(), late):
+            assert p.wait_exit(30) == 0, p.output()
+
+    s = finals["late"]
+    resyncs = [e for e in events(tmp_path / "late.jsonl") if e["event"] == "resync" and e["outcome"] == "rebased"]
+    print(f"\nlate joiner (started {time.monotonic() - t_late:.0f} s ago): resynced {s['resynced']}, committed "
+          f"{s['committed']}, discarded {s['discarded']}; rebased {[(e['fragment'], e['version'], e['version_after']) for e in resyncs]}")
+    for n, f in finals.items():
+        print(f"{n}: versions {f['versions']} committed {f['committed']} eval {f['eval_loss_start']:.3f} -> "
+              f"{f['eval_loss_end']:.3f}")
+    print_discards(tmp_path / "late.jsonl")
+    assert all(r >= 1 for r in s["resynced"]), s
+    assert sum(s["committed"]) >= 1, s
+    assert {e["fragment"] for e in resyncs} == {0, 1} and all(e["version"] == 0 for e in resyncs[:2])
+    assert len({tuple(f["anchor_hashes"]) for f in finals.values()}) == 1, finals
