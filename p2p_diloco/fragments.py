@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 _EPS = 1e-9
 _BLOCK_RE = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")

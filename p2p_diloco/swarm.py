@@ -26,7 +26,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from hivemind.dht import DHT

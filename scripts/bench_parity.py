@@ -90,7 +90,7 @@ def _config(run: Run, base: str, extra: list[str], quick: bool) -> Config:
 def _worker(args: tuple[Run, str, list[str], bool]) -> dict[str, Any]:
     import torch
 
-    from p2p_diloco import data, sim
+    from p2p_diloco import sim
 
     torch.set_num_threads(1)
     run, base, extra, quick = args
