@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from p2p_diloco import compression, data, fragments, outer
-from p2p_diloco.inner import build_optimizer, lr_at, train_step  # noqa: F401  (lr_at re-exported)
+from p2p_diloco.inner import build_optimizer, train_step
 from p2p_diloco.config import Config
 from p2p_diloco.model import build_model
 
