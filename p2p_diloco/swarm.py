@@ -406,6 +406,23 @@ class RecordPublisher:
             logger.warning("publishing the peer record was not accepted by any DHT node (attempt failures: %d)", self.failures)
         return ok
 
+    def publish_within(self, deadline_s: float, retry_interval_s: float = 1.0,
+                       record: PeerRecord | None = None, ttl_s: float | None = None) -> bool:
+        """Publish, retrying for up to ``deadline_s`` s: the first store after a join can time out
+        on a busy machine (every new peer's DHT is still filling its routing table)."""
+        give_up_at = time.monotonic() + deadline_s
+        while True:
+            try:
+                if self.publish(record, ttl_s):
+                    return True
+            except Exception as e:  # a timed-out store future: retried like a refusal
+                self.failures += 1
+                logger.warning("publishing the peer record failed (%s: %s); retrying", type(e).__name__, e)
+            if time.monotonic() + retry_interval_s >= give_up_at:
+                return False
+            time.sleep(retry_interval_s)
+            retry_interval_s = min(2 * retry_interval_s, 8.0)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="record-publisher", daemon=True)
         self._thread.start()
@@ -432,7 +449,8 @@ class RecordPublisher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.store_timeout_s)
-        return self.publish(tombstone(self.record, get_dht_time()), ttl_s=self.tombstone_ttl_s)
+        return self.publish_within(self.store_timeout_s, record=tombstone(self.record, get_dht_time()),
+                                   ttl_s=self.tombstone_ttl_s)
 
 
 # ---------------------------------------------------------------- split swarm (hivemind #624)

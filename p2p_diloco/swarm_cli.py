@@ -268,8 +268,9 @@ def joined_run(args: argparse.Namespace, local: "LocalRun", num_fragments: int, 
             addresses=tuple(visible_addresses(dht)), state=state, fragment_versions=(0,) * num_fragments,
         )
         publisher = RecordPublisher(dht, key, record, ttl_s=ttl_s)
-        if not publisher.publish():
-            raise ValueError("could not publish our peer record: no DHT node accepted it (see the log above)")
+        if not publisher.publish_within(deadline_s=opts.join_timeout_s * 3):
+            raise ValueError(f"could not publish our peer record within {opts.join_timeout_s * 3:.0f} s: "
+                             "no DHT node accepted it (see the log above)")
         for v in snapshot.views:
             if v.status == "foreign":
                 _out(f"note: foreign peer {v.record.name} ({v.peer_id}): {v.reason}")

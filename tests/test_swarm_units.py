@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from p2p_diloco.addresses import parse_initial_peers
 from p2p_diloco.identity import load_or_create_identity, peer_id_from_public_key
+
+if TYPE_CHECKING:
+    from p2p_diloco.swarm import RecordPublisher
 
 
 def test_identity_created_0600_and_stable(tmp_path: Path) -> None:
@@ -124,3 +129,40 @@ def test_status_rendering_plain_and_json() -> None:
     assert "foreign: gamma" in text and "config hash differs" in text
     assert "other runs in this DHT: run-b (1 peers)" in text
     assert _render_rich(data) is not None
+
+
+class _FlakyDHT:
+    """A DHT whose first ``refusals`` stores are refused (store returns False), then accepted."""
+
+    def __init__(self, refusals: int):
+        self.refusals, self.calls = refusals, 0
+
+    def store(self, *args: object, **kwargs: object) -> Future[bool]:
+        self.calls += 1
+        fut: Future[bool] = Future()
+        fut.set_result(self.calls > 2 * self.refusals)  # two stores (record + index) per attempt
+        return fut
+
+
+def _publisher(dht: object, tmp_path: Path) -> RecordPublisher:
+    from p2p_diloco.records import PeerRecord
+    from p2p_diloco.swarm import RecordPublisher
+
+    key = load_or_create_identity(tmp_path / "p.id").private_key()
+    record = PeerRecord(run_id="r", protocol_version=1, config_hash="h", software_version="0.1.0",
+                        peer_id="QmX", name="p", addresses=(), state="idle")
+    return RecordPublisher(dht, key, record, ttl_s=3.0)  # type: ignore[arg-type]
+
+
+def test_publish_within_retries_a_refused_first_store(tmp_path: Path) -> None:
+    dht = _FlakyDHT(refusals=2)
+    pub = _publisher(dht, tmp_path)
+    assert pub.publish_within(deadline_s=10.0, retry_interval_s=0.01)
+    assert pub.failures == 2 and dht.calls == 6
+
+
+def test_publish_within_gives_up_at_its_deadline(tmp_path: Path) -> None:
+    dht = _FlakyDHT(refusals=10**6)
+    pub = _publisher(dht, tmp_path)
+    assert not pub.publish_within(deadline_s=0.2, retry_interval_s=0.05)
+    assert 1 <= pub.failures <= 5
