@@ -33,9 +33,16 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
   members disagree on the anchor, or whose weights are not what their progress says, or all zero
   (hivemind would return NaN), is discarded by every member -- the decision is a pure function of
   the gathered data, so all members take the same one.
-* **Versioned groups**: the group key carries the fragment version (``set_group_bits``), so only
-  peers holding the same anchor version meet; a peer behind the swarm finds nobody and fetches the
-  current anchor + outer state from a peer that has it (:meth:`FragmentAveraging.fetch_state`).
+* **Versioned groups**: the group key carries the fragment version and a few bits of the anchor
+  hash (``set_group_bits``), so only peers holding the same anchor meet; a peer behind the swarm
+  finds nobody and fetches the current anchor + outer state from a peer that has it
+  (:meth:`FragmentAveraging.fetch_state`).
+* **Forks heal** (:func:`anchor_order`). hivemind matchmaking can split the peers due for a round
+  into two groups that each commit the same version from the same anchor, with different results.
+  The (version, anchor hash) pairs are totally ordered -- at equal versions the smaller hash wins --
+  and a peer that sees (in the peer records) a peer ahead of it downloads that anchor and rebases
+  onto it, like a peer that missed rounds. The distance between the two anchors is measured then
+  (:func:`relative_distance`) and published as the peer's consensus distance.
 * **Members only** (when a swarm key is in use): our averaging and state-download handlers refuse
   peers that :class:`p2p_diloco.swarm.Membership` does not list; the DHT authorizer does not
   cover these RPCs.
@@ -82,6 +89,8 @@ HIVEMIND_FRAMING_BYTES = 9
 """Bytes hivemind adds around each protobuf message on a stream (8-byte length + marker)."""
 VERSION_BITS = 8
 """Group-key bits that carry the fragment version (mod 256): peers at other versions never meet."""
+ANCHOR_BITS = 4
+"""Group-key bits from the anchor hash: the two sides of a fork rarely (1 in 16) meet."""
 MAX_GROUP_SIZE = 4096
 
 
@@ -98,11 +107,43 @@ def anchor_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def version_group_bits(version: int) -> str:
-    """The group-key bits of a fragment version (version mod 2**VERSION_BITS, binary)."""
+def version_group_bits(version: int, anchor: str = "") -> str:
+    """The group-key bits of a fragment's anchor: the version mod 2**VERSION_BITS, then ANCHOR_BITS
+    bits of the anchor hash (none if ``anchor`` is empty), so that the two sides of a fork -- equal
+    version, different anchors -- do not meet and spoil each other's rounds while one side catches up."""
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
-    return format(version % (1 << VERSION_BITS), f"0{VERSION_BITS}b")
+    bits = format(version % (1 << VERSION_BITS), f"0{VERSION_BITS}b")
+    if anchor:
+        bits += format(int(anchor[0], 16), "04b")[:ANCHOR_BITS]
+    return bits
+
+
+def anchor_order(version: int, anchor: str) -> tuple[int, int]:
+    """Total order of (version, anchor hash): newer versions first; at equal versions (a fork: two groups
+    each committed the same version) the *smaller* hash wins. Every peer ranks the same way, so the
+    losing side of a fork adopts the winner's anchor (state download + rebase) and the forks heal."""
+    return version, -int(anchor, 16) if anchor else 0
+
+
+def is_ahead(theirs: tuple[int, str], ours: tuple[int, str]) -> bool:
+    """Is a peer's (version, anchor hash) ahead of ours in :func:`anchor_order`?"""
+    return anchor_order(*theirs) > anchor_order(*ours)
+
+
+def sharing_priority(version: int, anchor: str) -> float:
+    """hivemind state-sharing priority that follows :func:`anchor_order` (donors are tried highest first):
+    the version plus a fraction in [0, 1) that is larger for smaller hashes."""
+    if not anchor:
+        return float(version)
+    return version + (0xFFFFFFFF - int(anchor[:8], 16)) / 2.0**32
+
+
+def relative_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """``||a - b|| / ||b||`` over all tensors of a fragment: the consensus distance of two anchors."""
+    num = math.sqrt(sum(float((a[n] - b[n]).double().pow(2).sum()) for n in b))
+    den = math.sqrt(sum(float(b[n].double().pow(2).sum()) for n in b))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
 def averager_prefix(run_id: str, fragment: int) -> str:
@@ -586,7 +627,7 @@ class FragmentAveraging:
 
         if c.meta.weight <= 0:
             return failed("no progress since the last sync (weight 0): not joining")
-        self.averager.set_group_bits(version_group_bits(c.meta.version))
+        self.averager.set_group_bits(version_group_bits(c.meta.version, c.meta.anchor))
         with self.averager.get_tensors() as buffers:
             for buf, name in zip(buffers, self.names):
                 buf.copy_(c.tensors[name])
@@ -656,11 +697,12 @@ class FragmentAveraging:
             time.sleep(0.05)
 
     # -- state download
-    def fetch_state(self, min_version: int) -> "Future[FetchedState | None]":
-        return self._executor.submit(self._fetch, min_version)
+    def fetch_state(self, ours: tuple[int, str]) -> "Future[FetchedState | None]":
+        """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order`."""
+        return self._executor.submit(self._fetch, ours)
 
-    def _fetch(self, min_version: int) -> FetchedState | None:
-        """Download the anchor + momentum from the highest-version donor; None if nobody has ``min_version``."""
+    def _fetch(self, ours: tuple[int, str]) -> FetchedState | None:
+        """Download the anchor + momentum from the donor ranked highest; None if it is not ahead of ``ours``."""
         a = self.cfg.averaging
         # hivemind quirk: any timeout passed here makes the per-chunk timeout next_chunk_timeout_s (else none)
         result = self.averager.load_state_from_peers(wait=False, timeout=a.state_timeout_s).result(
@@ -669,12 +711,12 @@ class FragmentAveraging:
             return None
         metadata, tensors = result
         return parse_state(metadata, tensors, self.fragment, self.names,
-                           {n: b.shape for n, b in zip(self.names, self.buffers)}, min_version)
+                           {n: b.shape for n, b in zip(self.names, self.buffers)}, ours)
 
-    def set_version(self, version: int) -> None:
-        """Advertise ``version`` as our state-sharing priority (donors with the newest anchor first)."""
+    def set_anchor(self, version: int, anchor: str) -> None:
+        """Advertise our anchor's rank as state-sharing priority (donors ahead in :func:`anchor_order` first)."""
         if self.averager.allow_state_sharing:
-            self.averager.state_sharing_priority = float(version)
+            self.averager.state_sharing_priority = sharing_priority(version, anchor)
 
     def bytes_total(self) -> tuple[int, int]:
         return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)
@@ -696,14 +738,15 @@ def state_payload(fragment: int, version: int, anchor: Mapping[str, torch.Tensor
 
 
 def parse_state(metadata: Any, tensors: Sequence[torch.Tensor], fragment: int, names: Sequence[str],
-                shapes: Mapping[str, torch.Size], min_version: int) -> FetchedState | None:
-    """Validate a downloaded state (everything from a peer is checked); None if it is not newer."""
+                shapes: Mapping[str, torch.Size], ours: tuple[int, str]) -> FetchedState | None:
+    """Validate a downloaded state (everything from a peer is checked); None if it is not ahead of
+    ``ours`` = (version, anchor hash) in :func:`anchor_order`."""
     if not isinstance(metadata, Mapping) or metadata.get("fragment") != fragment:
         raise ValueError(f"state download: metadata is not for fragment {fragment}: {metadata!r}"[:200])
     version = metadata.get("version")
     if not isinstance(version, int) or version < 0:
         raise ValueError(f"state download: bad version {version!r}")
-    if version < min_version:
+    if version < ours[0]:
         return None
     if len(tensors) != 2 * len(names):
         raise ValueError(f"state download: {len(tensors)} tensors, expected {2 * len(names)}")
@@ -716,4 +759,6 @@ def parse_state(metadata: Any, tensors: Sequence[torch.Tensor], fragment: int, n
     digest = anchor_hash(anchor)
     if digest != metadata.get("anchor"):
         raise ValueError(f"state download: anchor hash {digest} does not match the donor's {metadata.get('anchor')!r}")
+    if not is_ahead((version, digest), ours):
+        return None
     return FetchedState(version, anchor, momentum if metadata.get("momentum") else {}, digest)

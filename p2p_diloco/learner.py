@@ -11,8 +11,9 @@ Decoupled DiLoCo (arXiv 2604.21428) without its syncer. The loop below reads top
    discarded round changes nothing (the pseudo-gradient is still measured against the unchanged
    anchor and goes out again at the next round);
 5. catch up: a fragment whose anchor the swarm has moved past (a newer version in the peer
-   records) is downloaded from a peer that has it and our progress is *rebased* onto it,
-   ``theta <- new_anchor + (theta - old_anchor)``, so no local work is lost;
+   records, or -- after a fork -- the winning anchor of our version) is downloaded from a peer
+   that has it and our progress is *rebased* onto it, ``theta <- new_anchor + (theta - old_anchor)``,
+   so no local work is lost; a fragment being downloaded sits out its due round;
 6. publish our record (step, tokens, speed, versions, bytes, loss) from a background thread.
 
 The time the loop spends on 3-5 (copies, outer steps; never network waits) is measured as
@@ -39,8 +40,8 @@ import torch
 
 from p2p_diloco import data, fragments, outer
 from p2p_diloco.averaging import (
-    Contribution, FetchedState, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, clock_boundary,
-    due_by_clock, state_payload,
+    Contribution, FetchedState, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
+    clock_boundary, due_by_clock, is_ahead, relative_distance, state_payload,
 )
 from p2p_diloco.config import Config, config_hash
 from p2p_diloco.model import build_model
@@ -133,6 +134,9 @@ class FragmentSlot:
     committed: int = 0
     discarded: int = 0
     resynced: int = 0
+    forks_healed: int = 0
+    consensus_distance: float = 0.0
+    """``||ours - winner|| / ||winner||`` at the last fork we healed (0.0: none yet)."""
     busy_skips: int = 0
     last_fetch_try: float = -math.inf
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -140,6 +144,11 @@ class FragmentSlot:
     @property
     def version(self) -> int:
         return self.state.version
+
+    @property
+    def rank(self) -> tuple[int, str]:
+        """(version, anchor hash): what :func:`~p2p_diloco.averaging.anchor_order` compares."""
+        return self.state.version, self.anchor_hash
 
 
 # ---------------------------------------------------------------- the learner
@@ -175,13 +184,15 @@ class Learner:
         self.averaging = [FragmentAveraging(cfg, s.index, s.names, shapes, joined.dht, joined.private_key,
                                             membership=membership,
                                             state_provider=self._state_provider(s)) for s in self.slots]
+        for s in self.slots:
+            self.averaging[s.index].set_anchor(*s.rank)
         self.step = self.tokens = 0
         self.loss: float | None = None
         self.spreads: list[float] = []
         self.window_s = cfg.averaging.window_s
         self.blocked_s = self.stepping_s = 0.0
         self.t_start = time.monotonic()
-        self.peer_versions: list[list[int]] = []  # fragment versions of the other live learners
+        self.peer_anchors: list[list[tuple[int, str]]] = []  # (version, anchor hash) per fragment, other live learners
         self.peer_states: list[str] = []
         self.live_learners = 1
         self._events = opts.events_path.open("a") if opts.events_path else None
@@ -201,10 +212,10 @@ class Learner:
         while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time():
             self.loss = self.inner_step()
             with self.blocked():
+                self.collect(min_age_steps=self.cfg.outer.overlap)
+                self.catch_up()  # a fragment we are behind on is downloaded and sits out its due round
                 for f in self.due_fragments():
                     self.hand_off(self.slots[f])
-                self.collect(min_age_steps=self.cfg.outer.overlap)
-                self.catch_up()
         train_s = time.monotonic() - self.t_start
         self.finish(stop)
         return self.summary(eval_start, self.evaluate_anchors(), train_s)
@@ -296,7 +307,7 @@ class Learner:
             slot.since_tokens -= slot.sent_tokens  # what went out is in the anchor now
             slot.since_steps -= slot.sent_steps
             slot.committed += 1
-            self.averaging[slot.index].set_version(slot.version)
+            self.averaging[slot.index].set_anchor(*slot.rank)
             if math.isfinite(outcome.arrival_spread_s):
                 self.spreads.append(outcome.arrival_spread_s)
                 self.window_s = adapt_window(self.spreads, self.cfg.averaging)
@@ -309,35 +320,46 @@ class Learner:
                     outcome.own_share, outcome.bytes_sent, outcome.bytes_received, outcome.duration_s, outcome.reason)
 
     def catch_up(self) -> None:
-        """Download fragments whose anchor the swarm has moved past (newer version in a live peer's record)."""
+        """Download fragments on which a live peer's record is ahead of us: a newer version, or the same
+        version with a winning anchor (a fork; see :func:`~p2p_diloco.averaging.anchor_order`)."""
         now = time.monotonic()
         for slot in self.slots:
-            newest = max((v[slot.index] for v in self.peer_versions if len(v) > slot.index), default=0)
-            if slot.inflight is not None or newest <= slot.version or now - slot.last_fetch_try < 2.0:
+            best = max((v[slot.index] for v in self.peer_anchors if len(v) > slot.index),
+                       key=lambda r: anchor_order(*r), default=slot.rank)
+            if slot.inflight is not None or not is_ahead(best, slot.rank) or now - slot.last_fetch_try < 2.0:
                 continue
             slot.last_fetch_try = now
-            logger.info("fragment %d: we are at v%d, a peer is at v%d: fetching its anchor", slot.index, slot.version,
-                        newest)
-            slot.inflight = self.averaging[slot.index].fetch_state(min_version=newest)
+            what = "a fork: its anchor wins" if best[0] == slot.version else "fetching its anchor"
+            logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
+                        slot.anchor_hash, best[0], best[1], what)
+            slot.inflight = self.averaging[slot.index].fetch_state(slot.rank)
             slot.inflight_kind = "fetch"
 
     def apply_fetched(self, slot: FragmentSlot, fetched: FetchedState | None) -> None:
-        """Rebase our progress onto a downloaded anchor: ``theta <- new + (theta - old)``."""
-        if fetched is None or fetched.version <= slot.version:
+        """Rebase our progress onto a downloaded anchor: ``theta <- new + (theta - old)``. At equal versions
+        (a fork) the distance between the two anchors is our consensus distance."""
+        if fetched is None or not is_ahead((fetched.version, fetched.anchor_hash), slot.rank):
             self._event({"event": "resync", "fragment": slot.index, "outcome": "nothing newer",
                          "version": slot.version})
             return
+        fork = fetched.version == slot.version
         with slot.lock, torch.no_grad():
+            if fork:
+                slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
             outer.rebase({n: self.params[n] for n in slot.names}, slot.anchor, fetched.anchor)
-            old = slot.version
+            old, old_hash = slot.version, slot.anchor_hash
             slot.anchor = fetched.anchor
             slot.state = outer.OuterState(momentum=fetched.momentum, version=fetched.version)
             slot.anchor_hash = fetched.anchor_hash
         slot.resynced += 1
-        self.averaging[slot.index].set_version(slot.version)
-        self._event({"event": "resync", "fragment": slot.index, "outcome": "rebased", "version": old,
-                     "version_after": slot.version, "anchor_hash": slot.anchor_hash})
-        logger.info("fragment %d: rebased from v%d onto v%d (%s)", slot.index, old, slot.version, slot.anchor_hash)
+        slot.forks_healed += fork
+        self.averaging[slot.index].set_anchor(*slot.rank)
+        extra = {"consensus_distance": slot.consensus_distance} if fork else {}
+        self._event({"event": "resync", "fragment": slot.index, "outcome": "fork healed" if fork else "rebased",
+                     "version": old, "version_after": slot.version, "anchor_hash_before": old_hash,
+                     "anchor_hash": slot.anchor_hash, **extra})
+        logger.info("fragment %d: rebased from v%d (%s) onto v%d (%s)%s", slot.index, old, old_hash, slot.version,
+                    slot.anchor_hash, f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
 
     # -------------------------------------------------------------- the end
 
@@ -370,9 +392,9 @@ class Learner:
             self.collect(min_age_steps=0)
 
     def _peers_settled(self) -> bool:
-        ours = [s.version for s in self.slots]
+        ours = [s.rank for s in self.slots]
         return all(state == "leaving" for state in self.peer_states) and all(
-            list(v) == ours for v in self.peer_versions)
+            list(v) == ours for v in self.peer_anchors)
 
     # -------------------------------------------------------------- reporting
 
@@ -403,7 +425,9 @@ class Learner:
             "steps": self.step, "tokens": self.tokens, "versions": [s.version for s in self.slots],
             "anchor_hashes": [s.anchor_hash for s in self.slots],
             "committed": [s.committed for s in self.slots], "discarded": [s.discarded for s in self.slots],
-            "resynced": [s.resynced for s in self.slots], "busy_skips": [s.busy_skips for s in self.slots],
+            "resynced": [s.resynced for s in self.slots], "forks_healed": [s.forks_healed for s in self.slots],
+            "consensus_distance": [s.consensus_distance for s in self.slots],
+            "busy_skips": [s.busy_skips for s in self.slots],
             "eval_loss_start": eval_start, "eval_loss_end": eval_end,
             "train_s": round(train_s, 3), "stepping_s": round(self.stepping_s, 3), "blocked_s": round(self.blocked_s, 4),
             "blocked_share": self.blocked_s / train_s if train_s > 0 else 0.0,
@@ -434,7 +458,9 @@ class Learner:
             sent = sum(a.bytes_total()[0] for a in self.averaging)
             received = sum(a.bytes_total()[1] for a in self.averaging)
             publisher.update(inner_step=self.step, tokens=self.tokens, tokens_per_s=tokens_per_s,
-                             fragment_versions=tuple(s.version for s in self.slots), bytes_sent=sent,
+                             fragment_versions=tuple(s.version for s in self.slots),
+                             anchor_hashes=tuple(s.anchor_hash for s in self.slots),
+                             consensus_distance=tuple(s.consensus_distance for s in self.slots), bytes_sent=sent,
                              bytes_received=received,
                              loss=self.loss if self.loss is not None and math.isfinite(self.loss) else None)
             publisher.beat()
@@ -446,7 +472,8 @@ class Learner:
             others = [v.record for v in snapshot.live()
                       if isinstance(v.record, PeerRecord) and v.peer_id != self.joined.peer_id
                       and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == len(self.slots)]
-            self.peer_versions = [list(r.fragment_versions) for r in others]
+            self.peer_anchors = [list(zip(r.fragment_versions, r.anchor_hashes)) for r in others
+                                 if len(r.anchor_hashes) == len(r.fragment_versions)]
             self.peer_states = [r.state for r in others]
             self.live_learners = 1 + len(others)
 

@@ -79,6 +79,11 @@ class PeerRecord:
     tokens_per_s: float = 0.0
     fragment_versions: tuple[int, ...] = ()
     """Outer-step count of each fragment's anchor, by fragment index."""
+    anchor_hashes: tuple[str, ...] = ()
+    """Hash of each fragment's anchor (16 hex digits; equal iff bit-identical), by fragment index."""
+    consensus_distance: tuple[float, ...] = ()
+    """Per fragment, ``||ours - theirs|| / ||theirs||`` of the last fork we healed (two anchors at the same
+    version); 0.0 until one was seen."""
     last_sync_time: float = 0.0
     """DHT time of the last completed fragment sync; 0 = never."""
     bytes_sent: int = 0
@@ -95,6 +100,8 @@ class PeerRecord:
         d = asdict(self)
         d["addresses"] = list(self.addresses)
         d["fragment_versions"] = list(self.fragment_versions)
+        d["anchor_hashes"] = list(self.anchor_hashes)
+        d["consensus_distance"] = [float(x) for x in self.consensus_distance]
         for k in ("tokens_per_s", "last_sync_time", "time", "ttl_s"):
             d[k] = float(d[k])
         if self.loss is not None:
@@ -112,7 +119,8 @@ class PeerRecord:
             raise ValueError(f"invalid peer record: {_first_error(e)}") from None
         d = m.dict()
         d["addresses"] = tuple(d["addresses"])
-        d["fragment_versions"] = tuple(d["fragment_versions"])
+        for k in ("fragment_versions", "anchor_hashes", "consensus_distance"):
+            d[k] = tuple(d[k])
         return cls(**d)
 
 
@@ -194,6 +202,8 @@ class PeerRecordModel(BaseModel):
     tokens: _NonNegInt
     tokens_per_s: _NonNegFloat
     fragment_versions: conlist(_NonNegInt, max_items=MAX_FRAGMENTS)
+    anchor_hashes: conlist(constr(strict=True, regex=r"^[0-9a-f]{0,16}$"), max_items=MAX_FRAGMENTS)
+    consensus_distance: conlist(_NonNegFloat, max_items=MAX_FRAGMENTS)
     last_sync_time: _NonNegFloat
     bytes_sent: _NonNegInt
     bytes_received: _NonNegInt
@@ -372,6 +382,10 @@ class FragmentConsensus:
     top_version: int
     agreeing: int
     """Live peers at ``top_version`` (the most common one; ties go to the newer version)."""
+    anchors: int = 0
+    """Distinct anchor hashes among the live peers at ``top_version`` (> 1: a fork not yet healed)."""
+    distance: float = 0.0
+    """Largest consensus distance a live peer reports for this fragment (its last healed fork)."""
 
 
 @dataclass(frozen=True)
@@ -382,7 +396,7 @@ class SwarmSummary:
     tokens_per_s: float
     fragments: tuple[FragmentConsensus, ...]
     consensus: bool
-    """Every live peer reports the same version for every fragment."""
+    """Every live peer reports the same version and the same anchor hash for every fragment."""
     states: dict[str, int]
     left: tuple[tuple[str, str, float], ...]
     """(name, peer id, DHT time of leaving), newest first."""
@@ -402,8 +416,12 @@ def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
     for f in range(n_frag):
         counts = Counter(r.fragment_versions[f] for r in live if len(r.fragment_versions) > f)
         top, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-        frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing))
-    consensus = all(fc.agreeing == len(live) for fc in frags)
+        anchors = {r.anchor_hashes[f] for r in live if len(r.fragment_versions) > f and r.fragment_versions[f] == top
+                   and len(r.anchor_hashes) > f}
+        distance = max((r.consensus_distance[f] for r in live if len(r.consensus_distance) > f), default=0.0)
+        frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing,
+                                       len(anchors), distance))
+    consensus = all(fc.agreeing == len(live) and fc.anchors <= 1 for fc in frags)
     left = sorted(((v.record.name, v.peer_id, v.record.time) for v in views if v.status == "left"),
                   key=lambda t: -t[2])
     foreign = tuple((v.record.name, v.peer_id, v.reason) for v in views if v.status == "foreign")

@@ -386,7 +386,12 @@ HEADER = ["name", "peer", "state", "step", "tokens", "tok/s", "fragments", "last
 
 def _summary_lines(data: dict[str, Any]) -> list[str]:
     s = data["summary"]
-    frag = " ".join(f"f{f['fragment']}=v{f['top_version']}({f['agreeing']}/{s['live']})" for f in s["fragments"]) or "-"
+    def one(f: dict[str, Any]) -> str:
+        fork = f" {f['anchors']} anchors" if f.get("anchors", 0) > 1 else ""
+        dist = f" dist {f['distance']:.1e}" if f.get("distance", 0.0) > 0 else ""
+        return f"f{f['fragment']}=v{f['top_version']}({f['agreeing']}/{s['live']}{fork}{dist})"
+
+    frag = " ".join(one(f) for f in s["fragments"]) or "-"
     lines = [
         f"run {data['run_id']}: {s['live']} live peers, {s['tokens_per_s']:.0f} tokens/s, {s['tokens']} tokens; "
         f"fragments {frag}; consensus {'yes' if s['consensus'] else 'NO'}",

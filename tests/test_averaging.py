@@ -99,6 +99,7 @@ def test_clock_schedule_meets_at_the_same_instants_whatever_the_speed() -> None:
 
 def test_version_bits_and_prefix() -> None:
     assert version_group_bits(0) == "00000000" and version_group_bits(257) == "00000001"
+    assert version_group_bits(3, "a0") == "00000011" + "1010"  # + the anchor's first hex digit: forks do not meet
     assert "." not in averager_prefix("run.v2", 3)
 
 
@@ -108,18 +109,21 @@ def test_state_payload_roundtrip_and_validation() -> None:
     momentum = {"a": torch.randn(3, 4), "b": torch.randn(5)}
     shapes = {n: t.shape for n, t in anchor.items()}
     meta_, tensors = state_payload(1, 7, anchor, momentum, names)
-    got = parse_state(meta_, tensors, 1, names, shapes, min_version=5)
+    got = parse_state(meta_, tensors, 1, names, shapes, ours=(5, "f" * 16))
     assert got is not None and got.version == 7 and got.anchor_hash == anchor_hash(anchor)
     assert all(torch.equal(got.anchor[n], anchor[n]) and torch.equal(got.momentum[n], momentum[n]) for n in names)
-    assert parse_state(meta_, tensors, 1, names, shapes, min_version=8) is None  # not newer
+    assert parse_state(meta_, tensors, 1, names, shapes, ours=(8, "f" * 16)) is None  # not newer
+    assert parse_state(meta_, tensors, 1, names, shapes, ours=(7, anchor_hash(anchor))) is None  # the same anchor
+    assert parse_state(meta_, tensors, 1, names, shapes, ours=(7, "0" * 16)) is None  # a fork we win
+    assert parse_state(meta_, tensors, 1, names, shapes, ours=(7, "f" * 16)) is not None  # a fork we lose
     with pytest.raises(ValueError, match="anchor hash"):
-        parse_state({**meta_, "anchor": "0" * 16}, tensors, 1, names, shapes, 5)
+        parse_state({**meta_, "anchor": "0" * 16}, tensors, 1, names, shapes, (5, ""))
     with pytest.raises(ValueError, match="not finite"):
-        parse_state(meta_, [tensors[0] * math.nan, *tensors[1:]], 1, names, shapes, 5)
+        parse_state(meta_, [tensors[0] * math.nan, *tensors[1:]], 1, names, shapes, (5, ""))
     with pytest.raises(ValueError, match="fragment 2"):
-        parse_state(meta_, tensors, 2, names, shapes, 5)
+        parse_state(meta_, tensors, 2, names, shapes, (5, ""))
     fresh = state_payload(1, 0, anchor, {}, names)  # version 0: no momentum yet
-    assert parse_state(*fresh, 1, names, shapes, 0).momentum == {}  # type: ignore[union-attr]
+    assert parse_state(*fresh, 1, names, shapes, (0, "f" * 16)).momentum == {}  # type: ignore[union-attr]
 
 
 def test_anchor_hash_is_bit_exact() -> None:
@@ -151,3 +155,21 @@ def test_start_instant_is_the_same_for_everyone_who_saw_the_first_proposals() ->
     assert start_instant({"a": 10.0, "b": 11.5}, 3) is None
     assert start_instant({"a": 10.0, "b": 11.5, "c": 10.7}, 3) == 11.5
     assert start_instant({"a": 10.0, "b": 11.5, "c": 10.7, "late": 30.0}, 3) == 11.5  # a 4th does not move it
+
+
+def test_anchor_order_heals_forks_the_same_way_everywhere() -> None:
+    from p2p_diloco.averaging import anchor_order, is_ahead, relative_distance, sharing_priority
+
+    a, b = "0123456789abcdef", "fedcba9876543210"  # a fork at v5: the smaller hash wins
+    assert is_ahead((5, a), (5, b)) and not is_ahead((5, b), (5, a))
+    assert not is_ahead((5, a), (5, a))  # the same anchor is not ahead
+    assert is_ahead((6, b), (5, a)) and not is_ahead((4, a), (5, b))  # a newer version always wins
+    ranked = sorted([(5, b), (6, b), (5, a), (4, a)], key=lambda r: anchor_order(*r), reverse=True)
+    assert ranked == [(6, b), (5, a), (5, b), (4, a)]
+    # hivemind tries donors by descending priority: the same order, and within a version's [v, v+1)
+    assert sharing_priority(6, b) > sharing_priority(5, a) > sharing_priority(5, b) >= 5.0
+    assert sharing_priority(5, "0" * 16) < 6.0 and sharing_priority(5, "") == 5.0
+    x = {"w": torch.ones(4), "b": torch.zeros(2)}
+    y = {"w": torch.ones(4) * 1.1, "b": torch.zeros(2)}
+    assert relative_distance(x, x) == 0.0
+    assert math.isclose(relative_distance(y, x), 0.1, rel_tol=1e-6)

@@ -177,3 +177,35 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
     assert sum(s["committed"]) >= 1, s
     assert {e["fragment"] for e in resyncs} == {0, 1} and all(e["version"] == 0 for e in resyncs[:2])
     assert len({tuple(f["anchor_hashes"]) for f in finals.values()}) == 1, finals
+
+
+def test_forks_heal_to_one_anchor(tmp_path: Path) -> None:
+    """Groups capped at 2 split 4 due learners into two groups that each commit the same version from the
+    same anchor: a fork every round. The losing side (larger anchor hash) downloads the winner's anchor and
+    rebases; the distance between the two is published as consensus distance; all end on one anchor."""
+    profile = write_profile(tmp_path, "paced")
+    names = ("k0", "k1", "k2", "k3")
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(profile), "--shard", str(i),
+                                     "--num-shards", "4", "--wait-peers", "4", "--linger", "20",
+                                     "--set", "averaging.target_group_size=2")
+                    for i, n in enumerate(names)}
+        finals = {n: final_summary(p) for n, p in learners.items()}
+        for p in learners.values():
+            assert p.wait_exit(30) == 0, p.output()
+
+    healed = [e for n in names for e in events(tmp_path / f"{n}.jsonl")
+              if e["event"] == "resync" and e["outcome"] == "fork healed"]
+    for n, s in finals.items():
+        print(f"\n{n}: committed {s['committed']} discarded {s['discarded']} forks healed {s['forks_healed']} "
+              f"consensus distance {s['consensus_distance']} eval {s['eval_loss_start']:.3f} -> {s['eval_loss_end']:.3f}")
+        assert sum(s["committed"]) >= 4, s
+    print(f"{len(healed)} forks healed; distances {sorted(round(e['consensus_distance'], 5) for e in healed)}")
+    assert healed, "no fork was healed (groups capped at 2 should have forked)"
+    for e in healed:  # the loser adopted a winning anchor of the same version
+        assert e["version"] == e["version_after"] and e["anchor_hash"] < e["anchor_hash_before"], e
+        assert e["consensus_distance"] > 0, e
+    assert any(max(s["consensus_distance"]) > 0 for s in finals.values())
+    assert len({tuple(s["versions"]) for s in finals.values()}) == 1, finals
+    assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals

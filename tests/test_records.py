@@ -39,7 +39,8 @@ def rec(name: str, **kw: Any) -> PeerRecord:
 
 
 def test_wire_roundtrip_and_nan_loss() -> None:
-    r = rec("a", loss=2.5, addresses=("/ip4/127.0.0.1/tcp/1/p2p/Qma",), last_sync_time=5.0)
+    r = rec("a", loss=2.5, addresses=("/ip4/127.0.0.1/tcp/1/p2p/Qma",), last_sync_time=5.0,
+            anchor_hashes=("0123456789abcdef", "fedcba9876543210"), consensus_distance=(0.0, 0.25))
     assert PeerRecord.from_wire(r.to_wire()) == r
     wire = rec("a", loss=float("nan")).to_wire()
     assert wire["loss"] is None  # NaN != NaN would make every node reject the record
@@ -49,7 +50,8 @@ def test_wire_roundtrip_and_nan_loss() -> None:
 @pytest.mark.parametrize("change", [
     {"tokens": 1.0}, {"tokens": "1"}, {"tokens": -1}, {"tokens_per_s": 1}, {"state": "bogus"},
     {"fragment_versions": ["1"]}, {"fragment_versions": {0: 1}}, {"name": "x" * 65}, {"extra": 1},
-    {"loss": float("inf")}, {"ttl_s": 0.0},
+    {"loss": float("inf")}, {"ttl_s": 0.0}, {"anchor_hashes": ["XYZ"]}, {"anchor_hashes": ["0" * 17]},
+    {"consensus_distance": [-1.0]}, {"consensus_distance": [float("nan")]},
 ])
 def test_from_wire_is_strict(change: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="invalid peer record"):
@@ -148,6 +150,13 @@ def test_summarize() -> None:
     assert s.states == {"training": 2, "averaging": 1}
     assert s.left == (("d", "Qmd", NOW - 2),)
     assert [name for name, _, _ in s.foreign] == ["e"]
+    # a fork: same versions, two anchors for fragment 1 -> no consensus, and the distance is shown
+    forked = [(rec(n, fragment_versions=(3, 4), anchor_hashes=("aa", h), consensus_distance=(0.0, d)), NOW + 5)
+              for n, h, d in (("a", "b1", 0.0), ("b", "b1", 0.0), ("c", "c2", 0.03))]
+    s = summarize(classify(forked, LOCAL, NOW), "run-a")
+    assert [(f.anchors, f.distance) for f in s.fragments] == [(1, 0.0), (2, 0.03)] and s.consensus is False
+    healed = [(rec(n, fragment_versions=(3, 4), anchor_hashes=("aa", "b1")), NOW + 5) for n in "abc"]
+    assert summarize(classify(healed, LOCAL, NOW), "run-a").consensus is True
     empty = summarize([], "run-a")
     assert empty.live == 0 and empty.consensus is True and empty.fragments == ()
 
