@@ -256,25 +256,6 @@ def adapt_window(spreads_s: Sequence[float], cfg: AveragingConfig, history: int 
     return min(cfg.window_max_s, max(cfg.window_min_s, med + 2 * mad + cfg.request_timeout_s))
 
 
-def due_by_clock(previous_s: float, now_s: float, period_s: float, num_fragments: int) -> list[int]:
-    """Fragments whose round boundary (``k * period + f / F * period`` of DHT time, k >= 1) lies in
-    ``(previous_s, now_s]``: everyone alive meets at the same instants, whatever their speed."""
-    if period_s <= 0 or now_s <= previous_s:
-        return []
-    out = []
-    for f in range(num_fragments):
-        shift = f / num_fragments * period_s
-        if math.floor((now_s - shift) / period_s) > math.floor((previous_s - shift) / period_s):
-            out.append(f)
-    return out
-
-
-def clock_boundary(now_s: float, period_s: float, fragment: int, num_fragments: int) -> float:
-    """The latest round boundary of ``fragment`` at or before ``now_s`` (DHT time)."""
-    shift = fragment / num_fragments * period_s
-    return math.floor((now_s - shift) / period_s) * period_s + shift
-
-
 def start_instant(proposals: Mapping[str, float], count: int) -> float | None:
     """The common start (DHT time) of ``count`` learners: the latest of the ``count`` earliest proposals,
     or None while fewer than ``count`` are in. Everyone who has read the same first ``count`` proposals
@@ -437,6 +418,8 @@ class FragmentAverager(DecentralizedAverager):
         self.report_subkey: bytes | None = report_subkey
         self.bytes_sent = mp.Value(ctypes.c_longlong, 0)
         self.bytes_received = mp.Value(ctypes.c_longlong, 0)
+        self.refused = mp.Value(ctypes.c_longlong, 0)
+        """Requests our handlers refused (non-members), counted in the averager process."""
         self.membership = membership
         self.state_provider = state_provider
         super().__init__(*args, **kwargs)
@@ -488,6 +471,8 @@ class FragmentAverager(DecentralizedAverager):
         loop = asyncio.get_event_loop()
         allowed = await loop.run_in_executor(None, self.membership.is_member, context.remote_id)
         if not allowed:
+            with self.refused.get_lock():
+                self.refused.value += 1
             logger.warning("refused %s from %s: not a member of the run", what, context.remote_id)
         return not allowed
 
@@ -717,6 +702,10 @@ class FragmentAveraging:
         """Advertise our anchor's rank as state-sharing priority (donors ahead in :func:`anchor_order` first)."""
         if self.averager.allow_state_sharing:
             self.averager.state_sharing_priority = sharing_priority(version, anchor)
+
+    def refusals(self) -> int:
+        """Requests from non-members that our handlers refused so far."""
+        return int(self.averager.refused.value)
 
     def bytes_total(self) -> tuple[int, int]:
         return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)

@@ -69,6 +69,7 @@ class InnerConfig:
 MERGES = ("mean", "radial")
 WEIGHTINGS = ("uniform", "tokens", "tokens2")
 CODECS = ("fp32", "fp16", "int8", "int4")
+SCHEDULES = ("clock", "steps")
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,12 @@ class AveragingConfig:
                                  "commits only if every member reported success in time.")
     state_timeout_s: float = _f(15.0, "Upper bound on downloading a fragment's anchor and outer state from a peer.")
     shutdown_timeout_s: float = _f(5.0, "How long an averager process may take to shut down.")
-    sync_period_s: float = _f(0.0, "Swarm-clock schedule: fragment f is due every sync_period_s of DHT time, offset by "
-                              "f/F of a period (0 = due by the learner's own step count, outer.sync_every).")
+    schedule: str = _f("clock", "When a fragment is due in a networked run: 'clock' (at instants of the swarm's DHT "
+                       "clock, the same for everyone: learners of any speed meet) or 'steps' (every outer.sync_every "
+                       "of the learner's own steps, as in the simulator: for homogeneous, paced runs).")
+    sync_period_s: float = _f(0.0, "Clock schedule: fragment f is due every sync_period_s of DHT time, offset by f/F of "
+                              "a period; 0 = derived: outer.sync_every x the live learners' median step time, chosen "
+                              "by one learner and published in the DHT.")
     record_ttl_s: float = _f(10.0, "Lifetime of the learner's peer record; republished every ttl/3.")
 
 
@@ -329,9 +334,12 @@ def validate(cfg: Config) -> None:
     _require(a.state_timeout_s > 0, "averaging.state_timeout_s", f"must be > 0, got {a.state_timeout_s}")
     _require(a.commit_timeout_s > 0, "averaging.commit_timeout_s", f"must be > 0, got {a.commit_timeout_s}")
     _require(a.shutdown_timeout_s > 0, "averaging.shutdown_timeout_s", f"must be > 0, got {a.shutdown_timeout_s}")
+    _require(a.schedule in SCHEDULES, "averaging.schedule", f"must be one of {', '.join(SCHEDULES)}, got {a.schedule!r}")
     _require(a.sync_period_s == 0 or a.sync_period_s > a.window_max_s, "averaging.sync_period_s",
              f"must be 0 or exceed averaging.window_max_s={a.window_max_s} (a round must fit in a period), "
              f"got {a.sync_period_s}")
+    _require(a.sync_period_s == 0 or a.schedule == "clock", "averaging.sync_period_s",
+             f"is only used with averaging.schedule = \"clock\" (schedule is {a.schedule!r}); set one or the other")
     _require(a.record_ttl_s > 0, "averaging.record_ttl_s", f"must be > 0, got {a.record_ttl_s}")
 
 

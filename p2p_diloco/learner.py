@@ -3,7 +3,9 @@
 Decoupled DiLoCo (arXiv 2604.21428) without its syncer. The loop below reads top to bottom:
 
 1. one inner AdamW step on this learner's shard (padded to the profile's speed);
-2. which fragments are due (by our step count, or by the swarm's DHT clock);
+2. which fragments are due: at instants of the swarm's DHT clock (:mod:`p2p_diloco.clock`; its
+   period fixed, or derived from the learners' step times and published by one of them), or by
+   our own step count;
 3. hand each due fragment's encoded pseudo-gradient ``anchor - theta`` to its averager -- a
    background round, never waited for;
 4. apply what came back: a committed round moves the anchor by the outer Nesterov step and is
@@ -41,8 +43,9 @@ import torch
 from p2p_diloco import data, fragments, outer
 from p2p_diloco.averaging import (
     Contribution, FetchedState, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
-    clock_boundary, due_by_clock, is_ahead, relative_distance, state_payload,
+    is_ahead, relative_distance, state_payload,
 )
+from p2p_diloco.clock import SyncClock
 from p2p_diloco.config import Config, config_hash
 from p2p_diloco.model import build_model
 from p2p_diloco.inner import build_optimizer, train_step
@@ -51,6 +54,14 @@ logger = logging.getLogger(__name__)
 
 START_MARGIN_S = 2.0
 """How far ahead a learner proposes the common start (covers DHT propagation of the proposals)."""
+CLOCK_START_MARGIN_S = 3.0
+"""A newly derived sync clock starts this far in the future (everyone reads it within a status period or two)."""
+CLOCK_WARMUP_STEPS = 3
+"""The clock leader derives a period only after this many of its own steps (step times are measured)."""
+CLOCK_REPUBLISH_S = 60.0
+"""The clock leader re-stores the current clock this often (it expires after ``clock.CLOCK_TTL_S``)."""
+SPEED_WINDOW_S = 10.0
+"""Published tokens/s are measured over this much recent wall time (one status period is too noisy)."""
 LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
 """Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
 
@@ -199,6 +210,11 @@ class Learner:
         self._stop_status = threading.Event()
         self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
         self._last_clock = self._dht_time()
+        a = cfg.averaging
+        self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
+        self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
+        self._clock_published_at = -math.inf
+        self.training = False
 
     # -------------------------------------------------------------- the loop
 
@@ -208,6 +224,7 @@ class Learner:
         eval_start = self.evaluate_anchors()
         self._set_state("training")
         self.t_start = time.monotonic()
+        self.training = True
         self._last_clock = self._dht_time()  # boundaries passed while waiting for peers are not due
         while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time():
             self.loss = self.inner_step()
@@ -217,6 +234,7 @@ class Learner:
                 for f in self.due_fragments():
                     self.hand_off(self.slots[f])
         train_s = time.monotonic() - self.t_start
+        self.training = False  # the clock is tended by learners that train
         self.finish(stop)
         return self.summary(eval_start, self.evaluate_anchors(), train_s)
 
@@ -238,14 +256,13 @@ class Learner:
         return loss
 
     def due_fragments(self) -> list[int]:
-        """Fragments due now: on the swarm clock if ``averaging.sync_period_s`` is set, else by our step count."""
-        period = self.cfg.averaging.sync_period_s
-        if period <= 0:
+        """Fragments due now: at the swarm clock's boundaries (none until a derived clock is known), or by
+        our step count (``averaging.schedule = "steps"``)."""
+        if self.cfg.averaging.schedule == "steps":
             return self.schedule.due(self.step)
         now = self._dht_time()
-        due = due_by_clock(self._last_clock, now, period, len(self.slots))
-        self._last_clock = now
-        return due
+        clock, self._last_clock, previous = self.clock, now, self._last_clock
+        return clock.due(previous, now, len(self.slots)) if clock is not None else []
 
     def hand_off(self, slot: FragmentSlot) -> None:
         """Start a background round with this fragment's pseudo-gradient (never waits for it)."""
@@ -259,9 +276,10 @@ class Learner:
             delta = {n: slot.anchor[n] - self.params[n].detach() for n in slot.names}
         sent, norms = outer.encode_contribution(delta, o.merge)
         now = self._dht_time()
-        if a.sync_period_s > 0:  # everyone due at this boundary starts at the same instant
-            scheduled = clock_boundary(now, a.sync_period_s, slot.index, len(self.slots)) + self.window_s
-            scheduled = max(scheduled, now + a.request_timeout_s)
+        clock = self.clock if a.schedule == "clock" else None
+        if clock is not None:  # everyone due at this boundary starts at the same instant
+            boundary = clock.boundary(now, slot.index, len(self.slots))
+            scheduled = max((boundary if boundary <= now else now) + self.window_s, now + a.request_timeout_s)
         else:
             scheduled = now + self.window_s
         meta = RoundMeta(fragment=slot.index, version=slot.version, anchor=slot.anchor_hash, config=self.local.config_hash,
@@ -433,6 +451,7 @@ class Learner:
             "blocked_share": self.blocked_s / train_s if train_s > 0 else 0.0,
             "utilization": self.stepping_s / train_s if train_s > 0 else 0.0,
             "bytes_sent": sent, "bytes_received": received, "window_s": round(self.window_s, 3),
+            "schedule": self.cfg.averaging.schedule, "sync_period_s": self.clock.period_s if self.clock else None,
         }
 
     def _event(self, record: dict[str, Any]) -> None:
@@ -450,11 +469,17 @@ class Learner:
         from p2p_diloco.swarm import read_swarm
 
         publisher = self.joined.publisher
-        last_tokens, last_t = 0, time.monotonic()
+        seen: list[tuple[float, int]] = [(time.monotonic(), 0)]  # (time, tokens) over the last SPEED_WINDOW_S
+        was_training = False
         while not self._stop_status.wait(self.opts.status_period_s):
             now = time.monotonic()
-            tokens_per_s = max(0.0, (self.tokens - last_tokens) / max(1e-6, now - last_t))
-            last_tokens, last_t = self.tokens, now
+            if self.training and not was_training:  # waiting for peers is no step time
+                seen = [(self.t_start, 0)]
+            was_training = self.training
+            seen.append((now, self.tokens))
+            while len(seen) > 2 and now - seen[1][0] >= SPEED_WINDOW_S:
+                seen.pop(0)
+            tokens_per_s = max(0.0, (seen[-1][1] - seen[0][1]) / max(1e-6, seen[-1][0] - seen[0][0]))
             sent = sum(a.bytes_total()[0] for a in self.averaging)
             received = sum(a.bytes_total()[1] for a in self.averaging)
             publisher.update(inner_step=self.step, tokens=self.tokens, tokens_per_s=tokens_per_s,
@@ -476,6 +501,49 @@ class Learner:
                                  if len(r.anchor_hashes) == len(r.fragment_versions)]
             self.peer_states = [r.state for r in others]
             self.live_learners = 1 + len(others)
+            if self.auto_clock and self.training:
+                self._tend_clock(tokens_per_s, others)
+
+    def _tend_clock(self, own_tokens_per_s: float, others: list[Any]) -> None:
+        """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
+        id among the training learners), derive the period from everyone's step time and publish it when
+        it is off (or missing), and keep it alive in the DHT."""
+        from p2p_diloco.clock import clock_leader, derive_period, needs_retune, publish_clock, read_clock
+        from p2p_diloco.clock import step_times_from_tokens
+        from p2p_diloco.swarm import owner_subkey
+
+        run_id = self.local.run_id
+        try:
+            published = read_clock(self.joined.dht, run_id)
+        except Exception:  # a DHT hiccup: keep the clock we have, log it whole, try again next period
+            logger.exception("reading the sync clock failed")
+            return
+        if published is not None and (self.clock is None or published.origin > self.clock.origin):
+            if self.clock is None or published.period_s != self.clock.period_s:
+                logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
+            self.clock = published
+        training = [r for r in others if r.state in ("joining", "training", "averaging")]
+        if clock_leader([self.joined.peer_id, *(r.peer_id for r in training)]) != self.joined.peer_id:
+            return
+        if self.step < CLOCK_WARMUP_STEPS or own_tokens_per_s <= 0:
+            return
+        a, tokens_per_step = self.cfg.averaging, self.cfg.inner.batch_size * self.cfg.model.block_size
+        times = step_times_from_tokens([own_tokens_per_s, *(r.tokens_per_s for r in training)], tokens_per_step)
+        period = derive_period(times, self.cfg.outer.sync_every, min_period_s=2 * a.window_max_s)
+        now, wall = self._dht_time(), time.monotonic()
+        clock = self.clock
+        if period is not None and needs_retune(clock, period):
+            clock = SyncClock(period, origin=now + CLOCK_START_MARGIN_S)
+            logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
+                        "%.1f", period, self.cfg.outer.sync_every, period / self.cfg.outer.sync_every, len(times),
+                        clock.origin)
+            self._event({"event": "clock", "period_s": period, "origin": clock.origin, "learners": len(times)})
+        elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
+            return
+        if publish_clock(self.joined.dht, run_id, clock, owner_subkey(self.joined.private_key), now):
+            self.clock, self._clock_published_at = clock, wall
+        else:
+            logger.warning("publishing the sync clock was not accepted by any DHT node; retrying next period")
 
     def wait_for_peers(self, stop: threading.Event) -> None:
         """Start together: wait until ``wait_peers`` learners (us included) are live, then agree on a start

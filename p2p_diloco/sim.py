@@ -150,19 +150,23 @@ def _butterfly_bytes(numel: int, group: int, codec: str, n_tensors: int, radial:
 class Simulator:
     """K learners and the shared anchors; :meth:`run` trains to the token budget and evaluates."""
 
-    def __init__(self, cfg: Config, splits: data.Splits, events: Sequence[Event] = (), eval_points: int = 10) -> None:
+    def __init__(self, cfg: Config, splits: data.Splits, events: Sequence[Event] = (), eval_points: int = 10,
+                 stop_after_ticks: int = 0) -> None:
+        """``stop_after_ticks`` > 0 ends the run early (the LR schedule still spans ``inner.total_steps``):
+        what a time-limited networked run does, for comparisons at equal tokens."""
         self.cfg = cfg
         o, k = cfg.outer, cfg.sim.learners
         speeds = list(cfg.sim.speeds) or [1.0] * k
         # equal tokens whatever the speeds: run until K * total_steps inner steps are done in all
-        self.ticks = math.ceil(k * cfg.inner.total_steps / sum(speeds))
+        self.schedule_ticks = math.ceil(k * cfg.inner.total_steps / sum(speeds))
+        self.ticks = min(self.schedule_ticks, stop_after_ticks) if stop_after_ticks > 0 else self.schedule_ticks
         self.global_model = build_model(cfg.model, cfg.run.seed)
         self.anchor = {n: p.detach() for n, p in self.global_model.named_parameters()}
         sizes = {n: p.numel() for n, p in self.anchor.items()}
         self.fragments = fragments.make_fragments(sizes, o.fragments)
         self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
         self.outer_states = [outer.OuterState() for _ in self.fragments]
-        self.learners = [_Learner(i, cfg, splits.shards[i], speeds[i], max(1, round(self.ticks * speeds[i])))
+        self.learners = [_Learner(i, cfg, splits.shards[i], speeds[i], max(1, round(self.schedule_ticks * speeds[i])))
                          for i in range(k)]
         self.events = sorted(events, key=lambda e: e.tick)
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)

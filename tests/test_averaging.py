@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from p2p_diloco.averaging import (
-    RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, clock_boundary, completeness_problem,
-    due_by_clock, parse_state, state_payload, version_group_bits,
+    RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem,
+    parse_state, state_payload, version_group_bits,
 )
 from p2p_diloco.config import AveragingConfig
 
@@ -86,15 +86,6 @@ def test_adaptive_window_follows_arrivals_within_bounds() -> None:
     assert adapt_window([0.1, 0.1, 0.1], cfg) == 1.0  # clamped below
     assert adapt_window([1.0, 1.2, 1.1, 30.0], cfg) == pytest.approx(1.15 + 2 * 0.1 + 0.5)  # one outlier: robust
     assert adapt_window([9.0] * 4, cfg) == 5.0  # clamped above
-
-
-def test_clock_schedule_meets_at_the_same_instants_whatever_the_speed() -> None:
-    period, frags = 10.0, 2
-    fast = [f for t in range(1, 100) for f in due_by_clock(t - 1 + 0.5, t + 0.5, period, frags)]
-    slow = [f for t in range(1, 34) for f in due_by_clock(3 * (t - 1) + 0.5, 3 * t + 0.5, period, frags)]
-    assert fast.count(0) == slow.count(0) == 9 and fast.count(1) == slow.count(1) == 10  # (0.5, 99.5]
-    assert clock_boundary(27.0, period, 0, frags) == 20.0 and clock_boundary(27.0, period, 1, frags) == 25.0
-    assert due_by_clock(5.0, 5.0, period, frags) == [] and due_by_clock(0.0, 10.0, 0.0, frags) == []
 
 
 def test_version_bits_and_prefix() -> None:

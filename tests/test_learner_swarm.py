@@ -4,8 +4,9 @@
    after the last round all members of the last group of each fragment hold bit-identical anchors
    (int4 codec: the exact all-reduce gives every member the same bytes); the anchors' eval loss
    goes down; the inner loop is almost never blocked.
-2. A 3x slower learner (swarm-clock schedule): its weight share equals its token share (+-20%)
-   and the fast learners are never blocked waiting for it.
+2. A 3x slower learner (swarm-clock schedule, the period derived by one learner and published in the
+   DHT): its weight share equals its token share (+-20%) and the fast learners are never blocked
+   waiting for it.
 3. A late joiner: behind on every fragment, it downloads anchor + outer state, rebases, and ends
    with the same anchors as the others.
 
@@ -108,8 +109,10 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""
     fast = write_profile(tmp_path, "fast")
     slow = write_profile(tmp_path, "slow", slowdown=3.0)
-    clock = ("--set", "averaging.sync_period_s=4.0", "--set", "averaging.window_max_s=3.0", "--set",
-             "inner.total_steps=200", "--steps", "100000", "--max-time", "20", "--wait-peers", "3", "--linger", "15")
+    # the derived clock: H (10) x the median step time (0.1 s) is below the floor of 2 x window_max_s = 4 s
+    clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
+             "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--steps", "100000", "--max-time", "20",
+             "--wait-peers", "3", "--linger", "15")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(prof), "--shard", str(i), *clock)
@@ -136,6 +139,11 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
         else:  # the fast ones never wait for the slow one
             assert s["blocked_share"] < 0.02, s
     assert finals["s"]["tokens"] < 0.5 * finals["f0"]["tokens"]
+    # one learner (the smallest peer id) derived the clock; everyone ran on it
+    leaders = [n for n in finals if any(e["event"] == "clock" for e in events(tmp_path / f"{n}.jsonl"))]
+    leader = min(finals, key=lambda n: finals[n]["peer_id"])
+    assert leaders == [leader], (leaders, leader)
+    assert {s["sync_period_s"] for s in finals.values()} == {4.0}, finals
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
 
 
@@ -143,8 +151,8 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
     """A learner joining a running swarm is behind on every fragment: it downloads the current anchor and
     outer state from a peer, rebases onto it, then takes part in rounds; all end with identical anchors."""
     profile = write_profile(tmp_path, "paced")
-    clock = ("--set", "averaging.sync_period_s=4.0", "--set", "averaging.window_max_s=3.0", "--set",
-             "inner.total_steps=300", "--steps", "100000", "--profile", str(profile), "--linger", "15")
+    clock = ("--set", "averaging.schedule=clock", "--set", "averaging.sync_period_s=4.0", "--set",
+             "averaging.window_max_s=3.0", "--set", "inner.total_steps=300", "--steps", "100000", "--profile", str(profile), "--linger", "15")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         early = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--wait-peers", "2",

@@ -48,6 +48,14 @@ def test_diloco_learns_and_saves_bytes(tiny: Config, splits: data.Splits) -> Non
     assert 60 < r.dp_fp32_bytes / r.bytes_sent < 80
 
 
+def test_stop_after_ticks_is_a_prefix_of_the_full_run(tiny: Config, splits: data.Splits) -> None:
+    """A time-limited networked run stops early with the LR schedule of the full run: so does the simulator."""
+    short = sim.Simulator(tiny, splits, stop_after_ticks=12).run()
+    assert short.tokens == tiny.sim.learners * 12 * tiny.inner.batch_size * tiny.model.block_size
+    assert all(m.total_steps == tiny.inner.total_steps for m in sim.Simulator(tiny, splits, stop_after_ticks=12).learners)
+    assert short.final_eval_loss < short.curve[0]["eval_loss"]
+
+
 def test_references(tiny: Config, splits: data.Splits) -> None:
     dp = sim.run(tiny, splits, "data-parallel")
     single = sim.run(tiny, splits, "single")

@@ -1,0 +1,129 @@
+"""The swarm's sync clock: when each fragment is due, in DHT time, the same instants for every learner.
+
+With a step-count schedule a fast and a slow learner are due at different moments and rarely meet
+(on a shared machine even "equal" learners drift apart by seconds). On the clock schedule fragment
+``f``'s round boundaries fall at ``origin + (k + f / F) * period`` of DHT time (k >= 1), so everyone
+alive meets at the same instant and a slower learner simply brings fewer tokens.
+
+The period is either fixed by the config (``averaging.sync_period_s``, origin 0) or *derived*: H
+(``outer.sync_every``) times the median step time of the live learners, read from their peer
+records. A derived clock is chosen by one learner -- the live learner with the smallest peer id --
+and published in the DHT under :func:`clock_key`; everyone adopts the newest published clock
+(largest origin). The leader re-derives it as the swarm changes and publishes a new one only when
+the period is off by more than :data:`RETUNE_TOLERANCE`; a new clock starts a little in the future
+(``origin``), so everyone switches at the same instant. If the leader leaves, the next smallest
+peer id takes over, starting from the clock already in the DHT.
+
+Everything here is pure except :func:`read_clock` / :func:`publish_clock` (a hivemind DHT).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+RETUNE_TOLERANCE = 0.25
+"""The leader publishes a new period only when the derived one differs from the current by more than this."""
+CLOCK_TTL_S = 600.0
+"""Lifetime of a published clock in the DHT; the leader re-stores it well before."""
+MAX_PERIOD_S = 24 * 3600.0
+
+
+def clock_key(run_id: str) -> str:
+    return f"{run_id}_sync_clock"
+
+
+@dataclass(frozen=True)
+class SyncClock:
+    """Round boundaries of fragment ``f``: ``origin + (k + f / F) * period_s`` of DHT time, ``k >= 1``."""
+
+    period_s: float
+    origin: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.period_s) and 0 < self.period_s <= MAX_PERIOD_S):
+            raise ValueError(f"sync clock period must be in (0, {MAX_PERIOD_S:g}] s, got {self.period_s!r}")
+        if not (math.isfinite(self.origin) and self.origin >= 0):
+            raise ValueError(f"sync clock origin must be a finite DHT time >= 0, got {self.origin!r}")
+
+    def _index(self, t: float, fragment: int, num_fragments: int) -> int:
+        """Number of boundaries of ``fragment`` at or before ``t`` (0 before the first)."""
+        shift = self.origin + fragment / num_fragments * self.period_s
+        return max(0, math.floor((t - shift) / self.period_s))
+
+    def due(self, previous_s: float, now_s: float, num_fragments: int) -> list[int]:
+        """Fragments with a boundary in ``(previous_s, now_s]``."""
+        if now_s <= previous_s:
+            return []
+        return [f for f in range(num_fragments)
+                if self._index(now_s, f, num_fragments) > self._index(previous_s, f, num_fragments)]
+
+    def boundary(self, now_s: float, fragment: int, num_fragments: int) -> float:
+        """The latest boundary of ``fragment`` at or before ``now_s`` (the first one if none has passed yet)."""
+        k = max(1, self._index(now_s, fragment, num_fragments))
+        return self.origin + (k + fragment / num_fragments) * self.period_s
+
+    def to_wire(self) -> dict[str, float]:
+        return {"period_s": float(self.period_s), "origin": float(self.origin)}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> SyncClock:
+        """Strict parse of a published clock; ``ValueError`` with a one-line reason."""
+        if not isinstance(value, Mapping) or set(value) != {"period_s", "origin"}:
+            raise ValueError(f"a sync clock must be {{'period_s', 'origin'}}, got {value!r}"[:200])
+        for k in ("period_s", "origin"):
+            if isinstance(value[k], bool) or not isinstance(value[k], (int, float)):
+                raise ValueError(f"sync clock {k} must be a number, got {value[k]!r}"[:200])
+        return cls(float(value["period_s"]), float(value["origin"]))
+
+
+def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float) -> float | None:
+    """H x the median step time of the live learners (None without any), at least ``min_period_s``."""
+    times = [t for t in step_times_s if math.isfinite(t) and t > 0]
+    if not times:
+        return None
+    return min(MAX_PERIOD_S, max(min_period_s, sync_every * statistics.median(times)))
+
+
+def needs_retune(current: SyncClock | None, period_s: float, tolerance: float = RETUNE_TOLERANCE) -> bool:
+    """Publish a new clock? Yes if there is none, or if its period is off by more than ``tolerance``."""
+    return current is None or abs(period_s / current.period_s - 1) > tolerance
+
+
+def clock_leader(peer_ids: Iterable[str]) -> str | None:
+    """Who derives and publishes the clock: the smallest peer id among the live learners."""
+    return min(peer_ids, default=None)
+
+
+def newest_clock(values: Iterable[Any]) -> SyncClock | None:
+    """The clock everyone adopts: the valid published clock with the largest origin (malformed ones skipped)."""
+    best: SyncClock | None = None
+    for value in values:
+        try:
+            clock = SyncClock.from_wire(value)
+        except ValueError:
+            continue
+        if best is None or (clock.origin, clock.period_s) > (best.origin, best.period_s):
+            best = clock
+    return best
+
+
+def read_clock(dht: Any, run_id: str) -> SyncClock | None:
+    """The newest clock published for ``run_id`` (None if none)."""
+    found = dht.get(clock_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    return newest_clock(item.value for item in found.value.values())
+
+
+def publish_clock(dht: Any, run_id: str, clock: SyncClock, subkey: bytes, now: float) -> bool:
+    """Store ``clock`` under our signed subkey; True if some DHT node accepted it."""
+    return bool(dht.store(clock_key(run_id), clock.to_wire(), now + CLOCK_TTL_S, subkey=subkey))
+
+
+def step_times_from_tokens(tokens_per_s: Sequence[float], tokens_per_step: int) -> list[float]:
+    """Step time of each learner from its published tokens/s (0 = not measured yet: skipped)."""
+    return [tokens_per_step / v for v in tokens_per_s if math.isfinite(v) and v > 0]

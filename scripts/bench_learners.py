@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""Networked learners against the simulator: a real swarm on 127.0.0.1, then the same run in-process.
+
+Starts a bootstrap peer and K ``p2p-diloco join`` learners (real processes, real hivemind DHT and
+all-reduce) for a fixed wall time on ``configs/demo.toml``, then runs the in-process simulator
+with the same config, learners, fragments and data shards for the same number of inner steps per
+learner (the median the learners reached), and compares the global model's held-out loss.
+
+Reported per learner: inner steps, utilization (time in inner steps / wall time), time the inner
+loop was blocked, rounds committed / discarded, forks healed, consensus distance, bytes. The
+swarm's figures are medians over learners.
+
+    python scripts/bench_learners.py                 # 4 learners x 10 minutes on demo.toml, then the simulator
+    python scripts/bench_learners.py --quick         # tiny.toml, 60 s: checks the pipeline, not the numbers
+    python scripts/bench_learners.py --replot        # rewrite learners.md / learners.png from learners.json
+
+Writes ``learners.json``, ``learners.md`` (the README's table) and ``learners.png`` into ``--out``;
+each learner's round events (JSONL) and log go to ``--out/logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+START_TIMEOUT_S = 120.0
+"""Bootstrap start and learners' first line: imports take 3-10 s on a busy 2-core machine."""
+FINISH_SLACK_S = 300.0
+"""After the training time: final rounds, linger, evaluation and exit."""
+PROGRESS_PERIOD_S = 30.0
+
+
+class Child:
+    """A ``p2p-diloco`` subcommand in its own process group; stdout lines are kept, stderr goes to a log file."""
+
+    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self._log = log.open("w")
+        self.popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli", *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                      start_new_session=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            seen = 0
+            while True:
+                for line in self.lines[seen:]:
+                    m = rx.search(line)
+                    if m:
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
+                    raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout_s:.0f} s "
+                                       f"(exit code {self.popen.poll()}); see {self._log.name}")
+                self._cond.wait(min(left, 1.0))
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)  # the CLI, its DHT process and its p2pd
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(timeout=10)
+        finally:
+            self._log.close()
+
+
+def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, logs: Path) -> dict[str, Any]:
+    """Bootstrap + ``learners`` learners for ``seconds`` of training; returns their ``final`` summaries."""
+    sets = [a for o in overrides for a in ("--set", o)]
+    children: list[Child] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench-learners-"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp))
+    try:
+        boot = Child("boot", ["bootstrap", "--identity", str(tmp / "boot.id"), "--config", config, *sets],
+                     logs / "boot.log", env)
+        children.append(boot)
+        peers = boot.wait_for(r"^initial peers: (\S+)", START_TIMEOUT_S).group(1)
+        names = [f"l{i}" for i in range(learners)]
+        for i, name in enumerate(names):
+            children.append(Child(name, [
+                "join", "--initial-peers", peers, "--config", config, *sets, "--name", name, "--shard", str(i),
+                "--num-shards", str(learners), "--wait-peers", str(learners), "--max-time", str(seconds),
+                "--linger", "30", "--events", str(logs / f"{name}.jsonl")], logs / f"{name}.log", env))
+        t0 = time.monotonic()
+        finals: dict[str, dict[str, Any]] = {}
+        deadline = t0 + START_TIMEOUT_S + seconds + FINISH_SLACK_S
+        next_report = t0 + PROGRESS_PERIOD_S
+        for child in children[1:]:
+            while child.name not in finals:
+                try:
+                    line = child.wait_for(r"^final (\{.*\})$", timeout_s=min(5.0, max(0.1, deadline - time.monotonic())))
+                    finals[child.name] = json.loads(line.group(1))
+                except RuntimeError:
+                    if time.monotonic() >= deadline or child.popen.poll() is not None:
+                        raise
+                if time.monotonic() >= next_report:
+                    next_report += PROGRESS_PERIOD_S
+                    _report_progress(names, logs, time.monotonic() - t0, seconds)
+        return {"finals": finals, "wall_s": time.monotonic() - t0}
+    finally:
+        for child in children:
+            child.kill()
+
+
+def _report_progress(names: list[str], logs: Path, elapsed_s: float, seconds: float) -> None:
+    parts = []
+    for name in names:
+        events = _events(logs / f"{name}.jsonl")
+        rounds = [e for e in events if e["event"] == "round"]
+        committed = sum(e["outcome"] == "committed" for e in rounds)
+        step = events[-1]["step"] if events else 0
+        parts.append(f"{name} step {step} rounds {committed}/{len(rounds)}")
+    print(f"[{elapsed_s:5.0f}/{seconds:.0f} s] " + "; ".join(parts), file=sys.stderr, flush=True)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+    return out
+
+
+def run_sim(config: str, overrides: list[str], learners: int, steps: int) -> dict[str, Any]:
+    from p2p_diloco import data
+    from p2p_diloco.config import load_config
+    from p2p_diloco.sim import Simulator
+
+    cfg = load_config(config, [*overrides, f"sim.learners={learners}"])
+    splits = data.split_corpus(data.load_corpus(cfg.data), learners, cfg.data.eval_fraction)
+    result = Simulator(cfg, splits, stop_after_ticks=steps).run(progress=True)
+    return result.summary() | {"curve": result.curve, "steps_per_learner": steps}
+
+
+def analyse(swarm: dict[str, Any], sim: dict[str, Any] | None) -> dict[str, Any]:
+    finals = list(swarm["finals"].values())
+    eval_end = statistics.median(f["eval_loss_end"] for f in finals)
+    out: dict[str, Any] = {
+        "learners": len(finals),
+        "median_utilization": statistics.median(f["utilization"] for f in finals),
+        "median_blocked_share": statistics.median(f["blocked_share"] for f in finals),
+        "median_steps": statistics.median(f["steps"] for f in finals),
+        "tokens": sum(f["tokens"] for f in finals),
+        "eval_loss_start": statistics.median(f["eval_loss_start"] for f in finals),
+        "eval_loss_end": eval_end,
+        "anchors_identical": len({tuple(f["anchor_hashes"]) for f in finals}) == 1,
+        "committed": sum(sum(f["committed"]) for f in finals),
+        "discarded": sum(sum(f["discarded"]) for f in finals),
+        "forks_healed": sum(sum(f.get("forks_healed", [0])) for f in finals),
+        "max_consensus_distance": max(max(f.get("consensus_distance", [0.0]) or [0.0]) for f in finals),
+        "bytes_sent": sum(f["bytes_sent"] for f in finals),
+    }
+    if sim is not None:
+        out["sim_eval_loss"] = sim["final_eval_loss"]
+        out["sim_tokens"] = sim["tokens"]
+        out["eval_vs_sim"] = eval_end / sim["final_eval_loss"] - 1
+    return out
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    a = payload["analysis"]
+    lines = [
+        f"Networked learners vs the simulator ({payload['config']}, {a['learners']} learners, "
+        f"{payload['seconds']:.0f} s of training, {'quick' if payload['quick'] else 'full'} run):",
+        "",
+        "| learner | steps | utilization | blocked | committed | discarded | forks healed | eval loss (anchors) | MB out |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in sorted(payload["swarm"]["finals"].items()):
+        lines.append(f"| {name} | {f['steps']} | {100 * f['utilization']:.1f}% | {100 * f['blocked_share']:.2f}% | "
+                     f"{sum(f['committed'])} | {sum(f['discarded'])} | {sum(f.get('forks_healed', [0]))} | "
+                     f"{f['eval_loss_end']:.4f} | {f['bytes_sent'] / 1e6:.2f} |")
+    lines.append("")
+    lines.append(f"Median utilization {100 * a['median_utilization']:.1f}%, median blocked "
+                 f"{100 * a['median_blocked_share']:.2f}%; anchors identical at the end: "
+                 f"{'yes' if a['anchors_identical'] else 'NO'}; largest consensus distance healed "
+                 f"{a['max_consensus_distance']:.3g}.")
+    if "sim_eval_loss" in a:
+        lines.append(f"Eval loss {a['eval_loss_end']:.4f} (networked, median) vs {a['sim_eval_loss']:.4f} (simulator, "
+                     f"{payload['sim']['steps_per_learner']} steps per learner): {100 * a['eval_vs_sim']:+.1f}%.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finals = payload["swarm"]["finals"]
+    names = sorted(finals)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sim = payload.get("sim")
+    if sim:
+        per_step = sim["tokens"] / max(1, sim["steps_per_learner"])
+        ax1.plot([p["tokens"] / per_step for p in sim["curve"]], [p["eval_loss"] for p in sim["curve"]], "-",
+                 label=f"simulator ({sim['final_eval_loss']:.3f})")
+    for name in names:
+        f = finals[name]
+        ax1.plot([f["steps"]], [f["eval_loss_end"]], "o", label=f"{name} networked ({f['eval_loss_end']:.3f})")
+    ax1.set_xlabel("inner steps per learner")
+    ax1.set_ylabel("held-out loss of the anchors (nats/byte)")
+    ax1.set_title("global model: networked vs simulator")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    xs = range(len(names))
+    ax2.bar([x - 0.2 for x in xs], [100 * finals[n]["utilization"] for n in names], 0.4, label="utilization %")
+    ax2.bar([x + 0.2 for x in xs], [100 * finals[n]["blocked_share"] for n in names], 0.4, label="blocked %")
+    ax2.axhline(90, color="gray", linestyle="--", linewidth=1)
+    ax2.set_xticks(list(xs), names)
+    ax2.set_title("time in inner steps / blocked, per learner")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(payload: dict[str, Any], out: Path) -> None:
+    (out / "learners.json").write_text(json.dumps(payload, indent=2))
+    (out / "learners.md").write_text(markdown(payload))
+    plot(payload, out / "learners.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"), help="run config (default: configs/demo.toml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--learners", type=int, default=4, help="learner processes (default: 4)")
+    p.add_argument("--seconds", type=float, default=600.0, help="training wall time of each learner (default: 600)")
+    p.add_argument("--out", default=str(ROOT / "results" / "learners"), help="output folder")
+    p.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    p.add_argument("--quick", action="store_true", help="tiny.toml for 60 s: checks the pipeline, not the numbers")
+    p.add_argument("--replot", action="store_true", help="rewrite learners.md and learners.png from --out/learners.json")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.replot:
+        payload = json.loads((out / "learners.json").read_text())
+        write(payload, out)
+        print(markdown(payload))
+        return 0
+    if args.learners < 2 or args.seconds <= 0:
+        p.error(f"need --learners >= 2 and --seconds > 0, got {args.learners} and {args.seconds}")
+    if args.quick:
+        args.config, args.seconds = str(ROOT / "configs" / "tiny.toml"), 60.0
+        args.overrides = ["inner.total_steps=100000", *args.overrides]
+    from p2p_diloco.config import load_config
+
+    load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"bench_learners: {args.learners} learners x {args.seconds:.0f} s on {args.config} -> {out}", file=sys.stderr,
+          flush=True)
+    swarm = run_swarm(args.config, args.overrides, args.learners, args.seconds, logs)
+    finals = swarm["finals"]
+    steps = int(statistics.median(f["steps"] for f in finals.values()))
+    print(f"bench_learners: swarm done in {swarm['wall_s']:.0f} s (median {steps} steps per learner)", file=sys.stderr,
+          flush=True)
+    sim = None
+    if not args.no_sim:
+        print(f"bench_learners: simulator, {args.learners} learners x {steps} steps", file=sys.stderr, flush=True)
+        sim = run_sim(args.config, args.overrides, args.learners, steps)
+    payload = {"config": args.config, "overrides": args.overrides, "quick": args.quick, "seconds": args.seconds,
+               "swarm": swarm, "sim": sim}
+    payload["analysis"] = analyse(swarm, sim)
+    write(payload, out)
+    print(markdown(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The swarm's sync clock: boundaries, derivation of the period, leader choice, wire format (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from p2p_diloco.clock import (
+    SyncClock, clock_leader, derive_period, needs_retune, newest_clock, step_times_from_tokens,
+)
+
+
+def test_learners_of_any_speed_meet_at_the_same_instants() -> None:
+    clock, frags = SyncClock(10.0), 2
+    fast = [f for t in range(1, 100) for f in clock.due(t - 1 + 0.5, t + 0.5, frags)]
+    slow = [f for t in range(1, 34) for f in clock.due(3 * (t - 1) + 0.5, 3 * t + 0.5, frags)]
+    # boundaries k >= 1: fragment 0 at 10, 20, ..., 90; fragment 1 at 15, 25, ..., 95
+    assert fast.count(0) == slow.count(0) == 9 and fast.count(1) == slow.count(1) == 9
+    assert clock.boundary(27.0, 0, frags) == 20.0 and clock.boundary(27.0, 1, frags) == 25.0
+    assert clock.due(5.0, 5.0, frags) == [] and clock.due(6.0, 5.0, frags) == []
+
+
+def test_a_derived_clock_starts_a_full_period_after_its_origin() -> None:
+    clock, frags = SyncClock(8.0, origin=1000.0), 4
+    assert clock.due(990.0, 1007.9, frags) == []  # nothing due in the first period: progress accumulates
+    assert clock.due(1007.9, 1008.0, frags) == [0]
+    assert clock.due(1008.0, 1016.0, frags) == [0, 1, 2, 3]  # 1010, 1012, 1014, then 1016
+    assert clock.boundary(1003.0, 1, frags) == 1010.0  # before the first boundary: the first one
+    assert clock.boundary(1019.0, 1, frags) == 1018.0
+
+
+def test_period_is_h_times_the_median_step_time() -> None:
+    assert derive_period([0.5, 0.6, 3.0], sync_every=25, min_period_s=5.0) == pytest.approx(15.0)  # median 0.6
+    assert derive_period([0.1], sync_every=10, min_period_s=6.0) == 6.0  # at least a round's worth
+    assert derive_period([], 10, 1.0) is None and derive_period([0.0, math.nan], 10, 1.0) is None
+    assert step_times_from_tokens([2048.0, 0.0, 1024.0], 1024) == [0.5, 1.0]
+
+
+def test_retune_only_when_the_period_is_off() -> None:
+    assert needs_retune(None, 10.0)
+    assert not needs_retune(SyncClock(10.0), 12.0) and not needs_retune(SyncClock(10.0), 8.0)
+    assert needs_retune(SyncClock(10.0), 13.0) and needs_retune(SyncClock(10.0), 7.0)
+
+
+def test_leader_and_newest_clock_are_the_same_for_everyone() -> None:
+    assert clock_leader(["QmB", "QmA", "QmC"]) == "QmA" and clock_leader([]) is None
+    a, b = SyncClock(10.0, 100.0).to_wire(), SyncClock(20.0, 200.0).to_wire()
+    assert newest_clock([a, b]) == newest_clock([b, a]) == SyncClock(20.0, 200.0)
+    junk = [{"period_s": -1.0, "origin": 300.0}, {"period_s": math.inf, "origin": 300.0}, {"period_s": 1.0},
+            {"period_s": True, "origin": 300.0}, "garbage", None]
+    assert newest_clock([a, *junk]) == SyncClock(10.0, 100.0)  # malformed clocks are skipped
+    assert newest_clock([]) is None
+
+
+@pytest.mark.parametrize("value, reason", [
+    ({"period_s": 0.0, "origin": 1.0}, "period"), ({"period_s": 1.0, "origin": -1.0}, "origin"),
+    ({"period_s": "1", "origin": 1.0}, "number"), ({"period_s": 1.0, "origin": 1.0, "x": 1}, "must be"),
+])
+def test_from_wire_is_strict(value: object, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        SyncClock.from_wire(value)
