@@ -64,6 +64,7 @@ import logging
 import math
 import multiprocessing as mp
 import statistics
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -85,6 +86,8 @@ from p2p_diloco.config import AveragingConfig, Config, config_hash
 
 logger = logging.getLogger(__name__)
 
+CANCEL_POLL_S = 0.25
+"""How often a waiting round checks whether the learner is leaving."""
 HIVEMIND_FRAMING_BYTES = 9
 """Bytes hivemind adds around each protobuf message on a stream (8-byte length + marker)."""
 VERSION_BITS = 8
@@ -594,6 +597,11 @@ class FragmentAveraging:
             runner_class=runner_class, report_subkey=self.report_subkey,
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"averaging-f{fragment}")
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Leaving: end the round in flight at once (discarded) and start no new one."""
+        self._cancelled.set()
 
     # -- rounds
     def start_round(self, contribution: Contribution) -> "Future[RoundOutcome]":
@@ -612,6 +620,8 @@ class FragmentAveraging:
 
         if c.meta.weight <= 0:
             return failed("no progress since the last sync (weight 0): not joining")
+        if self._cancelled.is_set():
+            return failed("cancelled: this peer is leaving")
         self.averager.set_group_bits(version_group_bits(c.meta.version, c.meta.anchor))
         with self.averager.get_tensors() as buffers:
             for buf, name in zip(buffers, self.names):
@@ -620,14 +630,21 @@ class FragmentAveraging:
         matchmaking_timeout_s = max(0.0, c.scheduled_time - get_dht_time()) + 2 * c.window_s
         control = self.averager.step(gather=c.meta.to_wire(), weight=c.meta.weight, scheduled_time=c.scheduled_time,
                                      timeout=matchmaking_timeout_s, allow_retries=False, wait=False)
-        try:
-            gathered = control.result(timeout=matchmaking_timeout_s + a.allreduce_timeout_s + a.request_timeout_s)
-        except TimeoutError:
-            control.cancel()
-            return failed(f"round exceeded {matchmaking_timeout_s + a.allreduce_timeout_s:.1f} s")
-        except Exception as e:  # hivemind raises on every failure; the round is discarded with its reason
-            text = str(e).strip().splitlines()
-            return failed(f"{type(e).__name__}: {text[-1] if text else ''}"[:300])
+        give_up_at = time.monotonic() + matchmaking_timeout_s + a.allreduce_timeout_s + a.request_timeout_s
+        while True:
+            try:
+                gathered = control.result(timeout=max(0.01, min(CANCEL_POLL_S, give_up_at - time.monotonic())))
+                break
+            except TimeoutError:
+                if self._cancelled.is_set():  # we are leaving: do not make the others wait for us
+                    control.cancel()
+                    return failed("cancelled: this peer is leaving")
+                if time.monotonic() >= give_up_at:
+                    control.cancel()
+                    return failed(f"round exceeded {matchmaking_timeout_s + a.allreduce_timeout_s:.1f} s")
+            except Exception as e:  # hivemind raises on every failure; the round is discarded with its reason
+                text = str(e).strip().splitlines()
+                return failed(f"{type(e).__name__}: {text[-1] if text else ''}"[:300])
         if not gathered:
             return failed("all-reduce returned no group")
         peers = tuple(str(p) for p in gathered)

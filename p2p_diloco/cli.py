@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     swarm_cli.add_parsers(sub)
     from p2p_diloco import learner_cli  # stdlib-only at import, like swarm_cli
     learner_cli.add_parsers(sub)
+    from p2p_diloco import swarm_run  # stdlib-only at import, like swarm_cli
+    swarm_run.add_parsers(sub)
     return parser
 
 

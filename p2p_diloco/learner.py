@@ -384,6 +384,9 @@ class Learner:
     def finish(self, stop: threading.Event) -> None:
         """Final rounds for every fragment with unsynced progress, then linger until peers agree."""
         self._set_state("syncing")
+        if stop.is_set():  # leaving on a signal: rounds in flight end now, nobody waits for us
+            for a in self.averaging:
+                a.cancel()
         self.drain()
         if not stop.is_set():
             for slot in self.slots:
@@ -457,7 +460,8 @@ class Learner:
     def _event(self, record: dict[str, Any]) -> None:
         if self._events is None:
             return
-        record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), **record}
+        loss = self.loss if self.loss is not None and math.isfinite(self.loss) else None
+        record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), "loss": loss, **record}
         self._events.write(json.dumps(record) + "\n")
         self._events.flush()
 

@@ -22,115 +22,50 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-START_TIMEOUT_S = 120.0
-"""Bootstrap start and learners' first line: imports take 3-10 s on a busy 2-core machine."""
 FINISH_SLACK_S = 300.0
 """After the training time: final rounds, linger, evaluation and exit."""
 PROGRESS_PERIOD_S = 30.0
 
 
-class Child:
-    """A ``p2p-diloco`` subcommand in its own process group; stdout lines are kept, stderr goes to a log file."""
-
-    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self._log = log.open("w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli", *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
-                                      start_new_session=True)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,), daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            seen = 0
-            while True:
-                for line in self.lines[seen:]:
-                    m = rx.search(line)
-                    if m:
-                        return m
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
-                    raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout_s:.0f} s "
-                                       f"(exit code {self.popen.poll()}); see {self._log.name}")
-                self._cond.wait(min(left, 1.0))
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGKILL)  # the CLI, its DHT process and its p2pd
-            except ProcessLookupError:
-                pass
-        try:
-            self.popen.wait(timeout=10)
-        finally:
-            self._log.close()
-
-
 def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, logs: Path) -> dict[str, Any]:
     """Bootstrap + ``learners`` learners for ``seconds`` of training; returns their ``final`` summaries."""
+    from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm
+
     sets = [a for o in overrides for a in ("--set", o)]
-    children: list[Child] = []
-    tmp = Path(tempfile.mkdtemp(prefix="bench-learners-"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp))
-    try:
-        boot = Child("boot", ["bootstrap", "--identity", str(tmp / "boot.id"), "--config", config, *sets],
-                     logs / "boot.log", env)
-        children.append(boot)
-        peers = boot.wait_for(r"^initial peers: (\S+)", START_TIMEOUT_S).group(1)
+    with LocalSwarm(logs) as swarm:
+        peers = swarm.start_bootstrap("--config", config, *sets)
         names = [f"l{i}" for i in range(learners)]
         for i, name in enumerate(names):
-            children.append(Child(name, [
+            swarm.start(name, [
                 "join", "--initial-peers", peers, "--config", config, *sets, "--name", name, "--shard", str(i),
                 "--num-shards", str(learners), "--wait-peers", str(learners), "--max-time", str(seconds),
-                "--linger", "30", "--events", str(logs / f"{name}.jsonl")], logs / f"{name}.log", env))
+                "--linger", "30", "--events", str(logs / f"{name}.jsonl")])
         t0 = time.monotonic()
-        finals: dict[str, dict[str, Any]] = {}
         deadline = t0 + START_TIMEOUT_S + seconds + FINISH_SLACK_S
         next_report = t0 + PROGRESS_PERIOD_S
-        for child in children[1:]:
-            while child.name not in finals:
-                try:
-                    line = child.wait_for(r"^final (\{.*\})$", timeout_s=min(5.0, max(0.1, deadline - time.monotonic())))
-                    finals[child.name] = json.loads(line.group(1))
-                except RuntimeError:
-                    if time.monotonic() >= deadline or child.popen.poll() is not None:
-                        raise
-                if time.monotonic() >= next_report:
-                    next_report += PROGRESS_PERIOD_S
-                    _report_progress(names, logs, time.monotonic() - t0, seconds)
+        while True:
+            pending = [c for c in swarm.learners() if c.final() is None]
+            if not pending:
+                break
+            dead = [c for c in pending if not c.alive]
+            if dead or time.monotonic() > deadline:
+                what = f"{dead[0].name} exited without a final line" if dead else "the run overran its deadline"
+                raise RuntimeError(f"bench_learners: {what}; see the logs in {logs}")
+            if time.monotonic() >= next_report:
+                next_report += PROGRESS_PERIOD_S
+                _report_progress(names, logs, time.monotonic() - t0, seconds)
+            time.sleep(1.0)
+        finals = {c.name: c.final() for c in swarm.learners()}
         return {"finals": finals, "wall_s": time.monotonic() - t0}
-    finally:
-        for child in children:
-            child.kill()
 
 
 def _report_progress(names: list[str], logs: Path, elapsed_s: float, seconds: float) -> None:

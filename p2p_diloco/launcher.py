@@ -1,0 +1,167 @@
+"""Start ``p2p-diloco`` subcommands as child processes on this machine, and always stop them.
+
+Used by ``p2p-diloco swarm`` and the benchmarks in ``scripts/``. Each child runs in its own session
+(process group), so stopping the group stops what it started too (hivemind's DHT and averager
+processes, ``p2pd``). :class:`LocalSwarm` is a context manager: leaving it, however, stops every
+child it started -- gracefully first (SIGTERM: a learner finishes its round, publishes a tombstone,
+prints its ``final`` line), then by SIGKILL after ``grace_s``.
+
+Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+START_TIMEOUT_S = 120.0
+"""Bootstrap start: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""
+FINAL_RE = re.compile(r"^final (\{.*\})$")
+
+
+class Child:
+    """One ``p2p-diloco`` subcommand in its own process group; stdout lines are kept, stderr goes to ``log``."""
+
+    def __init__(self, name: str, args: Sequence[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> None:
+        self.name = name
+        self.log_path = log
+        self._log = log.open("w")
+        self.popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli", *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                      start_new_session=True)
+        self.started_at = time.monotonic()
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,), name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def find(self, pattern: str | re.Pattern[str]) -> re.Match[str] | None:
+        """The first stdout line so far that matches ``pattern``."""
+        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+        with self._cond:
+            for line in self.lines:
+                m = rx.search(line)
+                if m:
+                    return m
+        return None
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        """Wait for a stdout line matching ``pattern``; RuntimeError (naming the log) on timeout or exit."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.find(rx)
+            if m:
+                return m
+            left = deadline - time.monotonic()
+            if left <= 0 or (not self.alive and not self._reader.is_alive()):
+                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] if self.log_path.exists() else []
+                raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout_s:.0f} s "
+                                   f"(exit code {self.popen.poll()}; last log line: {tail[0] if tail else '-'}; "
+                                   f"full log: {self.log_path})")
+            with self._cond:
+                self._cond.wait(min(left, 0.5))
+
+    def final(self) -> dict[str, Any] | None:
+        """A learner's ``final`` JSON summary, once printed."""
+        m = self.find(FINAL_RE)
+        return json.loads(m.group(1)) if m else None
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal the ``p2p-diloco`` process only: on SIGTERM it leaves gracefully and stops its own
+        children (its DHT and averager processes and p2pd must stay up until it has left)."""
+        if self.alive:
+            self.popen.send_signal(sig)
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM the group, wait up to ``grace_s``, then SIGKILL it; returns the exit code."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group (the CLI, its DHT process, its p2pd), even if the leader already exited."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        finally:
+            self._reader.join(timeout=2)
+            self._log.close()
+
+
+class LocalSwarm:
+    """A bootstrap peer and learners on this machine, as child processes; all stopped on exit."""
+
+    def __init__(self, logs: Path, grace_s: float = 60.0) -> None:
+        self.logs = Path(logs)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.grace_s = grace_s
+        self.children: list[Child] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="p2p-diloco-swarm-"))  # identities of this run's peers
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp))
+        self.initial_peers = ""
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self, name: str, args: Sequence[str]) -> Child:
+        child = Child(name, args, self.logs / f"{name}.log", self.env)
+        self.children.append(child)
+        return child
+
+    def start_bootstrap(self, *extra: str) -> str:
+        """Start the bootstrap peer; returns its first full multiaddr (what ``--initial-peers`` takes)."""
+        boot = self.start("boot", ["bootstrap", "--identity", str(self.tmp / "boot.id"), *extra])
+        self.initial_peers = boot.wait_for(r"^initial peers: (\S+)", START_TIMEOUT_S).group(1)
+        return self.initial_peers
+
+    def learners(self) -> list[Child]:
+        return [c for c in self.children if c.name != "boot"]
+
+    def close(self) -> None:
+        """Stop every learner gracefully (in parallel), then everything else; nothing is left behind."""
+        learners = [c for c in self.learners() if c.alive]
+        for c in learners:
+            c.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for c in learners:
+            try:
+                c.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in self.children:
+            c.kill()

@@ -1,0 +1,367 @@
+"""``p2p-diloco swarm``: a whole swarm on this machine (or a LAN) in one command.
+
+Starts one bootstrap peer and N learner units as separate processes (``p2p-diloco bootstrap`` and
+``p2p-diloco join``), with a mix of peer profiles so that weighting by progress is visible, shows
+the swarm live (the ``status`` table and a progress bar to the token budget; plain lines when
+stdout is not a terminal), and at the end writes a report into ``--out``: ``summary.json``, the
+table it prints, and PNG plots (training loss per peer over time; group sizes and weight shares per
+round). ``--chaos`` kills one learner (kill -9) a third into the run and starts it again at half
+time: it leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C stops every
+process cleanly (learners leave gracefully) and still writes what there is.
+
+Only the standard library is imported at module level (``p2p-diloco --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.launcher import Child, LocalSwarm
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "demo.toml"
+DEFAULT_PROFILES = (ROOT / "peers" / "fast.toml", ROOT / "peers" / "half.toml")
+VIEW_PERIOD_S = 2.0
+PLAIN_PERIOD_S = 15.0
+LINGER_S = 30.0
+FINISH_SLACK_S = 300.0
+"""After the training budget: final rounds, linger, evaluation and exit of every learner."""
+
+
+def _out(line: str) -> None:
+    print(line, flush=True)
+
+
+def cmd_swarm(args: argparse.Namespace) -> int:
+    from p2p_diloco.config import config_hash, load_config
+
+    config_path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
+    cfg = load_config(config_path, args.overrides)
+    if args.peers < 2:
+        raise ValueError(f"--peers: a swarm needs at least 2 learners, got {args.peers}")
+    if args.minutes is not None and args.minutes <= 0:
+        raise ValueError(f"--minutes: must be > 0, got {args.minutes}")
+    profiles = [Path(p) for p in args.profiles.split(",")] if args.profiles else list(DEFAULT_PROFILES)
+    from p2p_diloco.learner import Profile
+
+    loaded = [Profile.load(p) for p in profiles]  # a bad profile fails before anything starts
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget_tokens = args.peers * cfg.inner.total_steps * cfg.inner.batch_size * cfg.model.block_size
+    seconds = args.minutes * 60 if args.minutes is not None else None
+    common = ["--config", config_path] if config_path else []
+    common += [a for o in args.overrides for a in ("--set", o)]
+    network = ["--swarm-key", args.swarm_key] if args.swarm_key else []
+    _out(f"swarm: {args.peers} learners ({', '.join(p.name for p in loaded)}), config {config_path or 'defaults'} "
+         f"(hash {config_hash(cfg)}), budget {cfg.inner.total_steps} steps per learner"
+         + (f" or {args.minutes:g} min" if seconds else "") + f"; output in {out}")
+    t0 = time.monotonic()
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    events: list[dict[str, Any]] = []
+    finals: dict[str, dict[str, Any]] = {}
+    try:
+        with LocalSwarm(out / "logs", grace_s=LINGER_S + 30) as swarm:
+            peers = swarm.start_bootstrap("--host", args.host, *network, *common)
+            _out(f"bootstrap: {peers}")
+            if args.host not in ("127.0.0.1", "localhost"):
+                _out(f"other machines join with: p2p-diloco join --initial-peers {peers} "
+                     + " ".join(common + network))
+
+            def start_learner(i: int, *, wait: int, max_time_s: float | None, suffix: str = "") -> Child:
+                name = f"{loaded[i % len(loaded)].name}-{i}{suffix}"
+                argv = ["join", "--initial-peers", peers, *common, *network, "--host", args.host, "--name", name,
+                        "--profile", str(profiles[i % len(profiles)]), "--shard", str(i), "--num-shards",
+                        str(args.peers), "--wait-peers", str(wait), "--linger", str(LINGER_S),
+                        "--events", str(out / "logs" / f"{name}.jsonl")]
+                if max_time_s is not None:
+                    argv += ["--max-time", f"{max_time_s:.1f}"]
+                return swarm.start(name, argv)
+
+            learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]
+            chaos = _Chaos(args.chaos, seconds or _estimate_s(cfg))
+            view = _View(args, cfg, peers, budget_tokens)
+            try:
+                deadline = t0 + (seconds or 24 * 3600) + 120 + FINISH_SLACK_S
+                while not stop.is_set() and time.monotonic() < deadline:
+                    done = [c for c in swarm.learners() if not c.alive or c.final() is not None]
+                    if len(done) == len(swarm.learners()):
+                        break
+                    chaos.tick(swarm, learners, start_learner, seconds, events)
+                    view.update(time.monotonic() - t0, events)
+                    stop.wait(VIEW_PERIOD_S)
+            finally:
+                view.close()
+            if stop.is_set():
+                _out("swarm: interrupted; stopping every learner gracefully (they leave the swarm and report)")
+            swarm.close()
+            for c in swarm.learners():
+                summary = c.final()
+                if summary is not None:
+                    finals[c.name] = summary
+                elif c not in chaos.killed:
+                    _out(f"swarm: {c.name} ended without a final summary (exit {c.popen.poll()}); see {c.log_path}")
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    report = build_report(cfg, config_path, args, finals, events, out, time.monotonic() - t0)
+    (out / "summary.json").write_text(json.dumps(report, indent=2))
+    table = render_report(report)
+    (out / "summary.md").write_text(table)
+    _out(table)
+    try:
+        plot(out)
+        _out(f"swarm: wrote {out}/summary.json, summary.md, loss.png, rounds.png")
+    except Exception as e:  # plots are a convenience: the report is already on disk
+        _out(f"swarm: could not draw the plots ({type(e).__name__}: {e}); the report is in {out}/summary.json")
+    return 130 if stop.is_set() else 0
+
+
+def _estimate_s(cfg: Any) -> float:
+    """A rough run length for the chaos schedule when the budget is in steps (0.5 s per step)."""
+    return cfg.inner.total_steps * 0.5
+
+
+class _Chaos:
+    """``--chaos``: kill -9 the last learner at 1/3 of the run and start it again at 1/2."""
+
+    def __init__(self, enabled: bool, run_s: float) -> None:
+        self.enabled, self.run_s = enabled, run_s
+        self.killed: list[Child] = []
+        self.t0 = time.monotonic()
+        self.restarted = False
+
+    def tick(self, swarm: LocalSwarm, learners: list[Child], start_learner: Any, seconds: float | None,
+             events: list[dict[str, Any]]) -> None:
+        if not self.enabled or self.restarted:
+            return
+        elapsed = time.monotonic() - self.t0
+        victim = learners[-1]
+        if not self.killed and elapsed >= self.run_s / 3 and victim.alive:
+            victim.kill()
+            self.killed.append(victim)
+            events.append({"t": elapsed, "event": "chaos", "what": f"kill -9 {victim.name}"})
+            _out(f"chaos: kill -9 {victim.name} at {elapsed:.0f} s")
+        elif self.killed and elapsed >= self.run_s / 2:
+            left = None if seconds is None else max(10.0, seconds - elapsed)
+            child = start_learner(len(learners) - 1, wait=0, max_time_s=left, suffix="-rejoined")
+            self.restarted = True
+            events.append({"t": elapsed, "event": "chaos", "what": f"restart {child.name}"})
+            _out(f"chaos: restarted {child.name} at {elapsed:.0f} s; it downloads the current anchors and rejoins")
+
+
+class _View:
+    """The live view: the ``status`` table and a progress bar (rich on a terminal, plain lines otherwise)."""
+
+    def __init__(self, args: argparse.Namespace, cfg: Any, peers: str, budget_tokens: int) -> None:
+        from p2p_diloco.records import LocalRun
+        from p2p_diloco.swarm_cli import _swarm_options
+
+        self.budget_tokens = budget_tokens
+        self.local = LocalRun.from_config(cfg)
+        self.rich = sys.stdout.isatty() and not args.plain
+        ns = argparse.Namespace(initial_peers=[peers], swarm_key=args.swarm_key, join_timeout_s=30.0)
+        self.dht: Any = None
+        try:
+            from p2p_diloco.swarm import start_dht
+
+            self.dht = start_dht(_swarm_options(ns, client_mode=True), self.local.run_id)
+        except Exception as e:  # the view is optional: the swarm runs and reports without it
+            _out(f"swarm: no live view ({type(e).__name__}: {e})")
+        self.live: Any = None
+        self.last_plain = -math.inf
+
+    def update(self, elapsed_s: float, events: list[dict[str, Any]]) -> None:
+        if self.dht is None:
+            return
+        from p2p_diloco.swarm import read_swarm
+        from p2p_diloco.swarm_cli import snapshot_json
+
+        try:
+            data = snapshot_json(read_swarm(self.dht, self.local), {})
+        except Exception as e:  # a DHT hiccup: skip this refresh
+            logger.warning("swarm view: reading the DHT failed: %s", e)
+            return
+        s = data["summary"]
+        tokens = sum(p.get("tokens", 0) for p in data["peers"] if p["kind"] == "PeerRecord" and p["status"] in ("live", "left"))
+        share = min(1.0, tokens / max(1, self.budget_tokens))
+        line = (f"[{elapsed_s:5.0f} s] {s['live']} live, {tokens:,}/{self.budget_tokens:,} tokens ({100 * share:.0f}%), "
+                f"{s['tokens_per_s']:.0f} tokens/s, consensus {'yes' if s['consensus'] else 'no'}")
+        if self.rich:
+            from rich.console import Group
+            from rich.live import Live
+            from rich.progress_bar import ProgressBar
+            from rich.text import Text
+
+            from p2p_diloco.swarm_cli import _render_rich
+
+            chaos = [Text(f"chaos: {e['what']} at {e['t']:.0f} s") for e in events]
+            renderable = Group(_render_rich(data), ProgressBar(total=1.0, completed=share, width=60), Text(line), *chaos)
+            if self.live is None:
+                self.live = Live(renderable, refresh_per_second=2, transient=False)
+                self.live.start()
+            else:
+                self.live.update(renderable)
+        elif elapsed_s - self.last_plain >= PLAIN_PERIOD_S:
+            self.last_plain = elapsed_s
+            versions = " ".join(f"f{f['fragment']}=v{f['top_version']}" for f in s["fragments"])
+            losses = [p["loss"] for p in data["peers"] if p["status"] == "live" and isinstance(p.get("loss"), float)]
+            loss = f", loss {statistics.median(losses):.3f}" if losses else ""
+            _out(f"{line}, {versions}{loss}")
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+        if self.dht is not None:
+            self.dht.shutdown()
+
+
+# ---------------------------------------------------------------- report
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by kill -9
+            continue
+    return out
+
+
+def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, finals: dict[str, dict[str, Any]],
+                 events: list[dict[str, Any]], out: Path, wall_s: float) -> dict[str, Any]:
+    """The run's figures (pure apart from reading the learners' event files)."""
+    from p2p_diloco.config import config_hash
+
+    n_params = _n_params(cfg)
+    tokens = sum(f["tokens"] for f in finals.values())
+    sent = sum(f["bytes_sent"] for f in finals.values())
+    k = max(1, len(finals))
+    dp_steps = tokens / (k * cfg.inner.batch_size * cfg.model.block_size)
+    dp_bytes = dp_steps * 2 * (k - 1) * 4 * n_params  # fp32 ring all-reduce of every gradient, every step
+    rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in _events(p) if e.get("event") == "round"]
+    return {
+        "config": config_path, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
+        "peers": args.peers, "chaos": args.chaos, "wall_s": round(wall_s, 1), "model_params": n_params,
+        "learners": finals,
+        "tokens": tokens,
+        "eval_loss_start": statistics.median(f["eval_loss_start"] for f in finals.values()) if finals else None,
+        "eval_loss_end": statistics.median(f["eval_loss_end"] for f in finals.values()) if finals else None,
+        "anchors_identical": len({tuple(f["anchor_hashes"]) for f in finals.values()}) == 1 if finals else None,
+        "bytes_sent": sent, "dp_fp32_bytes": dp_bytes, "bytes_saved_vs_dp_fp32": dp_bytes / sent if sent else None,
+        "median_utilization": statistics.median(f["utilization"] for f in finals.values()) if finals else None,
+        "rounds_committed": sum(e["outcome"] == "committed" for e in rounds),
+        "rounds_discarded": sum(e["outcome"] != "committed" for e in rounds),
+        "discard_reasons": _top_reasons(e["reason"] for e in rounds if e["outcome"] != "committed"),
+        "chaos_events": events,
+    }
+
+
+def _top_reasons(reasons: Any, top: int = 5) -> list[tuple[str, int]]:
+    counts: dict[str, int] = {}
+    for r in reasons:
+        counts[r[:80]] = counts.get(r[:80], 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+
+
+def _n_params(cfg: Any) -> int:
+    from p2p_diloco.model import build_model
+
+    return sum(p.numel() for p in build_model(cfg.model, cfg.run.seed).parameters())
+
+
+def render_report(r: dict[str, Any]) -> str:
+    lines = ["| learner | profile steps | tokens | utilization | blocked | rounds committed / discarded | eval loss |",
+             "|---|---|---|---|---|---|---|"]
+    for name, f in sorted(r["learners"].items()):
+        lines.append(f"| {name} | {f['steps']} | {f['tokens']:,} | {100 * f['utilization']:.1f}% | "
+                     f"{100 * f['blocked_share']:.2f}% | {sum(f['committed'])} / {sum(f['discarded'])} | "
+                     f"{f['eval_loss_end']:.4f} |")
+    lines.append("")
+    if r["eval_loss_end"] is not None:
+        saved = r["bytes_saved_vs_dp_fp32"]
+        lines.append(f"held-out eval loss of the global model: {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.4f} "
+                     f"nats/byte after {r['tokens']:,} tokens; anchors identical on every learner: "
+                     f"{'yes' if r['anchors_identical'] else 'NO'}")
+        lines.append(f"bytes sent {r['bytes_sent'] / 1e6:.2f} MB vs {r['dp_fp32_bytes'] / 1e6:.0f} MB for fp32 "
+                     f"data-parallel on the same tokens" + (f" ({saved:.0f}x fewer)" if saved else ""))
+        lines.append(f"median utilization {100 * r['median_utilization']:.1f}%; rounds {r['rounds_committed']} committed, "
+                     f"{r['rounds_discarded']} discarded; wall {r['wall_s']:.0f} s")
+    for reason, count in r["discard_reasons"]:
+        lines.append(f"  discarded x{count}: {reason}")
+    for e in r["chaos_events"]:
+        lines.append(f"chaos at {e['t']:.0f} s: {e['what']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: Path) -> None:
+    """``loss.png``: training loss per learner over time; ``rounds.png``: group size and weight share per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logs = sorted((out / "logs").glob("*.jsonl"))
+    series = {p.stem: [e for e in _events(p) if e.get("event") == "round"] for p in logs}
+    t0 = min((e["time"] for es in series.values() for e in es), default=0.0)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, es in series.items():
+        pts = [(e["time"] - t0, e["loss"]) for e in es if isinstance(e.get("loss"), float)]
+        if pts:
+            ax.plot(*zip(*pts), ".-", label=name, markersize=3)
+    ax.set_xlabel("seconds since the first round")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title("training loss per learner (at each round)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, es in series.items():
+        done = [e for e in es if e["outcome"] == "committed"]
+        a1.plot([e["time"] - t0 for e in done], [e["group_size"] for e in done], "o", label=name, markersize=3)
+        a2.plot([e["time"] - t0 for e in done], [e["own_share"] for e in done], "o", label=name, markersize=3)
+    a1.set_title("group size of each committed round")
+    a2.set_title("own weight share in each committed round")
+    for a in (a1, a2):
+        a.set_xlabel("seconds since the first round")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "rounds.png", dpi=110)
+    plt.close(fig)
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``swarm`` on ``cli.build_parser``'s subparsers."""
+    help = ("run a whole swarm here: a bootstrap peer and N learner processes with mixed profiles, a live view, "
+            "and a report with plots; Ctrl+C stops everything cleanly")
+    p = subparsers.add_parser("swarm", help=help, description=help)
+    p.set_defaults(handler=cmd_swarm)
+    p.add_argument("--peers", type=int, default=4, help="learner processes (default: 4)")
+    p.add_argument("--profiles", metavar="FILES",
+                   help="comma-separated peer profiles, used in turn (default: peers/fast.toml,peers/half.toml)")
+    p.add_argument("--config", metavar="FILE", help=f"run config (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config value (repeatable)")
+    p.add_argument("--minutes", type=float, help="stop training after this many minutes (default: the step budget)")
+    p.add_argument("--host", default="127.0.0.1", help="address the peers listen on (a LAN address lets other machines "
+                   "join; default 127.0.0.1)")
+    p.add_argument("--swarm-key", dest="swarm_key", metavar="FILE", help="private swarm: the key file from keygen")
+    p.add_argument("--chaos", action="store_true", help="kill -9 one learner a third into the run, restart it at half")
+    p.add_argument("--out", default="runs/swarm", help="output folder for the report, plots and logs (default: runs/swarm)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")

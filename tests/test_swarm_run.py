@@ -1,0 +1,92 @@
+"""``p2p-diloco swarm``: the one-command local swarm runs to the end and reports; Ctrl+C stops every
+process it started and still writes the report. Real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import ProcGroup
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.toml")
+
+
+def profiles(tmp: Path) -> str:
+    paths = []
+    for name, slowdown in (("quick", 1.0), ("slower", 2.0)):
+        path = tmp / f"{name}.toml"
+        path.write_text(f'name = "{name}"\nslowdown = {slowdown}\nmin_step_s = 0.05\nthreads = 1\n')
+        paths.append(str(path))
+    return ",".join(paths)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with ProcGroup(tmp_path) as procs:
+        rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, "--set", "inner.total_steps=120",
+                                     "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
+        assert rc == 0, proc.output()
+    report = json.loads((out / "summary.json").read_text())
+    print(f"\nswarm: {wall_s:.0f} s; eval {report['eval_loss_start']:.3f} -> {report['eval_loss_end']:.3f}; "
+          f"rounds {report['rounds_committed']} committed, {report['rounds_discarded']} discarded")
+    assert sorted(report["learners"]) == ["quick-0", "quick-2", "slower-1"]
+    assert report["anchors_identical"] and report["eval_loss_end"] < report["eval_loss_start"] - 0.5
+    assert report["rounds_committed"] >= 6 and report["bytes_saved_vs_dp_fp32"] > 1
+    slow, fast = report["learners"]["slower-1"], report["learners"]["quick-0"]
+    assert slow["steps"] == fast["steps"] == 120  # a step budget: the slower one takes longer
+    for png in ("loss.png", "rounds.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "held-out eval loss of the global model" in (out / "summary.md").read_text()
+    assert any(line.startswith("[") and "live" in line for _, line in proc.stdout), proc.output()  # plain view
+
+
+def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with ProcGroup(tmp_path) as procs:
+        swarm = procs.cli("swarm", "--peers", "2", "--config", TINY, "--set", "inner.total_steps=100000",
+                          "--profiles", profiles(tmp_path), "--out", str(out), "--plain", name="swarm")
+        swarm.wait_for(r"^\[\s*\d+ s\] 2 live", timeout_s=120)
+        started = descendants(swarm.pid)
+        assert len(started) >= 3 * 2, started  # bootstrap + 2 learners, each with a DHT process and a p2pd
+        t0 = time.monotonic()
+        swarm.send(signal.SIGINT)
+        assert swarm.wait_exit(120) == 130, swarm.output()
+        print(f"\nCtrl+C: the swarm exited {time.monotonic() - t0:.1f} s later; it had {len(started)} processes")
+        left = [pid for pid in started if alive(pid)]
+        assert not left, f"processes left behind: {left}"
+    report = json.loads((out / "summary.json").read_text())
+    assert len(report["learners"]) == 2 and all(f["steps"] > 0 for f in report["learners"].values())
