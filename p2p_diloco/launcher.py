@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,7 +128,7 @@ class LocalSwarm:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.grace_s = grace_s
         self.children: list[Child] = []
-        self.tmp = Path(tempfile.mkdtemp(prefix="p2p-diloco-swarm-"))  # identities of this run's peers
+        self.tmp = Path(tempfile.mkdtemp(prefix="p2pds-", dir=_short_tmp()))  # this run's identities and sockets
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp))
         self.initial_peers = ""
 
@@ -165,3 +166,15 @@ class LocalSwarm:
                 pass
         for c in self.children:
             c.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+MAX_TMP_CHARS = 40
+"""Unix socket paths are limited to 107 bytes: p2pd's and torch's shared-memory manager's sockets
+live in TMPDIR, so the children's TMPDIR must be short."""
+
+
+def _short_tmp() -> str:
+    """The temp folder for children: the usual one if its path is short, else /tmp."""
+    usual = tempfile.gettempdir()
+    return usual if len(usual) <= MAX_TMP_CHARS or not os.path.isdir("/tmp") else "/tmp"

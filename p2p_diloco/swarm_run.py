@@ -36,6 +36,9 @@ DEFAULT_PROFILES = (ROOT / "peers" / "fast.toml", ROOT / "peers" / "half.toml")
 VIEW_PERIOD_S = 2.0
 PLAIN_PERIOD_S = 15.0
 LINGER_S = 30.0
+DEFAULT_MINUTES = 7.0
+"""Training time by default: with start-up, the final rounds and the evaluation, the main job takes
+about 9 minutes on a 2-core machine (all learners share it)."""
 FINISH_SLACK_S = 300.0
 """After the training budget: final rounds, linger, evaluation and exit of every learner."""
 
@@ -51,8 +54,8 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     cfg = load_config(config_path, args.overrides)
     if args.peers < 2:
         raise ValueError(f"--peers: a swarm needs at least 2 learners, got {args.peers}")
-    if args.minutes is not None and args.minutes <= 0:
-        raise ValueError(f"--minutes: must be > 0, got {args.minutes}")
+    if args.minutes < 0:
+        raise ValueError(f"--minutes: must be >= 0, got {args.minutes}")
     profiles = [Path(p) for p in args.profiles.split(",")] if args.profiles else list(DEFAULT_PROFILES)
     from p2p_diloco.learner import Profile
 
@@ -60,7 +63,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget_tokens = args.peers * cfg.inner.total_steps * cfg.inner.batch_size * cfg.model.block_size
-    seconds = args.minutes * 60 if args.minutes is not None else None
+    seconds = args.minutes * 60 if args.minutes > 0 else None
     common = ["--config", config_path] if config_path else []
     common += [a for o in args.overrides for a in ("--set", o)]
     network = ["--swarm-key", args.swarm_key] if args.swarm_key else []
@@ -358,7 +361,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--config", metavar="FILE", help=f"run config (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config value (repeatable)")
-    p.add_argument("--minutes", type=float, help="stop training after this many minutes (default: the step budget)")
+    p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
+                   help=f"training time of every learner, in minutes (default: {DEFAULT_MINUTES:g}; 0 = the config's "
+                        "step budget, inner.total_steps, however long that takes)")
     p.add_argument("--host", default="127.0.0.1", help="address the peers listen on (a LAN address lets other machines "
                    "join; default 127.0.0.1)")
     p.add_argument("--swarm-key", dest="swarm_key", metavar="FILE", help="private swarm: the key file from keygen")

@@ -58,7 +58,7 @@ def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with ProcGroup(tmp_path) as procs:
         rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, "--set", "inner.total_steps=120",
-                                     "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
+                                     "--minutes", "0", "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
         assert rc == 0, proc.output()
     report = json.loads((out / "summary.json").read_text())
     print(f"\nswarm: {wall_s:.0f} s; eval {report['eval_loss_start']:.3f} -> {report['eval_loss_end']:.3f}; "
@@ -90,3 +90,23 @@ def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
         assert not left, f"processes left behind: {left}"
     report = json.loads((out / "summary.json").read_text())
     assert len(report["learners"]) == 2 and all(f["steps"] > 0 for f in report["learners"].values())
+
+
+def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
+    """--chaos: kill -9 of the last learner at 1/3 of the run, a new one in its place at 1/2; the new one
+    downloads the current anchors (it is behind on every fragment) and takes part in rounds again."""
+    out = tmp_path / "run"
+    clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
+             "averaging.window_s=1.5", "--set", "inner.total_steps=100000")
+    with ProcGroup(tmp_path) as procs:
+        rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, *clock, "--minutes", "0.75", "--chaos",
+                                     "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
+        assert rc == 0, proc.output()
+    report = json.loads((out / "summary.json").read_text())
+    whats = [e["what"] for e in report["chaos_events"]]
+    print(f"\nchaos: {whats}; learners {sorted(report['learners'])}; {wall_s:.0f} s")
+    assert whats == ["kill -9 quick-2", "restart quick-2-rejoined"], whats
+    assert sorted(report["learners"]) == ["quick-0", "quick-2-rejoined", "slower-1"]  # the killed one never reported
+    back = report["learners"]["quick-2-rejoined"]
+    assert min(back["resynced"]) >= 1 and sum(back["committed"]) >= 1, back
+    assert report["anchors_identical"], {n: f["anchor_hashes"] for n, f in report["learners"].items()}
