@@ -9,10 +9,12 @@ The period is either fixed by the config (``averaging.sync_period_s``, origin 0)
 (``outer.sync_every``) times the median step time of the live learners, read from their peer
 records. A derived clock is chosen by one learner -- the live learner with the smallest peer id --
 and published in the DHT under :func:`clock_key`; everyone adopts the newest published clock
-(largest origin). The leader re-derives it as the swarm changes and publishes a new one only when
-the period is off by more than :data:`RETUNE_TOLERANCE`; a new clock starts a little in the future
-(``origin``), so everyone switches at the same instant. If the leader leaves, the next smallest
-peer id takes over, starting from the clock already in the DHT.
+(highest ``epoch``). The leader re-derives it as the swarm changes and publishes a new one only when
+the period is off by more than :data:`RETUNE_TOLERANCE`, at most every :data:`RETUNE_EVERY_PERIODS`
+periods; a new clock (:func:`retune`) keeps the rhythm: its first boundary is the old clock's next
+boundary that is still far enough ahead for everyone to have read the new clock, so a retune
+never costs a round. If the leader leaves, the next smallest peer id takes over, starting from the
+clock already in the DHT.
 
 Everything here is pure except :func:`read_clock` / :func:`publish_clock` (a hivemind DHT).
 """
@@ -27,6 +29,8 @@ from typing import Any
 
 RETUNE_TOLERANCE = 0.25
 """The leader publishes a new period only when the derived one differs from the current by more than this."""
+RETUNE_EVERY_PERIODS = 3.0
+"""... and at most once per this many periods (step times are noisy; each retune shifts the rhythm)."""
 CLOCK_TTL_S = 600.0
 """Lifetime of a published clock in the DHT; the leader re-stores it well before."""
 MAX_PERIOD_S = 24 * 3600.0
@@ -42,12 +46,16 @@ class SyncClock:
 
     period_s: float
     origin: float = 0.0
+    epoch: int = 0
+    """How many times the period was retuned: the highest epoch is the current clock."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.period_s) and 0 < self.period_s <= MAX_PERIOD_S):
             raise ValueError(f"sync clock period must be in (0, {MAX_PERIOD_S:g}] s, got {self.period_s!r}")
         if not (math.isfinite(self.origin) and self.origin >= 0):
             raise ValueError(f"sync clock origin must be a finite DHT time >= 0, got {self.origin!r}")
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"sync clock epoch must be an int >= 0, got {self.epoch!r}")
 
     def _index(self, t: float, fragment: int, num_fragments: int) -> int:
         """Number of boundaries of ``fragment`` at or before ``t`` (0 before the first)."""
@@ -66,18 +74,33 @@ class SyncClock:
         k = max(1, self._index(now_s, fragment, num_fragments))
         return self.origin + (k + fragment / num_fragments) * self.period_s
 
-    def to_wire(self) -> dict[str, float]:
-        return {"period_s": float(self.period_s), "origin": float(self.origin)}
+    def next_boundary(self, t: float) -> float:
+        """Fragment 0's first boundary at or after ``t``."""
+        k = max(1, math.ceil((t - self.origin) / self.period_s))
+        return self.origin + k * self.period_s
+
+    def to_wire(self) -> dict[str, float | int]:
+        return {"period_s": float(self.period_s), "origin": float(self.origin), "epoch": int(self.epoch)}
 
     @classmethod
     def from_wire(cls, value: Any) -> SyncClock:
         """Strict parse of a published clock; ``ValueError`` with a one-line reason."""
-        if not isinstance(value, Mapping) or set(value) != {"period_s", "origin"}:
-            raise ValueError(f"a sync clock must be {{'period_s', 'origin'}}, got {value!r}"[:200])
+        if not isinstance(value, Mapping) or set(value) != {"period_s", "origin", "epoch"}:
+            raise ValueError(f"a sync clock must be {{'period_s', 'origin', 'epoch'}}, got {value!r}"[:200])
         for k in ("period_s", "origin"):
             if isinstance(value[k], bool) or not isinstance(value[k], (int, float)):
                 raise ValueError(f"sync clock {k} must be a number, got {value[k]!r}"[:200])
-        return cls(float(value["period_s"]), float(value["origin"]))
+        return cls(float(value["period_s"]), float(value["origin"]), value["epoch"])
+
+
+def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: float) -> SyncClock:
+    """The clock that replaces ``current`` with ``period_s``: its first boundary is the old clock's next
+    fragment-0 boundary at least ``margin_s`` ahead (no round lost, everyone has read it by then); a
+    first clock starts ``margin_s`` from now."""
+    if current is None:
+        return SyncClock(period_s, now_s + margin_s, 0)
+    first = current.next_boundary(now_s + margin_s)
+    return SyncClock(period_s, max(0.0, first - period_s), current.epoch + 1)
 
 
 def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float) -> float | None:
@@ -99,14 +122,15 @@ def clock_leader(peer_ids: Iterable[str]) -> str | None:
 
 
 def newest_clock(values: Iterable[Any]) -> SyncClock | None:
-    """The clock everyone adopts: the valid published clock with the largest origin (malformed ones skipped)."""
+    """The clock everyone adopts: the valid published clock of the highest epoch (then origin, then period;
+    malformed ones skipped)."""
     best: SyncClock | None = None
     for value in values:
         try:
             clock = SyncClock.from_wire(value)
         except ValueError:
             continue
-        if best is None or (clock.origin, clock.period_s) > (best.origin, best.period_s):
+        if best is None or (clock.epoch, clock.origin, clock.period_s) > (best.epoch, best.origin, best.period_s):
             best = clock
     return best
 

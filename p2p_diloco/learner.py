@@ -213,7 +213,7 @@ class Learner:
         a = cfg.averaging
         self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
         self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
-        self._clock_published_at = -math.inf
+        self._clock_published_at = self._clock_retuned_at = -math.inf
         self.training = False
 
     # -------------------------------------------------------------- the loop
@@ -512,8 +512,10 @@ class Learner:
         """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
         id among the training learners), derive the period from everyone's step time and publish it when
         it is off (or missing), and keep it alive in the DHT."""
-        from p2p_diloco.clock import clock_leader, derive_period, needs_retune, publish_clock, read_clock
-        from p2p_diloco.clock import step_times_from_tokens
+        from p2p_diloco.clock import (
+            RETUNE_EVERY_PERIODS, clock_leader, derive_period, needs_retune, publish_clock, read_clock, retune,
+            step_times_from_tokens,
+        )
         from p2p_diloco.swarm import owner_subkey
 
         run_id = self.local.run_id
@@ -522,7 +524,9 @@ class Learner:
         except Exception:  # a DHT hiccup: keep the clock we have, log it whole, try again next period
             logger.exception("reading the sync clock failed")
             return
-        if published is not None and (self.clock is None or published.origin > self.clock.origin):
+        if published is not None and (self.clock is None or published.epoch > self.clock.epoch or (
+                published.epoch == self.clock.epoch and (published.origin, published.period_s) >
+                (self.clock.origin, self.clock.period_s))):
             if self.clock is None or published.period_s != self.clock.period_s:
                 logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
             self.clock = published
@@ -536,8 +540,10 @@ class Learner:
         period = derive_period(times, self.cfg.outer.sync_every, min_period_s=2 * a.window_max_s)
         now, wall = self._dht_time(), time.monotonic()
         clock = self.clock
-        if period is not None and needs_retune(clock, period):
-            clock = SyncClock(period, origin=now + CLOCK_START_MARGIN_S)
+        settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s
+        if period is not None and settled and needs_retune(clock, period):
+            clock = retune(clock, period, now, CLOCK_START_MARGIN_S)
+            self._clock_retuned_at = wall
             logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
                         "%.1f", period, self.cfg.outer.sync_every, period / self.cfg.outer.sync_every, len(times),
                         clock.origin)

@@ -95,7 +95,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
 
             learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]
             chaos = _Chaos(args.chaos, seconds or _estimate_s(cfg))
-            view = _View(args, cfg, peers, budget_tokens)
+            view = _View(args, cfg, peers, budget_tokens, seconds)
             try:
                 deadline = t0 + (seconds or 24 * 3600) + 120 + FINISH_SLACK_S
                 while not stop.is_set() and time.monotonic() < deadline:
@@ -168,11 +168,12 @@ class _Chaos:
 class _View:
     """The live view: the ``status`` table and a progress bar (rich on a terminal, plain lines otherwise)."""
 
-    def __init__(self, args: argparse.Namespace, cfg: Any, peers: str, budget_tokens: int) -> None:
+    def __init__(self, args: argparse.Namespace, cfg: Any, peers: str, budget_tokens: int,
+                 seconds: float | None) -> None:
         from p2p_diloco.records import LocalRun
         from p2p_diloco.swarm_cli import _swarm_options
 
-        self.budget_tokens = budget_tokens
+        self.budget_tokens, self.seconds = budget_tokens, seconds
         self.local = LocalRun.from_config(cfg)
         self.rich = sys.stdout.isatty() and not args.plain
         ns = argparse.Namespace(initial_peers=[peers], swarm_key=args.swarm_key, join_timeout_s=30.0)
@@ -200,7 +201,9 @@ class _View:
         s = data["summary"]
         tokens = sum(p.get("tokens", 0) for p in data["peers"] if p["kind"] == "PeerRecord" and p["status"] in ("live", "left"))
         share = min(1.0, tokens / max(1, self.budget_tokens))
-        line = (f"[{elapsed_s:5.0f} s] {s['live']} live, {tokens:,}/{self.budget_tokens:,} tokens ({100 * share:.0f}%), "
+        if self.seconds:  # a time budget ends the run first, whatever the tokens
+            share = max(share, min(1.0, elapsed_s / self.seconds))
+        line = (f"[{elapsed_s:5.0f} s] {s['live']} live, {tokens:,}/{self.budget_tokens:,} tokens, {100 * share:.0f}% done, "
                 f"{s['tokens_per_s']:.0f} tokens/s, consensus {'yes' if s['consensus'] else 'no'}")
         if self.rich:
             from rich.console import Group
@@ -287,7 +290,7 @@ def _n_params(cfg: Any) -> int:
 
 
 def render_report(r: dict[str, Any]) -> str:
-    lines = ["| learner | profile steps | tokens | utilization | blocked | rounds committed / discarded | eval loss |",
+    lines = ["| learner | steps | tokens | utilization | blocked | rounds committed / discarded | eval loss |",
              "|---|---|---|---|---|---|---|"]
     for name, f in sorted(r["learners"].items()):
         lines.append(f"| {name} | {f['steps']} | {f['tokens']:,} | {100 * f['utilization']:.1f}% | "

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from p2p_diloco.clock import (
-    SyncClock, clock_leader, derive_period, needs_retune, newest_clock, step_times_from_tokens,
+    SyncClock, clock_leader, derive_period, needs_retune, newest_clock, retune, step_times_from_tokens,
 )
 
 
@@ -51,11 +51,25 @@ def test_leader_and_newest_clock_are_the_same_for_everyone() -> None:
             {"period_s": True, "origin": 300.0}, "garbage", None]
     assert newest_clock([a, *junk]) == SyncClock(10.0, 100.0)  # malformed clocks are skipped
     assert newest_clock([]) is None
+    retuned = SyncClock(5.0, 50.0, epoch=1).to_wire()  # a retune can move the origin back: the epoch decides
+    assert newest_clock([a, b, retuned]) == SyncClock(5.0, 50.0, 1)
+
+
+def test_a_retune_keeps_the_rhythm() -> None:
+    first = retune(None, 30.0, now_s=1000.0, margin_s=3.0)
+    assert first == SyncClock(30.0, 1003.0, 0)
+    # at 1040 the next fragment-0 boundary is 1063 (1033 has passed); the new clock's first boundary is there
+    second = retune(first, 20.0, now_s=1040.0, margin_s=3.0)
+    assert second.epoch == 1 and second.period_s == 20.0 and second.next_boundary(1040.0) == 1063.0
+    assert second.due(1062.9, 1063.0, 2) == [0] and second.due(1063.0, 1073.0, 2) == [1]
+    # too close to the next boundary for everyone to read the new clock in time: the one after
+    assert retune(first, 20.0, now_s=1061.0, margin_s=3.0).next_boundary(1061.0) == 1093.0
 
 
 @pytest.mark.parametrize("value, reason", [
-    ({"period_s": 0.0, "origin": 1.0}, "period"), ({"period_s": 1.0, "origin": -1.0}, "origin"),
-    ({"period_s": "1", "origin": 1.0}, "number"), ({"period_s": 1.0, "origin": 1.0, "x": 1}, "must be"),
+    ({"period_s": 0.0, "origin": 1.0, "epoch": 0}, "period"), ({"period_s": 1.0, "origin": -1.0, "epoch": 0}, "origin"),
+    ({"period_s": "1", "origin": 1.0, "epoch": 0}, "number"), ({"period_s": 1.0, "origin": 1.0, "epoch": -1}, "epoch"),
+    ({"period_s": 1.0, "origin": 1.0, "epoch": 1.0}, "epoch"), ({"period_s": 1.0, "origin": 1.0}, "must be"),
 ])
 def test_from_wire_is_strict(value: object, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
