@@ -328,27 +328,25 @@ def plot(out: Path) -> None:
         pts = [(e["time"] - t0, e["loss"]) for e in es if isinstance(e.get("loss"), float)]
         if pts:
             ax.plot(*zip(*pts), ".-", label=name, markersize=3)
-    ax.set_xlabel("seconds since the first round")
     ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title("training loss per learner (at each round)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, [(ax, "training loss per learner (at each round)")], out / "loss.png")
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, es in series.items():
         done = [e for e in es if e["outcome"] == "committed"]
         a1.plot([e["time"] - t0 for e in done], [e["group_size"] for e in done], "o", label=name, markersize=3)
         a2.plot([e["time"] - t0 for e in done], [e["own_share"] for e in done], "o", label=name, markersize=3)
-    a1.set_title("group size of each committed round")
-    a2.set_title("own weight share in each committed round")
-    for a in (a1, a2):
-        a.set_xlabel("seconds since the first round")
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
+    _finish(plt, fig, [(a1, "group size of each committed round"), (a2, "own weight share in each committed round")],
+            out / "rounds.png")
+
+
+def _finish(plt: Any, fig: Any, axes: list[tuple[Any, str]], path: Path) -> None:
+    for ax, title in axes:
+        ax.set_title(title)
+        ax.set_xlabel("seconds since the first round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "rounds.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -109,7 +109,7 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""
     fast = write_profile(tmp_path, "fast")
     slow = write_profile(tmp_path, "slow", slowdown=3.0)
-    # the derived clock: H (10) x the median step time (0.1 s) is below the floor of 2 x window_max_s = 4 s
+    # the derived clock: H (10) x the median step time (about 0.1 s) is below the floor of 2 x window_max_s = 4 s
     clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
              "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--steps", "100000", "--max-time", "20",
              "--wait-peers", "3", "--linger", "15")
@@ -143,7 +143,10 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     leaders = [n for n in finals if any(e["event"] == "clock" for e in events(tmp_path / f"{n}.jsonl"))]
     leader = min(finals, key=lambda n: finals[n]["peer_id"])
     assert leaders == [leader], (leaders, leader)
-    assert {s["sync_period_s"] for s in finals.values()} == {4.0}, finals
+    published = [e for e in events(tmp_path / f"{leader}.jsonl") if e["event"] == "clock"]
+    # the period depends on the measured step times (at least the floor 2 x window_max_s = 4 s)
+    assert {s["sync_period_s"] for s in finals.values()} == {published[-1]["period_s"]}, finals
+    assert published[-1]["period_s"] >= 4.0
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
 
 
