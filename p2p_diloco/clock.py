@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,8 +146,3 @@ def read_clock(dht: Any, run_id: str) -> SyncClock | None:
 def publish_clock(dht: Any, run_id: str, clock: SyncClock, subkey: bytes, now: float) -> bool:
     """Store ``clock`` under our signed subkey; True if some DHT node accepted it."""
     return bool(dht.store(clock_key(run_id), clock.to_wire(), now + CLOCK_TTL_S, subkey=subkey))
-
-
-def step_times_from_tokens(tokens_per_s: Sequence[float], tokens_per_step: int) -> list[float]:
-    """Step time of each learner from its published tokens/s (0 = not measured yet: skipped)."""
-    return [tokens_per_step / v for v in tokens_per_s if math.isfinite(v) and v > 0]

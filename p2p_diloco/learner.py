@@ -486,7 +486,8 @@ class Learner:
             tokens_per_s = max(0.0, (seen[-1][1] - seen[0][1]) / max(1e-6, seen[-1][0] - seen[0][0]))
             sent = sum(a.bytes_total()[0] for a in self.averaging)
             received = sum(a.bytes_total()[1] for a in self.averaging)
-            publisher.update(inner_step=self.step, tokens=self.tokens, tokens_per_s=tokens_per_s,
+            step_time_s = self._step_time_s()
+            publisher.update(inner_step=self.step, tokens=self.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
                              fragment_versions=tuple(s.version for s in self.slots),
                              anchor_hashes=tuple(s.anchor_hash for s in self.slots),
                              consensus_distance=tuple(s.consensus_distance for s in self.slots), bytes_sent=sent,
@@ -506,15 +507,20 @@ class Learner:
             self.peer_states = [r.state for r in others]
             self.live_learners = 1 + len(others)
             if self.auto_clock and self.training:
-                self._tend_clock(tokens_per_s, others)
+                self._tend_clock(step_time_s, others)
 
-    def _tend_clock(self, own_tokens_per_s: float, others: list[Any]) -> None:
+    def _step_time_s(self) -> float:
+        """Wall seconds per inner step since training started (0 before the first steps)."""
+        if not self.training or self.step < CLOCK_WARMUP_STEPS:
+            return 0.0
+        return (time.monotonic() - self.t_start) / self.step
+
+    def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
         """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
         id among the training learners), derive the period from everyone's step time and publish it when
         it is off (or missing), and keep it alive in the DHT."""
         from p2p_diloco.clock import (
             RETUNE_EVERY_PERIODS, clock_leader, derive_period, needs_retune, publish_clock, read_clock, retune,
-            step_times_from_tokens,
         )
         from p2p_diloco.swarm import owner_subkey
 
@@ -533,10 +539,10 @@ class Learner:
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
         if clock_leader([self.joined.peer_id, *(r.peer_id for r in training)]) != self.joined.peer_id:
             return
-        if self.step < CLOCK_WARMUP_STEPS or own_tokens_per_s <= 0:
+        if own_step_time_s <= 0:
             return
-        a, tokens_per_step = self.cfg.averaging, self.cfg.inner.batch_size * self.cfg.model.block_size
-        times = step_times_from_tokens([own_tokens_per_s, *(r.tokens_per_s for r in training)], tokens_per_step)
+        a = self.cfg.averaging
+        times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]
         period = derive_period(times, self.cfg.outer.sync_every, min_period_s=2 * a.window_max_s)
         now, wall = self._dht_time(), time.monotonic()
         clock = self.clock

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from p2p_diloco.clock import (
-    SyncClock, clock_leader, derive_period, needs_retune, newest_clock, retune, step_times_from_tokens,
+    SyncClock, clock_leader, derive_period, needs_retune, newest_clock, retune,
 )
 
 
@@ -34,7 +34,6 @@ def test_period_is_h_times_the_median_step_time() -> None:
     assert derive_period([0.5, 0.6, 3.0], sync_every=25, min_period_s=5.0) == pytest.approx(15.0)  # median 0.6
     assert derive_period([0.1], sync_every=10, min_period_s=6.0) == 6.0  # at least a round's worth
     assert derive_period([], 10, 1.0) is None and derive_period([0.0, math.nan], 10, 1.0) is None
-    assert step_times_from_tokens([2048.0, 0.0, 1024.0], 1024) == [0.5, 1.0]
 
 
 def test_retune_only_when_the_period_is_off() -> None:
