@@ -74,6 +74,11 @@ class SyncClock:
         k = max(1, self._index(now_s, fragment, num_fragments))
         return self.origin + (k + fragment / num_fragments) * self.period_s
 
+    def newer_than(self, other: SyncClock | None) -> bool:
+        """Does this clock replace ``other``? The highest epoch wins, then origin, then period: every peer
+        that has seen the same clocks adopts the same one."""
+        return other is None or (self.epoch, self.origin, self.period_s) > (other.epoch, other.origin, other.period_s)
+
     def next_boundary(self, t: float) -> float:
         """Fragment 0's first boundary at or after ``t``."""
         k = max(1, math.ceil((t - self.origin) / self.period_s))
@@ -130,7 +135,7 @@ def newest_clock(values: Iterable[Any]) -> SyncClock | None:
             clock = SyncClock.from_wire(value)
         except ValueError:
             continue
-        if best is None or (clock.epoch, clock.origin, clock.period_s) > (best.epoch, best.origin, best.period_s):
+        if clock.newer_than(best):
             best = clock
     return best
 

@@ -31,6 +31,18 @@ START_TIMEOUT_S = 120.0
 FINAL_RE = re.compile(r"^final (\{.*\})$")
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a child writes (e.g. a learner's ``--events``); none if it does not
+    exist yet; a last line being written, or cut by kill -9, is skipped."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 class Child:
     """One ``p2p-diloco`` subcommand in its own process group; stdout lines are kept, stderr goes to ``log``."""
 

@@ -276,7 +276,7 @@ class Learner:
             delta = {n: slot.anchor[n] - self.params[n].detach() for n in slot.names}
         sent, norms = outer.encode_contribution(delta, o.merge)
         now = self._dht_time()
-        clock = self.clock if a.schedule == "clock" else None
+        clock = self.clock  # None on the step schedule, or before a derived clock is known
         if clock is not None:  # everyone due at this boundary starts at the same instant
             boundary = clock.boundary(now, slot.index, len(self.slots))
             scheduled = max((boundary if boundary <= now else now) + self.window_s, now + a.request_timeout_s)
@@ -460,8 +460,8 @@ class Learner:
     def _event(self, record: dict[str, Any]) -> None:
         if self._events is None:
             return
-        loss = self.loss if self.loss is not None and math.isfinite(self.loss) else None
-        record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), "loss": loss, **record}
+        record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), "loss": self._finite_loss(),
+                  **record}
         self._events.write(json.dumps(record) + "\n")
         self._events.flush()
 
@@ -491,8 +491,7 @@ class Learner:
                              fragment_versions=tuple(s.version for s in self.slots),
                              anchor_hashes=tuple(s.anchor_hash for s in self.slots),
                              consensus_distance=tuple(s.consensus_distance for s in self.slots), bytes_sent=sent,
-                             bytes_received=received,
-                             loss=self.loss if self.loss is not None and math.isfinite(self.loss) else None)
+                             bytes_received=received, loss=self._finite_loss())
             publisher.beat()
             try:
                 snapshot = read_swarm(self.joined.dht, self.local)
@@ -508,6 +507,10 @@ class Learner:
             self.live_learners = 1 + len(others)
             if self.auto_clock and self.training:
                 self._tend_clock(step_time_s, others)
+
+    def _finite_loss(self) -> float | None:
+        """The latest training loss, or None (not known yet, or not finite: JSON and records reject NaN)."""
+        return self.loss if self.loss is not None and math.isfinite(self.loss) else None
 
     def _step_time_s(self) -> float:
         """Wall seconds per inner step since training started (0 before the first steps)."""
@@ -530,9 +533,7 @@ class Learner:
         except Exception:  # a DHT hiccup: keep the clock we have, log it whole, try again next period
             logger.exception("reading the sync clock failed")
             return
-        if published is not None and (self.clock is None or published.epoch > self.clock.epoch or (
-                published.epoch == self.clock.epoch and (published.origin, published.period_s) >
-                (self.clock.origin, self.clock.period_s))):
+        if published is not None and published.newer_than(self.clock):
             if self.clock is None or published.period_s != self.clock.period_s:
                 logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
             self.clock = published

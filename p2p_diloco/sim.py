@@ -286,9 +286,10 @@ class Simulator:
         return r
 
 
-def dp_fp32_bytes(tokens: int, cfg: Config, n_params: int) -> float:
-    """Bytes K data-parallel workers send all-reducing fp32 gradients every step for ``tokens``."""
-    k = cfg.sim.learners
+def dp_fp32_bytes(tokens: int, cfg: Config, n_params: int, learners: int | None = None) -> float:
+    """Bytes K data-parallel workers send all-reducing fp32 gradients every step for ``tokens``
+    (K = ``learners``, by default ``sim.learners``)."""
+    k = learners or cfg.sim.learners
     steps = tokens / (k * cfg.inner.batch_size * cfg.model.block_size)
     return steps * 2 * (k - 1) * 4 * n_params
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.launcher import Child, LocalSwarm
+from p2p_diloco.launcher import Child, LocalSwarm, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -237,28 +237,17 @@ class _View:
 # ---------------------------------------------------------------- report
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by kill -9
-            continue
-    return out
-
-
 def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, finals: dict[str, dict[str, Any]],
                  events: list[dict[str, Any]], out: Path, wall_s: float) -> dict[str, Any]:
     """The run's figures (pure apart from reading the learners' event files)."""
     from p2p_diloco.config import config_hash
+    from p2p_diloco.sim import dp_fp32_bytes
 
     n_params = _n_params(cfg)
     tokens = sum(f["tokens"] for f in finals.values())
     sent = sum(f["bytes_sent"] for f in finals.values())
-    k = max(1, len(finals))
-    dp_steps = tokens / (k * cfg.inner.batch_size * cfg.model.block_size)
-    dp_bytes = dp_steps * 2 * (k - 1) * 4 * n_params  # fp32 ring all-reduce of every gradient, every step
-    rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in _events(p) if e.get("event") == "round"]
+    dp_bytes = dp_fp32_bytes(tokens, cfg, n_params, learners=max(1, len(finals)))
+    rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in read_jsonl(p) if e.get("event") == "round"]
     return {
         "config": config_path, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
         "peers": args.peers, "chaos": args.chaos, "wall_s": round(wall_s, 1), "model_params": n_params,
@@ -321,7 +310,7 @@ def plot(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     logs = sorted((out / "logs").glob("*.jsonl"))
-    series = {p.stem: [e for e in _events(p) if e.get("event") == "round"] for p in logs}
+    series = {p.stem: [e for e in read_jsonl(p) if e.get("event") == "round"] for p in logs}
     t0 = min((e["time"] for es in series.values() for e in es), default=0.0)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, es in series.items():

@@ -31,6 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+
 FINISH_SLACK_S = 300.0
 """After the training time: final rounds, linger, evaluation and exit."""
 PROGRESS_PERIOD_S = 30.0
@@ -38,8 +40,6 @@ PROGRESS_PERIOD_S = 30.0
 
 def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, logs: Path) -> dict[str, Any]:
     """Bootstrap + ``learners`` learners for ``seconds`` of training; returns their ``final`` summaries."""
-    from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm
-
     sets = [a for o in overrides for a in ("--set", o)]
     with LocalSwarm(logs) as swarm:
         peers = swarm.start_bootstrap("--config", config, *sets)
@@ -71,24 +71,12 @@ def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, 
 def _report_progress(names: list[str], logs: Path, elapsed_s: float, seconds: float) -> None:
     parts = []
     for name in names:
-        events = _events(logs / f"{name}.jsonl")
+        events = read_jsonl(logs / f"{name}.jsonl")
         rounds = [e for e in events if e["event"] == "round"]
         committed = sum(e["outcome"] == "committed" for e in rounds)
         step = events[-1]["step"] if events else 0
         parts.append(f"{name} step {step} rounds {committed}/{len(rounds)}")
     print(f"[{elapsed_s:5.0f}/{seconds:.0f} s] " + "; ".join(parts), file=sys.stderr, flush=True)
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            continue
-    return out
 
 
 def run_sim(config: str, overrides: list[str], learners: int, steps: int) -> dict[str, Any]:
