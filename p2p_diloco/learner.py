@@ -557,8 +557,9 @@ class Learner:
             self._event({"event": "clock", "period_s": period, "origin": clock.origin, "learners": len(times)})
         elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
             return
+        self.clock = clock  # the leader runs on its retuned clock even if this publish is refused (republished next period)
         if publish_clock(self.joined.dht, run_id, clock, owner_subkey(self.joined.private_key), now):
-            self.clock, self._clock_published_at = clock, wall
+            self._clock_published_at = wall
         else:
             logger.warning("publishing the sync clock was not accepted by any DHT node; retrying next period")
 

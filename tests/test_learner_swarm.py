@@ -145,9 +145,13 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     leader = min(finals, key=lambda n: finals[n]["peer_id"])
     assert leaders == [leader], (leaders, leader)
     published = [e for e in events(tmp_path / f"{leader}.jsonl") if e["event"] == "clock"]
-    # the period depends on the measured step times (at least the floor 2 x window_max_s = 4 s)
-    assert {s["sync_period_s"] for s in finals.values()} == {published[-1]["period_s"]}, finals
-    assert published[-1]["period_s"] >= 4.0
+    # the period depends on the measured step times (at least the floor 2 x window_max_s = 4 s); the leader
+    # may retune near the end, after a follower's last read of the clock: every follower ends on a period the
+    # leader published, and the leader on its latest
+    periods = {e["period_s"] for e in published}
+    assert all(s["sync_period_s"] in periods for s in finals.values()), (periods, finals)
+    assert finals[leader]["sync_period_s"] == published[-1]["period_s"], (published, finals[leader])
+    assert min(periods) >= 4.0
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
 
 
