@@ -58,6 +58,7 @@ Every hivemind timeout is set from :class:`~p2p_diloco.config.AveragingConfig` (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -75,12 +76,13 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco import outer
+from p2p_diloco import faults, outer
 from p2p_diloco.compression import get_codec
 from p2p_diloco.config import AveragingConfig, Config, config_hash
 
@@ -95,6 +97,8 @@ VERSION_BITS = 8
 ANCHOR_BITS = 4
 """Group-key bits from the anchor hash: the two sides of a fork rarely (1 in 16) meet."""
 MAX_GROUP_SIZE = 4096
+MAX_DONORS_TRIED = 4
+"""A download's host-side deadline allows this many donors to each take ``state_timeout_s``."""
 
 
 # ---------------------------------------------------------------- pure helpers and decisions
@@ -140,6 +144,23 @@ def sharing_priority(version: int, anchor: str) -> float:
     if not anchor:
         return float(version)
     return version + (0xFFFFFFFF - int(anchor[:8], 16)) / 2.0**32
+
+
+def donor_order(priorities: Mapping[str, float], own_id: str, ours: float) -> list[str]:
+    """The donors to download a fragment's state from, in the order to try them: only peers ahead of us
+    (their :func:`sharing_priority` above ours ``ours``), the best rank first; peers of equal rank (the
+    same version and anchor, the usual case) in rendezvous-hash order of (our id, their id), so that
+    newcomers spread over the donors instead of all starting with the same one, and each newcomer's
+    order is stable."""
+    ahead = [(p, d) for d, p in priorities.items() if d != own_id and math.isfinite(p) and p > ours]
+    return [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
+
+
+def state_size_cap(shapes: Sequence[torch.Size]) -> int:
+    """The most bytes a state download of these tensors may take: anchor + momentum in fp32, plus 10%
+    and 64 KiB for framing and metadata. A donor that sends more is dropped."""
+    elements = sum(math.prod(s) for s in shapes)
+    return int(2 * 4 * elements * 1.1) + 65536
 
 
 def relative_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
@@ -313,9 +334,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     counted. The outputs are the averaged tensors, not deltas: :class:`FragmentAverager` copies them.
     """
 
-    def __init__(self, *args: Any, counters: tuple[Any, Any], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, counters: tuple[Any, Any], fragment: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sent, self._received = counters
+        self.fragment = fragment
 
     def _count(self, counter: Any, message: Any) -> None:
         with counter.get_lock():
@@ -326,9 +348,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         return message, deserialize_torch_tensor(message)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        first = True
         async for message in super()._generate_input_for_peer(peer_index):
             self._count(self._sent, message)
             yield message
+            if first:
+                first = False
+                faults.hit("while-sending", self.fragment)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -386,6 +412,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight)
                     part_index += 1
+                    if part_index == 1 and self.sender_peer_ids[sender_index] != self.peer_id:
+                        faults.hit("while-reducing", self.fragment)
                 except AllreduceException:  # BannedException included: this sender no longer counts
                     logger.debug("sender %d was banned", sender_index)
                     break
@@ -414,6 +442,7 @@ class FragmentAverager(DecentralizedAverager):
     def __init__(self, *args: Any, membership: Any = None,
                  state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None = None,
                  runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner, report_subkey: bytes | None = None,
+                 fragment: int | None = None, layout: tuple[Sequence[str], Mapping[str, torch.Size]] | None = None,
                  **kwargs: Any) -> None:
         # the runner is chosen per instance, not by subclassing: hivemind names RPC handlers after the
         # servicer's class, so a subclass could not talk to the other peers' FragmentAverager handlers
@@ -425,6 +454,9 @@ class FragmentAverager(DecentralizedAverager):
         """Requests our handlers refused (non-members), counted in the averager process."""
         self.membership = membership
         self.state_provider = state_provider
+        self.fragment = fragment
+        self.layout = layout
+        """(names, shapes) of the fragment's tensors: what a downloaded state is checked against."""
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
@@ -432,7 +464,8 @@ class FragmentAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = self.runner_class(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, counters=(self.bytes_sent, self.bytes_received), **kwargs)
+            ordered_peer_ids=group_info.peer_ids, counters=(self.bytes_sent, self.bytes_received),
+            fragment=self.fragment, **kwargs)
         assert group_id in self._running_groups, f"group {group_id!r} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -499,8 +532,81 @@ class FragmentAverager(DecentralizedAverager):
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         if await self._refuse(context, "a state download"):
             return
+        first = True
         async for message in super().rpc_download_state(request, context):
             yield message
+            if first:
+                first = False
+                faults.hit("serving-state", self.fragment)
+
+    # -- state download (the newcomer's side; hivemind's load_state_from_peers has no size cap, no
+    #    check before it returns, and tries every declared peer, behind us or not)
+    def download_state(self, ours: tuple[int, str], timeout_s: float) -> MPFuture:
+        """(host) Download a state ahead of ``ours`` from the donors of :func:`donor_order`, trying the
+        next on any failure; the future's result is ``(FetchedState | None, attempts)``."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, timeout_s=timeout_s)))
+        return future
+
+    async def _download_state(self, future: MPFuture, ours: tuple[int, str], timeout_s: float) -> None:
+        attempts: list[tuple[str, str, float]] = []  # (donor, "ok" or why not, seconds)
+        try:
+            assert self.layout is not None and self.fragment is not None, "download_state needs fragment and layout"
+            names, shapes = self.layout
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            priorities: dict[str, float] = {}
+            for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+                with contextlib.suppress(Exception):  # a malformed declaration is skipped, not trusted
+                    if isinstance(item.value, (int, float)) and not isinstance(item.value, bool):
+                        priorities[PeerID(subkey).to_base58()] = float(item.value)
+            cap = state_size_cap([shapes[n] for n in names])
+            for donor in donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]:
+                t0 = time.monotonic()
+                try:
+                    metadata, tensors = await asyncio.wait_for(self._download_from(PeerID.from_base58(donor), cap),
+                                                               timeout=timeout_s)
+                    fetched = await asyncio.get_event_loop().run_in_executor(
+                        None, parse_state, metadata, tensors, self.fragment, names, shapes, ours)
+                    if fetched is None:
+                        raise ValueError("its state is not ahead of ours (its declaration was stale)")
+                except Exception as e:  # this donor failed us (died, stalled, sent too much or bad data): the next
+                    why = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+                    attempts.append((donor, why[:200], time.monotonic() - t0))
+                    logger.warning("fragment %s: state download from %s failed (%s); trying the next donor",
+                                   self.fragment, donor[-8:], why[:200])
+                    continue
+                attempts.append((donor, "ok", time.monotonic() - t0))
+                future.set_result((fetched, attempts))
+                return
+            future.set_result((None, attempts))
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+
+    async def _download_from(self, donor: Any, cap_bytes: int) -> tuple[Any, list[torch.Tensor]]:
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts, received = None, [], [], 0
+        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+            received += len(message.metadata) + message.tensor_part.ByteSize()
+            if received > cap_bytes:
+                raise ValueError(f"the donor sent more than the {cap_bytes} bytes this fragment's state takes")
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype starts the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+            if len(tensors) == 0 and len(parts) == 1:
+                faults.hit("fetching-state", self.fragment)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if metadata is None:
+            raise ValueError("the donor sent no state")
+        return metadata, tensors
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         if self.state_provider is None:
@@ -562,6 +668,20 @@ class FetchedState:
     anchor_hash: str
 
 
+@dataclass(frozen=True)
+class Download:
+    """How a state download ended: the state (None: no donor was ahead of us, or every donor failed)
+    and each donor tried, with ``"ok"`` or why not, and seconds."""
+
+    fetched: FetchedState | None
+    attempts: tuple[tuple[str, str, float], ...]
+    duration_s: float
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{d[-8:]}: {why}" for d, why, _ in self.attempts if why != "ok"]
+
+
 class FragmentAveraging:
     """Owns one fragment's averager and runs its rounds and state downloads in a background thread.
 
@@ -594,7 +714,8 @@ class FragmentAveraging:
             reducer_timeout=2 * a.next_chunk_timeout_s, compression=get_codec(cfg.outer.codec),
             shutdown_timeout=a.shutdown_timeout_s, allow_state_sharing=state_provider is not None,
             declare_state_period=max(1.0, a.record_ttl_s), membership=membership, state_provider=state_provider,
-            runner_class=runner_class, report_subkey=self.report_subkey,
+            runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
+            layout=(self.names, {n: b.shape for n, b in zip(self.names, self.buffers)}),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"averaging-f{fragment}")
         self._cancelled = threading.Event()
@@ -699,21 +820,19 @@ class FragmentAveraging:
             time.sleep(0.05)
 
     # -- state download
-    def fetch_state(self, ours: tuple[int, str]) -> "Future[FetchedState | None]":
+    def fetch_state(self, ours: tuple[int, str]) -> "Future[Download]":
         """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order`."""
         return self._executor.submit(self._fetch, ours)
 
-    def _fetch(self, ours: tuple[int, str]) -> FetchedState | None:
-        """Download the anchor + momentum from the donor ranked highest; None if it is not ahead of ``ours``."""
+    def _fetch(self, ours: tuple[int, str]) -> "Download":
+        """Try the donors of :func:`donor_order` in turn, each for at most ``state_timeout_s`` (silent for
+        ``next_chunk_timeout_s`` between chunks: dropped); every payload is size-capped and checked
+        (:func:`parse_state`: shapes, finite values, the anchor hash) before it is returned."""
         a = self.cfg.averaging
-        # hivemind quirk: any timeout passed here makes the per-chunk timeout next_chunk_timeout_s (else none)
-        result = self.averager.load_state_from_peers(wait=False, timeout=a.state_timeout_s).result(
-            timeout=a.state_timeout_s)
-        if result is None:
-            return None
-        metadata, tensors = result
-        return parse_state(metadata, tensors, self.fragment, self.names,
-                           {n: b.shape for n, b in zip(self.names, self.buffers)}, ours)
+        t0 = time.monotonic()
+        deadline_s = a.state_timeout_s * MAX_DONORS_TRIED + a.request_timeout_s
+        fetched, attempts = self.averager.download_state(ours, a.state_timeout_s).result(timeout=deadline_s)
+        return Download(fetched, tuple(attempts), time.monotonic() - t0)
 
     def set_anchor(self, version: int, anchor: str) -> None:
         """Advertise our anchor's rank as state-sharing priority (donors ahead in :func:`anchor_order` first)."""

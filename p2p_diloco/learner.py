@@ -40,11 +40,12 @@ from typing import Any, Iterator
 
 import torch
 
-from p2p_diloco import data, fragments, outer
+from p2p_diloco import data, faults, fragments, outer
 from p2p_diloco.averaging import (
-    Contribution, FetchedState, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
+    Contribution, Download, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
     is_ahead, relative_distance, state_payload,
 )
+from p2p_diloco.checkpoint import save_checkpoint, tensors_digest
 from p2p_diloco.clock import SyncClock
 from p2p_diloco.config import Config, config_hash
 from p2p_diloco.model import build_model
@@ -121,6 +122,14 @@ class LearnerOptions:
     """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
     status_period_s: float = 1.0
     """How often the background thread publishes our record and reads the swarm."""
+    serve_s: float = 0.0
+    """After the linger, stay this long (record alive, state shared) for newcomers to download from us."""
+    checkpoint_dir: Path | None = None
+    """Save checkpoints here (:mod:`p2p_diloco.checkpoint`): every ``checkpoint_every_s`` and when leaving."""
+    checkpoint_every_s: float = 0.0
+    """Seconds between periodic checkpoints (0: only the final one)."""
+    started_at: float = field(default_factory=time.monotonic)
+    """When the learner process started (monotonic): time to first contribution is measured from here."""
 
 
 # ---------------------------------------------------------------- per-fragment state
@@ -178,7 +187,8 @@ class Learner:
         i, o = cfg.inner, cfg.outer
         corpus = data.load_corpus(cfg.data)
         splits = data.split_corpus(corpus, opts.num_shards, cfg.data.eval_fraction)
-        self.batches = data.batches(splits.shards[opts.shard], i.batch_size, cfg.model.block_size,
+        self._shard_tokens = splits.shards[opts.shard]
+        self.batches = data.batches(self._shard_tokens, i.batch_size, cfg.model.block_size,
                                     seed=cfg.run.seed * 1000 + opts.shard)
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size,
                                           cfg.model.block_size)
@@ -198,15 +208,19 @@ class Learner:
         for s in self.slots:
             self.averaging[s.index].set_anchor(*s.rank)
         self.step = self.tokens = 0
+        self.start_step = self.start_tokens = 0
         self.loss: float | None = None
         self.spreads: list[float] = []
         self.window_s = cfg.averaging.window_s
         self.blocked_s = self.stepping_s = 0.0
+        self.max_stall_s = 0.0
+        """The longest single time the inner loop waited between two steps (applying rounds, starting them)."""
         self.t_start = time.monotonic()
         self.peer_anchors: list[list[tuple[int, str]]] = []  # (version, anchor hash) per fragment, other live learners
         self.peer_states: list[str] = []
         self.live_learners = 1
         self._events = opts.events_path.open("a") if opts.events_path else None
+        self._events_lock = threading.Lock()  # the status and checkpoint threads log events too
         self._stop_status = threading.Event()
         self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
         self._last_clock = self._dht_time()
@@ -215,6 +229,9 @@ class Learner:
         self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
         self._clock_published_at = self._clock_retuned_at = -math.inf
         self.training = False
+        self.first_contribution_s: float | None = None
+        self.resumed_from_step: int | None = None
+        self._checkpointer = Checkpointer(self) if opts.checkpoint_dir is not None else None
 
     # -------------------------------------------------------------- the loop
 
@@ -224,10 +241,14 @@ class Learner:
         eval_start = self.evaluate_anchors()
         self._set_state("training")
         self.t_start = time.monotonic()
+        self.start_step, self.start_tokens = self.step, self.tokens  # not 0 after --resume
         self.training = True
         self._last_clock = self._dht_time()  # boundaries passed while waiting for peers are not due
         while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time():
+            faults.hit("inner-step")
             self.loss = self.inner_step()
+            if self._checkpointer is not None:
+                self._checkpointer.maybe_save()
             with self.blocked():
                 self.collect(min_age_steps=self.cfg.outer.overlap)
                 self.catch_up()  # a fragment we are behind on is downloaded and sits out its due round
@@ -236,6 +257,8 @@ class Learner:
         train_s = time.monotonic() - self.t_start
         self.training = False  # the clock is tended by learners that train
         self.finish(stop)
+        if self._checkpointer is not None:
+            self._checkpointer.save(final=True)
         return self.summary(eval_start, self.evaluate_anchors(), train_s)
 
     def inner_step(self) -> float:
@@ -287,6 +310,7 @@ class Learner:
                          weight=outer.contribution_weight(slot.since_tokens, slot.since_steps, o.weighting),
                          due=now, norms=norms)
         slot.sent_step, slot.sent_tokens, slot.sent_steps = self.step, slot.since_tokens, slot.since_steps
+        faults.hit("before-send", slot.index)
         slot.inflight = self.averaging[slot.index].start_round(Contribution(meta, sent, scheduled, self.window_s))
         slot.inflight_kind = "round"
 
@@ -305,13 +329,13 @@ class Learner:
             else:
                 slot.inflight = None
                 try:
-                    fetched = fut.result()
+                    download: Download = fut.result()
                 except Exception as e:  # a failed download changes nothing; we retry later
                     self._event({"event": "resync", "fragment": slot.index, "outcome": "failed",
                                  "reason": f"{type(e).__name__}: {e}"[:300]})
                     logger.warning("fragment %d: state download failed: %s: %s", slot.index, type(e).__name__, e)
                     continue
-                self.apply_fetched(slot, fetched)
+                self.apply_fetched(slot, download)
 
     def apply_round(self, slot: FragmentSlot, outcome: RoundOutcome) -> None:
         """Commit: outer Nesterov step on the anchor, alpha-mix into the weights. Discard: nothing changes."""
@@ -326,13 +350,19 @@ class Learner:
             slot.since_steps -= slot.sent_steps
             slot.committed += 1
             self.averaging[slot.index].set_anchor(*slot.rank)
+            if self.first_contribution_s is None:
+                self.first_contribution_s = time.monotonic() - self.opts.started_at
+                self._event({"event": "first_contribution", "fragment": slot.index,
+                             "seconds_since_start": round(self.first_contribution_s, 3)})
+                logger.info("first contribution: fragment %d committed %.1f s after this learner started",
+                            slot.index, self.first_contribution_s)
             if math.isfinite(outcome.arrival_spread_s):
                 self.spreads.append(outcome.arrival_spread_s)
                 self.window_s = adapt_window(self.spreads, self.cfg.averaging)
         else:
             slot.discarded += 1
         self._event({"event": "round", **outcome.event(), "anchor_hash": slot.anchor_hash,
-                     "version_after": slot.version})
+                     "version_after": slot.version, "tokens_sent": slot.sent_tokens, "steps_sent": slot.sent_steps})
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
                     outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
                     outcome.own_share, outcome.bytes_sent, outcome.bytes_received, outcome.duration_s, outcome.reason)
@@ -353,12 +383,17 @@ class Learner:
             slot.inflight = self.averaging[slot.index].fetch_state(slot.rank)
             slot.inflight_kind = "fetch"
 
-    def apply_fetched(self, slot: FragmentSlot, fetched: FetchedState | None) -> None:
+    def apply_fetched(self, slot: FragmentSlot, download: Download) -> None:
         """Rebase our progress onto a downloaded anchor: ``theta <- new + (theta - old)``. At equal versions
         (a fork) the distance between the two anchors is our consensus distance."""
+        fetched = download.fetched
+        tried = {"donors_tried": len(download.attempts), "donor_failures": download.failures,
+                 "duration_s": round(download.duration_s, 3)}
+        for failure in download.failures:
+            logger.warning("fragment %d: a donor failed: %s", slot.index, failure)
         if fetched is None or not is_ahead((fetched.version, fetched.anchor_hash), slot.rank):
-            self._event({"event": "resync", "fragment": slot.index, "outcome": "nothing newer",
-                         "version": slot.version})
+            self._event({"event": "resync", "fragment": slot.index, "version": slot.version, **tried,
+                         "outcome": "failed" if download.failures else "nothing newer"})
             return
         fork = fetched.version == slot.version
         with slot.lock, torch.no_grad():
@@ -375,9 +410,68 @@ class Learner:
         extra = {"consensus_distance": slot.consensus_distance} if fork else {}
         self._event({"event": "resync", "fragment": slot.index, "outcome": "fork healed" if fork else "rebased",
                      "version": old, "version_after": slot.version, "anchor_hash_before": old_hash,
-                     "anchor_hash": slot.anchor_hash, **extra})
+                     "anchor_hash": slot.anchor_hash, **tried, **extra})
         logger.info("fragment %d: rebased from v%d (%s) onto v%d (%s)%s", slot.index, old, old_hash, slot.version,
                     slot.anchor_hash, f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
+
+    # -------------------------------------------------------------- checkpoints
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything a resumed learner needs, as flat tensors (copies) and JSON metadata: the weights,
+        AdamW's state, every fragment's anchor and outer momentum, versions, progress and step."""
+        tensors: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                tensors[f"model/{n}"] = p.detach().clone()
+                for k, v in self.opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[f"adam/{n}/{k}"] = v.detach().clone()
+            for slot in self.slots:
+                with slot.lock:
+                    for n in slot.names:
+                        tensors[f"anchor/{n}"] = slot.anchor[n].clone()
+                        if n in slot.state.momentum:
+                            tensors[f"momentum/{n}"] = slot.state.momentum[n].clone()
+        meta = {
+            "config_hash": self.local.config_hash, "run_id": self.local.run_id, "name": self.opts.name,
+            "peer_id": self.joined.peer_id, "shard": self.opts.shard, "num_shards": self.opts.num_shards,
+            "inner_step": self.step, "tokens": self.tokens, "versions": [s.version for s in self.slots],
+            "anchor_hashes": [s.anchor_hash for s in self.slots],
+            "since_tokens": [s.since_tokens for s in self.slots], "since_steps": [s.since_steps for s in self.slots],
+            "model_digest": tensors_digest({n: t for n, t in tensors.items() if n.startswith("model/")}),
+        }
+        return tensors, meta
+
+    def restore(self, ckpt: Any) -> None:
+        """Resume from a verified checkpoint (:func:`~p2p_diloco.checkpoint.load_checkpoint`, already checked
+        against our config hash): weights, AdamW state, anchors, momenta, versions, progress, step."""
+        m, t = ckpt.manifest, ckpt.tensors
+        missing = [n for n in self.params if f"model/{n}" not in t or f"anchor/{n}" not in t]
+        if missing or len(m.get("versions", ())) != len(self.slots):
+            raise ValueError(f"checkpoint {ckpt.path}: not this model's (missing {missing[:3]}, "
+                             f"{len(m.get('versions', ()))} fragments vs {len(self.slots)})")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(t[f"model/{n}"])
+                adam = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"adam/{n}/")}
+                if adam:
+                    self.opt.state[p] = adam
+            for slot in self.slots:
+                with slot.lock:
+                    slot.anchor = {n: t[f"anchor/{n}"].clone() for n in slot.names}
+                    momentum = {n: t[f"momentum/{n}"].clone() for n in slot.names if f"momentum/{n}" in t}
+                    slot.state = outer.OuterState(momentum=momentum, version=int(m["versions"][slot.index]))
+                    slot.anchor_hash = anchor_hash(slot.anchor)
+                    slot.since_tokens = int(m["since_tokens"][slot.index])
+                    slot.since_steps = int(m["since_steps"][slot.index])
+                self.averaging[slot.index].set_anchor(*slot.rank)
+        if [s.anchor_hash for s in self.slots] != list(m["anchor_hashes"]):
+            raise ValueError(f"checkpoint {ckpt.path}: its anchors do not hash to its manifest's anchor_hashes")
+        self.step, self.tokens = int(m["inner_step"]), int(m["tokens"])
+        self.resumed_from_step = self.step
+        # the data stream goes on with fresh batches, not the ones the first run already saw
+        self.batches = data.batches(self._shard_tokens, self.cfg.inner.batch_size, self.cfg.model.block_size,
+                                    seed=self.cfg.run.seed * 1000 + self.opts.shard + 7919 * (self.step + 1))
 
     # -------------------------------------------------------------- the end
 
@@ -394,6 +488,8 @@ class Learner:
                     self.hand_off(slot)
             self.drain()
         self._set_state("leaving")
+        logger.info("lingering up to %.0f s until the live peers agree on the fragment versions %s",
+                    self.opts.linger_s, [s.version for s in self.slots])
         deadline = time.monotonic() + self.opts.linger_s
         while time.monotonic() < deadline and not stop.is_set():
             self.catch_up()
@@ -401,6 +497,9 @@ class Learner:
             if self._peers_settled():
                 break
             time.sleep(0.25)
+        if self.opts.serve_s > 0 and not stop.is_set():
+            logger.info("serving our state to newcomers for %.0f s", self.opts.serve_s)
+            stop.wait(self.opts.serve_s)
         time.sleep(min(1.0, self.opts.status_period_s))  # let peers still fetching from us finish
 
     def drain(self) -> None:
@@ -425,7 +524,9 @@ class Learner:
         try:
             yield
         finally:
-            self.blocked_s += time.monotonic() - t0
+            dt = time.monotonic() - t0
+            self.blocked_s += dt
+            self.max_stall_s = max(self.max_stall_s, dt)
 
     def evaluate_anchors(self) -> float:
         """Eval loss of the global model (the anchors), not of our local replica."""
@@ -451,10 +552,13 @@ class Learner:
             "busy_skips": [s.busy_skips for s in self.slots],
             "eval_loss_start": eval_start, "eval_loss_end": eval_end,
             "train_s": round(train_s, 3), "stepping_s": round(self.stepping_s, 3), "blocked_s": round(self.blocked_s, 4),
+            "max_stall_s": round(self.max_stall_s, 4),
             "blocked_share": self.blocked_s / train_s if train_s > 0 else 0.0,
             "utilization": self.stepping_s / train_s if train_s > 0 else 0.0,
             "bytes_sent": sent, "bytes_received": received, "window_s": round(self.window_s, 3),
             "schedule": self.cfg.averaging.schedule, "sync_period_s": self.clock.period_s if self.clock else None,
+            "first_contribution_s": None if self.first_contribution_s is None else round(self.first_contribution_s, 3),
+            "resumed_from_step": self.resumed_from_step,
         }
 
     def _event(self, record: dict[str, Any]) -> None:
@@ -462,8 +566,9 @@ class Learner:
             return
         record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), "loss": self._finite_loss(),
                   **record}
-        self._events.write(json.dumps(record) + "\n")
-        self._events.flush()
+        with self._events_lock:
+            self._events.write(json.dumps(record) + "\n")
+            self._events.flush()
 
     # -------------------------------------------------------------- background: record + swarm view
 
@@ -478,7 +583,7 @@ class Learner:
         while not self._stop_status.wait(self.opts.status_period_s):
             now = time.monotonic()
             if self.training and not was_training:  # waiting for peers is no step time
-                seen = [(self.t_start, 0)]
+                seen = [(self.t_start, self.start_tokens)]
             was_training = self.training
             seen.append((now, self.tokens))
             while len(seen) > 2 and now - seen[1][0] >= SPEED_WINDOW_S:
@@ -514,9 +619,10 @@ class Learner:
 
     def _step_time_s(self) -> float:
         """Wall seconds per inner step since training started (0 before the first steps)."""
-        if not self.training or self.step < CLOCK_WARMUP_STEPS:
+        steps = self.step - self.start_step
+        if not self.training or steps < CLOCK_WARMUP_STEPS:
             return 0.0
-        return (time.monotonic() - self.t_start) / self.step
+        return (time.monotonic() - self.t_start) / steps
 
     def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
         """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
@@ -632,3 +738,51 @@ class Learner:
             self._events.close()
 
 
+
+
+class Checkpointer:
+    """Periodic checkpoints written by a background thread (the inner loop only pays for the copies),
+    and a final one, written in the foreground, when the learner leaves."""
+
+    def __init__(self, learner: Learner) -> None:
+        assert learner.opts.checkpoint_dir is not None
+        self.learner, self.root = learner, learner.opts.checkpoint_dir
+        self.every_s = learner.opts.checkpoint_every_s
+        self.last = time.monotonic()
+        self.saved: list[Path] = []
+        self._thread: threading.Thread | None = None
+
+    def maybe_save(self) -> None:
+        """(inner loop) Start a background save when one is due and none is running."""
+        if self.every_s <= 0 or time.monotonic() - self.last < self.every_s:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self.last = time.monotonic()
+        tensors, meta = self.learner.checkpoint_state()
+        self._thread = threading.Thread(target=self._write, args=(tensors, meta), name="checkpoint", daemon=True)
+        self._thread.start()
+
+    def save(self, final: bool = False) -> None:
+        """(foreground) Wait for a background save, then write the current state."""
+        if self._thread is not None:
+            self._thread.join()
+        tensors, meta = self.learner.checkpoint_state()
+        if self.saved and self.saved[-1].name == f"ckpt-{meta['inner_step']:08d}":
+            return  # this step is on disk already
+        self._write(tensors, meta, final=final)
+
+    def _write(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], final: bool = False) -> None:
+        t0 = time.monotonic()
+        try:
+            path = save_checkpoint(self.root, int(meta["inner_step"]), tensors, meta)
+        except Exception as e:  # disk full, permissions: training goes on; the previous checkpoint is intact
+            logger.error("checkpoint at step %d NOT saved (%s: %s); the previous one is intact", meta["inner_step"],
+                         type(e).__name__, e)
+            self.learner._event({"event": "checkpoint", "outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]})
+            return
+        self.saved.append(path)
+        logger.info("checkpoint saved: %s (step %d, model %s, %.2f s)%s", path, meta["inner_step"], meta["model_digest"],
+                    time.monotonic() - t0, " (final)" if final else "")
+        self.learner._event({"event": "checkpoint", "outcome": "saved", "path": str(path), "final": final,
+                             "model_digest": meta["model_digest"], "anchor_hashes": meta["anchor_hashes"]})

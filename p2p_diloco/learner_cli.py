@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    import time
+
+    started_at = time.monotonic()
     _setup_logging(args.verbose)
     logging.getLogger("p2p_diloco.learner").setLevel(logging.INFO)  # one line per round, even without -v
     from p2p_diloco.config import load_config
@@ -31,10 +34,22 @@ def cmd_join(args: argparse.Namespace) -> int:
     num_shards = args.num_shards or cfg.sim.learners
     if args.shard is not None and not 0 <= args.shard < num_shards:
         raise ValueError(f"--shard: must be in [0, {num_shards}), got {args.shard}")
-    for flag, value in (("--steps", args.steps), ("--wait-peers", args.wait_peers)):
+    for flag, value in (("--steps", args.steps), ("--wait-peers", args.wait_peers), ("--serve", args.serve_s),
+                        ("--checkpoint-every", args.checkpoint_every_s)):
         if value is not None and value < 0:
             raise ValueError(f"{flag}: must be >= 0, got {value}")
+    from p2p_diloco import faults
+
+    armed = [faults.parse_fault(spec) for spec in args.faults]  # a bad spec fails before we join
+    checkpoint_dir = Path(args.checkpoint_dir or args.resume or "") if (args.checkpoint_dir or args.resume) else None
+    if args.checkpoint_every_s and checkpoint_dir is None:
+        raise ValueError("--checkpoint-every: needs --checkpoint-dir DIR")
     local = LocalRun.from_config(cfg)
+    resume = None
+    if args.resume:  # verified before we join: a bad checkpoint never reaches the swarm
+        from p2p_diloco.checkpoint import load_checkpoint
+
+        resume = load_checkpoint(Path(args.resume), expect={"config_hash": local.config_hash, "run_id": local.run_id})
     with _StopOnSignal() as stop, joined_run(args, local, cfg.outer.fragments, ttl_s=cfg.averaging.record_ttl_s,
                                              state="joining", profile=profile.name) as joined:
         from p2p_diloco.learner import Learner, LearnerOptions
@@ -44,12 +59,24 @@ def cmd_join(args: argparse.Namespace) -> int:
         opts = LearnerOptions(
             name=joined.name, shard=shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
             max_time_s=args.max_time_s, events_path=Path(args.events) if args.events else None,
-            wait_peers=args.wait_peers or 0, linger_s=args.linger_s,
+            wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s, checkpoint_dir=checkpoint_dir,
+            checkpoint_every_s=args.checkpoint_every_s or 0.0, started_at=started_at,
         )
+        if armed:  # before the averagers start: their processes are forked with the faults armed
+            faults.arm(armed)
+            _out(f"faults armed: {', '.join(f.spec for f in armed)}")
         # our averaging / state handlers are not covered by the DHT authorizer: check members there
         membership = Membership(joined.dht, local) if joined.opts.swarm_key is not None else None
         learner = Learner(cfg, profile, opts, joined, local, membership=membership)
         try:
+            if resume is not None:
+                learner.restore(resume)
+                _tensors, now = learner.checkpoint_state()  # recomputed from what was restored, not copied
+                if now["model_digest"] != resume.manifest["model_digest"]:
+                    raise ValueError(f"checkpoint {resume.path}: the restored weights hash to {now['model_digest']}, "
+                                     f"its manifest says {resume.manifest['model_digest']}")
+                _out(f"resumed from {resume.path}: step {now['inner_step']}, model {now['model_digest']}, "
+                     f"versions {now['versions']}, anchors {' '.join(now['anchor_hashes'])}")
             _out(f"learner {joined.name}: shard {shard}/{num_shards}, profile {profile.name}, "
                  f"{opts.max_steps} steps, {cfg.outer.fragments} fragments, codec {cfg.outer.codec}")
             summary: dict[str, Any] = learner.run(stop.event)
@@ -82,5 +109,18 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--events", metavar="FILE", help="append one JSON line per round / resync to FILE")
     p.add_argument("--wait-peers", dest="wait_peers", type=int, metavar="N",
                    help="wait until N learners (us included) are live before the first step")
+    p.add_argument("--serve", dest="serve_s", type=float, default=0.0, metavar="SECONDS",
+                   help="after training and the linger, stay this long so newcomers can download our state "
+                        "(default: 0, leave at once)")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR",
+                   help="save checkpoints here (safetensors + manifest, atomic): when leaving, and every "
+                        "--checkpoint-every seconds")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds between checkpoints, written in the background (default: only when leaving)")
+    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (checked against "
+                   "the config hash); later checkpoints go there too unless --checkpoint-dir says otherwise")
+    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
+                   help="for tests and drills: fail at a chosen point, e.g. kill@while-reducing:fragment=0:at=2 "
+                        "or stall@inner-step:at=40:seconds=20 (see p2p_diloco/faults.py)")
     p.add_argument("--linger", dest="linger_s", type=float, default=20.0, metavar="SECONDS",
                    help="after the final rounds, wait up to this long for the peers to agree (default: 20)")

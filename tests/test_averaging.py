@@ -164,3 +164,27 @@ def test_anchor_order_heals_forks_the_same_way_everywhere() -> None:
     y = {"w": torch.ones(4) * 1.1, "b": torch.zeros(2)}
     assert relative_distance(x, x) == 0.0
     assert math.isclose(relative_distance(y, x), 0.1, rel_tol=1e-6)
+
+
+def test_donor_order_only_donors_ahead_best_first_and_spread_over_equal_ones() -> None:
+    from p2p_diloco.averaging import donor_order
+
+    peers = {f"donor{i}": 7.25 for i in range(6)} | {"behind": 6.9, "equal": 5.0, "ahead": 8.1, "me": 9.0,
+                                                      "nan": float("nan")}
+    order = donor_order(peers, "me", ours=5.0)
+    assert order[0] == "ahead" and order[-1] == "behind"  # the best rank first
+    assert set(order) == {"ahead", "behind", *(f"donor{i}" for i in range(6))}  # not us, not equal, not NaN
+    assert donor_order(peers, "me", ours=5.0) == order  # stable for one newcomer
+    # equal donors: different newcomers start with different ones (rendezvous hashing), roughly evenly
+    firsts = [donor_order({f"donor{i}": 7.25 for i in range(6)}, f"newcomer{k}", ours=0.0)[0] for k in range(600)]
+    counts = [firsts.count(f"donor{i}") for i in range(6)]
+    assert min(counts) > 60, counts  # 100 each on average
+    assert donor_order({"x": 1.0}, "me", ours=1.0) == []
+
+
+def test_state_size_cap_allows_the_state_and_little_more() -> None:
+    from p2p_diloco.averaging import state_size_cap
+
+    shapes = [torch.Size([64, 32]), torch.Size([32])]
+    fp32 = 4 * (64 * 32 + 32)
+    assert 2 * fp32 < state_size_cap(shapes) < 2.2 * fp32 + 65537

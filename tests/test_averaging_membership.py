@@ -11,6 +11,7 @@ commits a round with A.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -50,14 +51,30 @@ def round_of(peers: list[FragmentAveraging]) -> list[Any]:
     return [f.result(timeout=DEADLINE_S) for f in futures]
 
 
+def wait_declared(dht: Any, donor: FragmentAveraging, priority: float) -> None:
+    """Until ``donor``'s state-sharing declaration (what newcomers rank donors by) is readable at ``priority``."""
+    key = f"{donor.prefix}.all_averagers"
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        found = dht.get(key, latest=True)
+        values = [v.value for v in found.value.values()] if found is not None and isinstance(found.value, dict) else []
+        if any(isinstance(v, float) and v >= priority for v in values):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the donor's declaration never reached {priority} within {DEADLINE_S:.0f} s")
+
+
 def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -> None:
     with keyed_swarm(tmp_path) as (a, b, c):
-        fetched_by_b = b.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        by_b = b.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
         refused_downloads = a.refusals()
-        print(f"\nB (keyed, no record) downloading A's state: {fetched_by_b}; A refused {refused_downloads} request(s)")
-        assert fetched_by_b is None and refused_downloads >= 1
+        print(f"\nB (keyed, no record) downloading A's state: {by_b}; A refused {refused_downloads} request(s)")
+        assert by_b.fetched is None and refused_downloads >= 1
+        assert by_b.failures, by_b  # the refusal is reported as a failed donor, not silently empty
 
-        fetched_by_c = c.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        by_c = c.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        fetched_by_c = by_c.fetched
+        assert by_c.attempts and by_c.attempts[-1][1] == "ok", by_c
         assert fetched_by_c is not None and fetched_by_c.version == 3
         assert fetched_by_c.anchor_hash == anchor_hash(ANCHOR)
         assert all(torch.equal(fetched_by_c.momentum[n], MOMENTUM[n]) for n in NAMES)
@@ -103,6 +120,8 @@ def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveraging, FragmentAve
             peers.append(FragmentAveraging(
                 CFG, 0, NAMES, SHAPES, dht, key, membership=Membership(dht, local) if name == "a" else None,
                 state_provider=provide if name == "a" else None))
+        peers[0].set_anchor(3, anchor_hash(ANCHOR))  # A declares itself a donor at version 3
+        wait_declared(dhts[2], peers[0], 3.0)
         yield peers[0], peers[1], peers[2]
     finally:
         for p in peers:

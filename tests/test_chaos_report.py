@@ -1,0 +1,172 @@
+"""``scripts/chaos.py``'s pure parts: the seeded schedule, goodput, stalls, reason grouping (no processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "chaos.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("chaos_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["chaos_script"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+chaos = _load()
+NAMES = ["l0", "l1", "l2", "l3"]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_schedule_is_seeded_one_at_a_time_and_quiet_at_the_edges(seed: int) -> None:
+    actions = chaos.make_schedule(seed, 600.0, NAMES)
+    assert actions == chaos.make_schedule(seed, 600.0, NAMES)
+    assert len(actions) >= 6
+    for a in actions:
+        assert a.at_s >= 45.0 and a.end_s <= 600.0 - 60.0
+        assert a.victim in NAMES and a.kind in ("kill", "stop")
+        lo, hi = (10.0, 30.0) if a.kind == "stop" else (15.0, 45.0)
+        assert lo <= a.down_s <= hi
+    for a, b in zip(actions, actions[1:]):
+        assert b.at_s >= a.end_s + 20.0  # never two learners down or stopped at once
+        assert b.victim != a.victim
+    kills = sum(a.kind == "kill" for a in actions)
+    assert abs(kills - (len(actions) - kills)) <= 1
+    chaos.check_schedule(actions, 600.0, 45.0, 60.0)
+
+
+def test_schedules_differ_between_seeds_and_the_quick_one_fits() -> None:
+    assert chaos.make_schedule(1, 600.0, NAMES) != chaos.make_schedule(2, 600.0, NAMES)
+    q = chaos.QUICK_SCHEDULE
+    quick = chaos.make_schedule(0, 90.0, NAMES[:3], q.every_s, q.jitter_s, q.stop_s, q.down_s, q.quiet_start_s,
+                                q.quiet_end_s, q.settle_s)
+    assert quick
+    chaos.check_schedule(quick, 90.0, q.quiet_start_s, q.quiet_end_s)
+
+
+def test_check_schedule_rejects_overlap() -> None:
+    a = chaos.ChaosAction(60.0, "l0", "kill", 30.0)
+    b = chaos.ChaosAction(80.0, "l1", "stop", 10.0)
+    with pytest.raises(ValueError, match="overlap"):
+        chaos.check_schedule([a, b], 600.0, 45.0, 60.0)
+
+
+def test_reasons_group_once_ids_and_numbers_are_masked() -> None:
+    rounds = [
+        {"outcome": "discarded", "reason": "member t72LJRdB reported: AllreduceException: partial all-reduce: "
+                                           "16768 of 198400 elements not averaged (a reducer failed)"},
+        {"outcome": "discarded", "reason": "member MKgrM7bB reported: AllreduceException: partial all-reduce: "
+                                           "128 of 214656 elements not averaged (a reducer failed)"},
+        {"outcome": "discarded", "reason": "version mismatch: a member is at v3, we are at v4"},
+        {"outcome": "committed", "reason": "ok"},
+    ]
+    assert chaos.failed_reasons(rounds) == [
+        ("member <peer> reported: AllreduceException: partial all-reduce: N of N elements not averaged "
+         "(a reducer failed)", 2),
+        ("version mismatch: a member is at vN, we are at vN", 1),
+    ]
+    assert chaos.normalise_reason("anchor mismatch at v2: 294557ffa1b6fffb vs ours e79e0aceb7005fee") == \
+        "anchor mismatch at vN: <hash> vs ours <hash>"
+    assert chaos.normalise_reason("P2PDaemonError from QmVTdVdsYwZniit1hWYVQE43Xohu6JWmmC3CsTMKgrM7bB") == \
+        "P2PDaemonError from <peer>"
+
+
+def _round(fragment: int, tokens: int | None, outcome: str = "committed") -> dict[str, Any]:
+    return {"fragment": fragment, "outcome": outcome, "tokens_sent": tokens, "reason": "ok"}
+
+
+def test_goodput_counts_committed_tokens_averaged_over_fragments() -> None:
+    incs = [
+        # l0 never disturbed: 2 fragments, each committed 1000 tokens in all
+        {"learner": "l0", "key": "l0.0", "rounds": [_round(0, 600), _round(0, 400), _round(1, 1000)]},
+        # l1 killed: its first incarnation committed 300 on f0 and 500 on f1 (a discarded round counts nothing)
+        {"learner": "l1", "key": "l1.0", "rounds": [_round(0, 300), _round(1, 500), _round(0, 200, "discarded")]},
+        {"learner": "l1", "key": "l1.1", "rounds": [_round(0, 400), _round(1, 200)]},
+    ]
+    g = chaos.goodput(incs, {"l0": 10.0, "l1": 10.0}, 100.0, fragments=2)
+    assert g is not None
+    assert g["per_learner"]["l0"]["goodput"] == pytest.approx(1.0)
+    assert g["per_learner"]["l1"]["committed_tokens"] == 700  # (300 + 400 + 500 + 200) / 2
+    assert g["per_learner"]["l1"]["goodput"] == pytest.approx(0.7)
+    assert g["goodput"] == pytest.approx(1700 / 2000)
+
+
+def test_goodput_is_unknown_without_tokens_sent_or_a_rate() -> None:
+    incs = [{"learner": "l0", "key": "l0.0", "rounds": [_round(0, None)]}]
+    assert chaos.goodput(incs, {"l0": 10.0}, 100.0, fragments=1) is None
+    incs = [{"learner": "l0", "key": "l0.0", "rounds": [_round(0, 5)]}]
+    assert chaos.goodput(incs, {}, 100.0, fragments=1) is None
+
+
+def test_stall_leaves_out_a_stall_that_may_be_the_stop() -> None:
+    incs = [
+        {"key": "l0.0", "final": {"max_stall_s": 0.4}, "stops": []},
+        {"key": "l1.0", "final": {"max_stall_s": 12.0}, "stops": [[100.0, 112.5]]},  # the stop landed in a stall
+        {"key": "l2.0", "final": {"max_stall_s": 0.9}, "stops": [[200.0, 220.0]]},  # stopped mid-step: stall is real
+        {"key": "l3.0", "final": None, "stops": []},  # killed
+    ]
+    s = chaos.survivor_stall(incs)
+    assert (s["survivors_max_s"], s["survivors_max_at"]) == (0.9, "l2.0")
+    assert (s["overall_max_s"], s["overall_max_at"]) == (12.0, "l1.0")
+    assert s["excluded"] == ["l1.0"]
+    assert chaos.survivor_stall([{"key": "l0.0", "final": {"steps": 3}, "stops": []}])["survivors_max_s"] is None
+
+
+def test_steps_sum_incarnations_and_eval_uses_the_most_advanced_anchors() -> None:
+    incs = [{"learner": "l0", "key": "l0.0", "final": None, "max_step": 120},
+            {"learner": "l0", "key": "l0.1", "final": {"steps": 300}, "max_step": 290},
+            {"learner": "l1", "key": "l1.0", "final": {"steps": 450}, "max_step": 440}]
+    assert chaos.steps_per_learner(incs) == {"l0": 420, "l1": 450}
+    finals = [{"versions": [5, 5], "eval_loss_end": 1.80}, {"versions": [5, 5], "eval_loss_end": 1.80},
+              {"versions": [4, 5], "eval_loss_end": 1.95}]
+    assert chaos.final_model_eval(finals) == pytest.approx(1.80)
+    assert chaos.final_model_eval([]) is None
+
+
+def _final(name: str, tokens: int, stall: float, eval_loss: float = 1.8) -> dict[str, Any]:
+    return {"name": name, "steps": tokens // 100, "tokens": tokens, "train_s": 100.0, "stepping_s": 99.0,
+            "max_stall_s": stall, "versions": [3, 3], "anchor_hashes": ["a", "b"], "eval_loss_end": eval_loss,
+            "committed": [3, 3], "discarded": [0, 1], "resynced": [1, 1]}
+
+
+def test_report_from_a_small_payload(tmp_path: Path) -> None:
+    incs = [
+        {"learner": "l0", "key": "l0.0", "shard": 0, "spawned_s": -10.0, "up_s": -5.0, "ended_s": 130.0, "end": "final",
+         "stops": [[40.0, 50.0]], "final": _final("l0", 1000, 0.3), "max_step": 10,
+         "rounds": [_round(0, 500) | {"t": 30.0}, _round(1, 900) | {"t": 60.0},
+                    {"fragment": 0, "outcome": "discarded", "tokens_sent": 300, "reason": "round exceeded 12.5 s",
+                     "t": 45.0}]},
+        {"learner": "l1", "key": "l1.0", "shard": 1, "spawned_s": -10.0, "up_s": -5.0, "ended_s": 20.0, "end": "killed",
+         "stops": [], "final": None, "max_step": 2, "rounds": []},
+        {"learner": "l1", "key": "l1.1", "shard": 1, "spawned_s": 35.0, "up_s": 45.0, "ended_s": 130.0, "end": "final",
+         "stops": [], "final": _final("l1", 600, 0.2), "max_step": 6, "rounds": [_round(0, 400) | {"t": 90.0},
+                                                                                  _round(1, 400) | {"t": 95.0}]},
+    ]
+    payload = {"config": "tiny.toml", "quick": True, "seed": 0, "duration_s": 100.0, "fragments": 2,
+               "tokens_per_step": 100,
+               "chaos": {"incarnations": incs, "schedule": [
+                   {"at_s": 20.0, "victim": "l1", "kind": "kill", "down_s": 15.0},
+                   {"at_s": 40.0, "victim": "l0", "kind": "stop", "down_s": 10.0}]},
+               "baseline": {"finals": {"l0": _final("l0", 1000, 0.1, 1.75), "l1": _final("l1", 800, 0.1, 1.75)},
+                            "steps": {"l0": 10, "l1": 8}, "rounds": [_round(0, 1000)]}}
+    chaos.write(payload, tmp_path)
+    a = payload["analysis"]
+    # l0: (500 + 900) / 2 = 700 of 100 s x 10 tokens/s; l1: (400 + 400) / 2 = 400 of 100 s x 8 tokens/s
+    assert a["goodput"]["goodput"] == pytest.approx(1100 / 1800)
+    assert a["stall"]["survivors_max_s"] == 0.3
+    assert a["eval_gap"] == pytest.approx(1.8 / 1.75 - 1)
+    assert a["verdicts"] == {"goodput": False, "stall": True, "eval": True}
+    assert a["per_learner"]["l1"]["kills"] == 1 and a["per_learner"]["l0"]["stops"] == 1
+    md = (tmp_path / "chaos.md").read_text()
+    assert "61.1%" in md and "FAIL" in md and "1 x round exceeded N s" in md
+    assert "Restart l1.1: spawned at 35 s, up at 45 s (start-up 10 s), trained 100 s" in md
+    assert (tmp_path / "chaos.png").stat().st_size > 0

@@ -1,0 +1,236 @@
+"""Self-healing with real learners on 127.0.0.1 and deterministic faults (``join --fault``, p2p_diloco/faults.py).
+
+1. kill -9 mid-all-reduce: the victim dies while reducing a part of fragment 0; the survivors
+   discard that round (never half-apply), form the next rounds without it and end with identical
+   anchors.
+2. A donor killed mid-download: a newcomer's first donor (by the newcomer's own donor order) dies
+   while sending fragment 0's state; the newcomer tries the next donor, rebases onto a verified
+   state and ends with the survivor's anchors.
+3. A stalled straggler: one learner's averager hangs 20 s in a round; the others' rounds end in
+   bounded time without it, their inner loops never stall, and the straggler catches up afterwards.
+4. Graceful leave (SIGTERM): exit 0 with a final line and a tombstone, no process left in its
+   group, the others go on; a round in flight is cancelled at once (in-process check).
+5. Resume: a learner killed with kill -9 while checkpointing every 0.5 s resumes from its newest
+   complete checkpoint with the same hashes (weights, anchors) as saved, and trains on.
+
+Every fault test checks that the fault fired (its "FAULT fired" line) and the survivors' state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from procs import ProcGroup, start_bootstrap
+from test_learner_swarm import TINY, events, final_summary, print_discards, start_learner, write_profile
+from test_no_orphans import _group_members
+
+pytestmark = pytest.mark.integration
+
+EXIT_DEADLINE_S = 60.0
+CLOCK = ("--set", "averaging.schedule=clock", "--set", "averaging.sync_period_s=4.0", "--set",
+         "averaging.window_max_s=2.0", "--set", "averaging.window_s=1.5")
+
+
+def rounds(path: Path, outcome: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in events(path) if e["event"] == "round" and (outcome is None or e["outcome"] == outcome)]
+
+
+def fired(proc: Any, spec: str) -> bool:
+    return any(f"FAULT fired: {spec}" in line for _, line in proc.stderr)
+
+
+def test_kill_mid_allreduce_survivors_discard_then_go_on(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, "paced")
+    spec = "kill@while-reducing:fragment=0:at=3"  # the victim's 2nd round of fragment 0 with a remote part
+    common = ("--profile", str(profile), "--wait-peers", "3", "--steps", "220", "--linger", "15")
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        survivors = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), *common)
+                     for i, n in enumerate(("s0", "s1"))}
+        victim = start_learner(procs, peers, "victim", tmp_path, "--shard", "2", "--fault", spec, *common)
+        assert victim.wait_exit(120) == -signal.SIGKILL, victim.output()
+        finals = {n: final_summary(p) for n, p in survivors.items()}
+        for p in survivors.values():
+            assert p.wait_exit(EXIT_DEADLINE_S) == 0, p.output()
+    assert fired(victim, spec), victim.output()
+    for n, s in finals.items():
+        print_discards(tmp_path / f"{n}.jsonl")
+        f0 = [e for e in rounds(tmp_path / f"{n}.jsonl") if e["fragment"] == 0]
+        print(f"{n}: f0 rounds {[(e['version'], e['group_size'], e['outcome']) for e in f0]}; versions {s['versions']}")
+        last_trio = max(i for i, e in enumerate(f0) if e["group_size"] == 3 and e["outcome"] == "committed")
+        died_in, *later = f0[last_trio + 1:]
+        # the round the victim died in: discarded by the survivors (never half-applied) ...
+        assert died_in["outcome"] == "discarded" and died_in["version"] == f0[last_trio]["version_after"], f0
+        # ... and the next rounds formed without it
+        assert any(e["group_size"] == 2 and e["outcome"] == "committed" for e in later), f0
+    a, b = finals.values()
+    assert a["anchor_hashes"] == b["anchor_hashes"] and a["versions"] == b["versions"], (a, b)
+
+
+def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> None:
+    from p2p_diloco.averaging import donor_order
+    from p2p_diloco.identity import load_or_create_identity
+
+    profile = write_profile(tmp_path, "paced")
+    ids = {n: load_or_create_identity(tmp_path / f"{n}.id").peer_id for n in ("e0", "e1", "late")}
+    # the newcomer's first donor (equal ranks: its rendezvous order) is the one that dies serving fragment 0
+    first = donor_order({ids["e0"]: 1.0, ids["e1"]: 1.0}, ids["late"], 0.0)[0]
+    victim, survivor = ("e0", "e1") if first == ids["e0"] else ("e1", "e0")
+    spec = "kill@serving-state:fragment=0"
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        # the early pair trains, syncs, then stays to serve (versions final and equal: donor ranks tie)
+        early = {n: start_learner(procs, peers, n, tmp_path, "--identity", str(tmp_path / f"{n}.id"), "--shard", str(i),
+                                  "--profile", str(profile), "--wait-peers", "2", "--steps", "90", "--linger", "20",
+                                  "--serve", "60",
+                                  *(("--fault", spec) if n == victim else ()))
+                 for i, n in enumerate(("e0", "e1"))}
+        for p in early.values():
+            p.wait_for(r"serving our state to newcomers", timeout_s=150, stream="stderr")
+        late = start_learner(procs, peers, "late", tmp_path, "--identity", str(tmp_path / "late.id"), "--shard", "2",
+                             "--profile", str(profile), "--steps", "120", "--linger", "5")
+        late_final = final_summary(late)
+        assert late.wait_exit(EXIT_DEADLINE_S) == 0, late.output()
+        assert early[victim].wait_exit(30) == -signal.SIGKILL, early[victim].output()
+        early[survivor].send(signal.SIGTERM)  # no need to serve any longer
+        survivor_final = final_summary(early[survivor], timeout_s=120)
+        assert early[survivor].wait_exit(EXIT_DEADLINE_S) == 0, early[survivor].output()
+    assert fired(early[victim], spec), early[victim].output()
+    resyncs = [e for e in events(tmp_path / "late.jsonl") if e["event"] == "resync"]
+    print("\n" + "\n".join(f"late resync f{e['fragment']}: {e['outcome']}, tried {e.get('donors_tried')}, "
+                           f"failures {e.get('donor_failures')}, {e.get('duration_s')} s" for e in resyncs))
+    f0 = [e for e in resyncs if e["fragment"] == 0 and e["outcome"] == "rebased"]
+    assert f0, resyncs
+    assert f0[0]["donors_tried"] == 2 and len(f0[0]["donor_failures"]) == 1, f0[0]
+    assert f0[0]["donor_failures"][0].startswith(ids[victim][-8:]), (f0[0], ids)
+    # verified state, then the newcomer holds exactly the survivor's anchors
+    assert late_final["anchor_hashes"] == survivor_final["anchor_hashes"], (late_final, survivor_final)
+    assert late_final["versions"] == survivor_final["versions"]
+
+
+def test_stalled_straggler_does_not_hold_the_others(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, "paced")
+    spec = "stall@while-reducing:fragment=0:seconds=20"
+    common = ("--profile", str(profile), "--wait-peers", "3", "--max-time", "45", "--steps", "100000", "--set",
+              "inner.total_steps=300", "--linger", "20", *CLOCK)
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), *common,
+                                     *(("--fault", spec) if n == "slow" else ()))
+                    for i, n in enumerate(("f0", "f1", "slow"))}
+        finals = {n: final_summary(p) for n, p in learners.items()}
+        for p in learners.values():
+            assert p.wait_exit(EXIT_DEADLINE_S) == 0, p.output()
+    assert fired(learners["slow"], spec), learners["slow"].output()
+    for n, s in finals.items():
+        print(f"\n{n}: committed {s['committed']} discarded {s['discarded']} resynced {s['resynced']}, "
+              f"max stall {s['max_stall_s']:.3f} s, blocked {100 * s['blocked_share']:.2f}%")
+        print_discards(tmp_path / f"{n}.jsonl")
+    for n in ("f0", "f1"):
+        s = finals[n]
+        # the inner loop never waits for the straggler (bound far above a copy + outer step, far below the stall)
+        assert s["max_stall_s"] < 5.0, s
+        pairs = [e for e in rounds(tmp_path / f"{n}.jsonl", "committed") if e["fragment"] == 0 and e["group_size"] == 2]
+        assert pairs, f"{n} never averaged fragment 0 without the stalled learner"
+    # after its stall the straggler caught up (downloaded fragment 0) or rejoined the rounds; all agree at the end
+    assert finals["slow"]["resynced"][0] + finals["slow"]["committed"][0] >= 1, finals["slow"]
+    assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
+
+
+def test_graceful_leave_exits_cleanly_and_the_others_go_on(tmp_path: Path) -> None:
+    profile = write_profile(tmp_path, "paced")
+    common = ("--profile", str(profile), "--wait-peers", "3", "--max-time", "40", "--steps", "100000", "--set",
+              "inner.total_steps=300", "--linger", "15", *CLOCK)
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), *common)
+                    for i, n in enumerate(("a", "b", "leaver"))}
+        leaver = learners["leaver"]
+        deadline = time.monotonic() + 120  # leave once the leaver has taken part in a round
+        while time.monotonic() < deadline and not (
+                (tmp_path / "leaver.jsonl").exists() and rounds(tmp_path / "leaver.jsonl", "committed")):
+            time.sleep(0.5)
+        assert len(_group_members(leaver.pgid)) >= 3  # main, DHT process, p2pd (+ averagers)
+        t_signal = time.monotonic()
+        leaver.send(signal.SIGTERM)
+        assert leaver.wait_exit(EXIT_DEADLINE_S) == 0, leaver.output()
+        exit_s = time.monotonic() - t_signal
+        leaver.wait_for(r"^left run tiny \(SIGTERM\); tombstone published")
+        left_final = final_summary(leaver, timeout_s=5)
+        deadline = time.monotonic() + 20
+        while _group_members(leaver.pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_members(leaver.pgid), _group_members(leaver.pgid)
+        finals = {n: final_summary(learners[n]) for n in ("a", "b")}
+        for n in ("a", "b"):
+            assert learners[n].wait_exit(EXIT_DEADLINE_S) == 0, learners[n].output()
+    print(f"\nleaver exited {exit_s:.1f} s after SIGTERM (steps {left_final['steps']}, committed {left_final['committed']})")
+    for n, s in finals.items():
+        later = [e for e in rounds(tmp_path / f"{n}.jsonl", "committed") if e["group_size"] == 2]
+        print(f"{n}: committed {s['committed']}, {len(later)} rounds as a pair after the leave")
+        assert later, f"{n} never averaged without the leaver"
+    assert finals["a"]["anchor_hashes"] == finals["b"]["anchor_hashes"]
+
+
+def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
+    """In process: a round waiting for its group ends within a poll period of cancel(), as 'cancelled'."""
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.averaging import Contribution, ExactAllReduceRunner, RoundMeta
+    from p2p_diloco.config import config_hash
+    from test_learner_faults import CFG, NAMES, SHAPES, swarm
+
+    with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):
+        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(CFG), tokens=100, steps=1,
+                         weight=100.0, due=get_dht_time(), norms={})
+        tensors = {n: torch.ones(SHAPES[n]) for n in NAMES}
+        future = peer.start_round(Contribution(meta, tensors, get_dht_time() + 60.0, CFG.averaging.window_s))
+        time.sleep(2.0)
+        assert not future.done()  # alone, scheduled a minute ahead: it would wait
+        t0 = time.monotonic()
+        peer.cancel()
+        outcome = future.result(timeout=30)
+        print(f"\ncancelled round ended {time.monotonic() - t0:.2f} s after cancel(): {outcome.reason}")
+        assert not outcome.committed and "cancelled" in outcome.reason
+
+
+def test_resume_after_kill_9_restores_the_saved_hashes(tmp_path: Path) -> None:
+    from p2p_diloco.checkpoint import list_checkpoints, load_checkpoint
+
+    profile = write_profile(tmp_path, "paced", min_step_s=0.05)
+    ckpt = tmp_path / "ckpt"
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        first = start_learner(procs, peers, "solo", tmp_path, "--profile", str(profile), "--steps", "100000",
+                              "--set", "inner.total_steps=300", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "0.5")
+        deadline = time.monotonic() + 120  # three periodic checkpoints, then a crash (maybe in the middle of a save)
+        while sum("checkpoint saved" in line for _, line in first.stderr) < 3:
+            assert time.monotonic() < deadline and first.popen.poll() is None, first.output()
+            time.sleep(0.2)
+        first.kill_group(signal.SIGKILL)
+        first.wait_exit(30)
+        saved = load_checkpoint(ckpt)  # the newest complete one
+        m = saved.manifest
+        print(f"\nkilled after {len(list_checkpoints(ckpt))} kept checkpoints; newest {saved.path.name}: step {m['inner_step']}, "
+              f"model {m['model_digest']}, anchors {m['anchor_hashes']}")
+        resumed = start_learner(procs, peers, "solo2", tmp_path, "--profile", str(profile), "--steps",
+                                str(m["inner_step"] + 20), "--set", "inner.total_steps=300", "--resume", str(ckpt),
+                                "--linger", "2")
+        line = resumed.wait_for(r"^resumed from (\S+): step (\d+), model (\w+), versions \[([\d, ]*)\], anchors (.*)$")
+        final = final_summary(resumed)
+        assert resumed.wait_exit(EXIT_DEADLINE_S) == 0, resumed.output()
+    assert line.group(1) == str(saved.path)
+    assert int(line.group(2)) == m["inner_step"] and line.group(3) == m["model_digest"]
+    assert [int(v) for v in line.group(4).split(", ")] == m["versions"]
+    assert line.group(5).split() == m["anchor_hashes"]
+    assert final["resumed_from_step"] == m["inner_step"] and final["steps"] == m["inner_step"] + 20, final
+    # the resumed run checkpointed into the same folder when it left (the one it resumed from is kept)
+    assert load_checkpoint(ckpt).manifest["inner_step"] == m["inner_step"] + 20
+    assert not [p for p in os.listdir(ckpt) if p.startswith(".tmp-")]
