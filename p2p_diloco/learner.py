@@ -218,6 +218,8 @@ class Learner:
         self.t_start = time.monotonic()
         self.peer_anchors: list[list[tuple[int, str]]] = []  # (version, anchor hash) per fragment, other live learners
         self.peer_states: list[str] = []
+        self.swarm_reads = 0
+        """Successful reads of the swarm by the status thread (0: we do not know yet whether we are behind)."""
         self.live_learners = 1
         self._events = opts.events_path.open("a") if opts.events_path else None
         self._events_lock = threading.Lock()  # the status and checkpoint threads log events too
@@ -289,6 +291,10 @@ class Learner:
 
     def hand_off(self, slot: FragmentSlot) -> None:
         """Start a background round with this fragment's pseudo-gradient (never waits for it)."""
+        if self.swarm_reads == 0:  # a newcomer that has not seen the swarm yet may be behind: fetch first
+            logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
+                        "next round", slot.index, self.step)
+            return
         if slot.inflight is not None:
             slot.busy_skips += 1
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the next "
@@ -610,6 +616,7 @@ class Learner:
                                  if len(r.anchor_hashes) == len(r.fragment_versions)]
             self.peer_states = [r.state for r in others]
             self.live_learners = 1 + len(others)
+            self.swarm_reads += 1
             if self.auto_clock and self.training:
                 self._tend_clock(step_time_s, others)
 
