@@ -348,13 +348,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         return message, deserialize_torch_tensor(message)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        first = True
-        async for message in super()._generate_input_for_peer(peer_index):
+        async for message in faults.after_first(super()._generate_input_for_peer(peer_index), "while-sending",
+                                                self.fragment):
             self._count(self._sent, message)
             yield message
-            if first:
-                first = False
-                faults.hit("while-sending", self.fragment)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -532,12 +529,9 @@ class FragmentAverager(DecentralizedAverager):
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         if await self._refuse(context, "a state download"):
             return
-        first = True
-        async for message in super().rpc_download_state(request, context):
+        async for message in faults.after_first(super().rpc_download_state(request, context), "serving-state",
+                                                self.fragment):
             yield message
-            if first:
-                first = False
-                faults.hit("serving-state", self.fragment)
 
     # -- state download (the newcomer's side; hivemind's load_state_from_peers has no size cap, no
     #    check before it returns, and tries every declared peer, behind us or not)
@@ -590,7 +584,8 @@ class FragmentAverager(DecentralizedAverager):
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, parts, received = None, [], [], 0
-        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+        async for message in faults.after_first(aiter_with_timeout(stream, timeout=self.next_chunk_timeout),
+                                                "fetching-state", self.fragment):
             received += len(message.metadata) + message.tensor_part.ByteSize()
             if received > cap_bytes:
                 raise ValueError(f"the donor sent more than the {cap_bytes} bytes this fragment's state takes")
@@ -600,8 +595,6 @@ class FragmentAverager(DecentralizedAverager):
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []
             parts.append(message.tensor_part)
-            if len(tensors) == 0 and len(parts) == 1:
-                faults.hit("fetching-state", self.fragment)
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         if metadata is None:

@@ -33,9 +33,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 from dataclasses import dataclass
 
+T = TypeVar("T")
 POINTS = ("inner-step", "before-send", "while-sending", "while-reducing", "serving-state", "fetching-state")
 ACTIONS = ("kill", "stall")
 DEFAULT_STALL_S = 30.0
@@ -118,6 +120,17 @@ def hit(point: str, fragment: int | None = None) -> None:
                 break
     if firing is not None:
         _fire(*firing)
+
+
+async def after_first(stream: AsyncIterator[T], point: str, fragment: int | None = None) -> AsyncIterator[T]:
+    """``stream`` unchanged, with :func:`hit` called once its first item has been handled by the consumer
+    (the points "after the first part / chunk went out or came in")."""
+    first = True
+    async for item in stream:
+        yield item
+        if first:
+            first = False
+            hit(point, fragment)
 
 
 def _fire(fault: Fault, count: int) -> None:

@@ -444,13 +444,18 @@ class Learner:
             "inner_step": self.step, "tokens": self.tokens, "versions": [s.version for s in self.slots],
             "anchor_hashes": [s.anchor_hash for s in self.slots],
             "since_tokens": [s.since_tokens for s in self.slots], "since_steps": [s.since_steps for s in self.slots],
-            "model_digest": tensors_digest({n: t for n, t in tensors.items() if n.startswith("model/")}),
+            "model_digest": self._model_digest(),
         }
         return tensors, meta
 
-    def restore(self, ckpt: Any) -> None:
+    def _model_digest(self) -> str:
+        """:func:`~p2p_diloco.checkpoint.tensors_digest` of the weights, as a checkpoint's manifest records it."""
+        return tensors_digest({f"model/{n}": p.detach() for n, p in self.params.items()})
+
+    def restore(self, ckpt: Any) -> str:
         """Resume from a verified checkpoint (:func:`~p2p_diloco.checkpoint.load_checkpoint`, already checked
-        against our config hash): weights, AdamW state, anchors, momenta, versions, progress, step."""
+        against our config hash): weights, AdamW state, anchors, momenta, versions, progress, step. The
+        restored weights and anchors are hashed again and must match the manifest; returns the weights' digest."""
         m, t = ckpt.manifest, ckpt.tensors
         missing = [n for n in self.params if f"model/{n}" not in t or f"anchor/{n}" not in t]
         if missing or len(m.get("versions", ())) != len(self.slots):
@@ -470,14 +475,20 @@ class Learner:
                     slot.anchor_hash = anchor_hash(slot.anchor)
                     slot.since_tokens = int(m["since_tokens"][slot.index])
                     slot.since_steps = int(m["since_steps"][slot.index])
-                self.averaging[slot.index].set_anchor(*slot.rank)
+        digest = self._model_digest()
+        if digest != m["model_digest"]:
+            raise ValueError(f"checkpoint {ckpt.path}: the restored weights hash to {digest}, its manifest says "
+                             f"{m['model_digest']}")
         if [s.anchor_hash for s in self.slots] != list(m["anchor_hashes"]):
             raise ValueError(f"checkpoint {ckpt.path}: its anchors do not hash to its manifest's anchor_hashes")
+        for slot in self.slots:  # advertised as a donor only once verified
+            self.averaging[slot.index].set_anchor(*slot.rank)
         self.step, self.tokens = int(m["inner_step"]), int(m["tokens"])
         self.resumed_from_step = self.step
         # the data stream goes on with fresh batches, not the ones the first run already saw
         self.batches = data.batches(self._shard_tokens, self.cfg.inner.batch_size, self.cfg.model.block_size,
                                     seed=self.cfg.run.seed * 1000 + self.opts.shard + 7919 * (self.step + 1))
+        return digest
 
     # -------------------------------------------------------------- the end
 
@@ -745,8 +756,6 @@ class Learner:
             self._events.close()
 
 
-
-
 class Checkpointer:
     """Periodic checkpoints written by a background thread (the inner loop only pays for the copies),
     and a final one, written in the foreground, when the learner leaves."""
@@ -756,7 +765,8 @@ class Checkpointer:
         self.learner, self.root = learner, learner.opts.checkpoint_dir
         self.every_s = learner.opts.checkpoint_every_s
         self.last = time.monotonic()
-        self.saved: list[Path] = []
+        self.saved_step: int | None = None
+        """The step of the last checkpoint this learner wrote."""
         self._thread: threading.Thread | None = None
 
     def maybe_save(self) -> None:
@@ -775,7 +785,7 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
         tensors, meta = self.learner.checkpoint_state()
-        if self.saved and self.saved[-1].name == f"ckpt-{meta['inner_step']:08d}":
+        if meta["inner_step"] == self.saved_step:
             return  # this step is on disk already
         self._write(tensors, meta, final=final)
 
@@ -788,7 +798,7 @@ class Checkpointer:
                          type(e).__name__, e)
             self.learner._event({"event": "checkpoint", "outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]})
             return
-        self.saved.append(path)
+        self.saved_step = int(meta["inner_step"])
         logger.info("checkpoint saved: %s (step %d, model %s, %.2f s)%s", path, meta["inner_step"], meta["model_digest"],
                     time.monotonic() - t0, " (final)" if final else "")
         self.learner._event({"event": "checkpoint", "outcome": "saved", "path": str(path), "final": final,

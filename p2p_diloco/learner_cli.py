@@ -41,7 +41,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco import faults
 
     armed = [faults.parse_fault(spec) for spec in args.faults]  # a bad spec fails before we join
-    checkpoint_dir = Path(args.checkpoint_dir or args.resume or "") if (args.checkpoint_dir or args.resume) else None
+    chosen = args.checkpoint_dir or args.resume
+    checkpoint_dir = Path(chosen) if chosen else None
     if args.checkpoint_every_s and checkpoint_dir is None:
         raise ValueError("--checkpoint-every: needs --checkpoint-dir DIR")
     local = LocalRun.from_config(cfg)
@@ -70,13 +71,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         learner = Learner(cfg, profile, opts, joined, local, membership=membership)
         try:
             if resume is not None:
-                learner.restore(resume)
-                _tensors, now = learner.checkpoint_state()  # recomputed from what was restored, not copied
-                if now["model_digest"] != resume.manifest["model_digest"]:
-                    raise ValueError(f"checkpoint {resume.path}: the restored weights hash to {now['model_digest']}, "
-                                     f"its manifest says {resume.manifest['model_digest']}")
-                _out(f"resumed from {resume.path}: step {now['inner_step']}, model {now['model_digest']}, "
-                     f"versions {now['versions']}, anchors {' '.join(now['anchor_hashes'])}")
+                digest = learner.restore(resume)  # recomputed from what was restored, not copied
+                _out(f"resumed from {resume.path}: step {learner.step}, model {digest}, "
+                     f"versions {[s.version for s in learner.slots]}, anchors {' '.join(s.anchor_hash for s in learner.slots)}")
             _out(f"learner {joined.name}: shard {shard}/{num_shards}, profile {profile.name}, "
                  f"{opts.max_steps} steps, {cfg.outer.fragments} fragments, codec {cfg.outer.codec}")
             summary: dict[str, Any] = learner.run(stop.event)

@@ -352,9 +352,10 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
     for name in learners:
         mine = [inc for inc in incs if inc["learner"] == name]
         stalls = [inc["final"].get("max_stall_s") for inc in mine if inc.get("final")]
+        steps = sum(incarnation_steps(i) for i in mine)
         per_learner[name] = {
-            "incarnations": len(mine), "steps": sum(incarnation_steps(i) for i in mine),
-            "tokens_processed": sum(incarnation_steps(i) for i in mine) * tokens_per_step,
+            "incarnations": len(mine), "steps": steps,
+            "tokens_processed": steps * tokens_per_step,
             "committed": sum(r["outcome"] == "committed" for i in mine for r in i["rounds"]),
             "discarded": sum(r["outcome"] != "committed" for i in mine for r in i["rounds"]),
             "kills": sum(i["end"] == "killed" for i in mine), "stops": sum(len(i["stops"]) for i in mine),

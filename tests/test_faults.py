@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from p2p_diloco import faults
@@ -43,3 +45,25 @@ def test_the_nth_hit_of_the_right_fragment_fires(capfd: pytest.CaptureFixture[st
     finally:
         faults.arm([])
     assert faults.armed() == ()
+
+
+def test_after_first_hits_once_the_first_item_was_handled(capfd: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+
+    async def numbers() -> Any:
+        for i in range(3):
+            yield i
+
+    async def consume() -> list[tuple[int, bool]]:
+        seen = []
+        async for i in faults.after_first(numbers(), "serving-state", 2):
+            seen.append((i, "FAULT fired" in capfd.readouterr().err))
+        return seen
+
+    faults.arm([faults.parse_fault("stall@serving-state:fragment=2:seconds=0.01")])
+    try:
+        seen = asyncio.run(consume())
+    finally:
+        faults.arm([])
+    # the items pass unchanged; the point is hit after the first one was handled, before the second arrives
+    assert seen == [(0, False), (1, True), (2, False)]
