@@ -65,6 +65,8 @@ from hivemind.compression import serialization as _hm_serialization
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
+from p2p_diloco.rejects import PeerDataError, Reason
+
 logger = logging.getLogger(__name__)
 
 CODEC_NAMES: Final[tuple[str, ...]] = ("fp32", "fp16", "int8", "int4")
@@ -210,39 +212,49 @@ class BlockwiseAbsmaxQuantization(CompressionBase):
 
         Everything (header, dtype, shape vs element count, exact buffer length, finite non-negative
         scales, codes in range) is checked before the output is allocated, so a hostile peer cannot
-        make us allocate more than its buffer's size.
+        make us allocate more than its buffer's size; a decoded value that overflows the declared
+        dtype (a huge scale with dtype float16) is refused too. Raises
+        :class:`~p2p_diloco.rejects.PeerDataError` (a ``ValueError`` with a reason code).
         """
         buffer = serialized_tensor.buffer
         if len(buffer) < _HEADER.size:
-            raise ValueError(f"{self.name} codec: buffer of {len(buffer)} bytes is shorter than the header")
+            raise PeerDataError(Reason.MALFORMED,
+                                f"{self.name} codec: buffer of {len(buffer)} bytes is shorter than the header")
         magic, version, bits, block_size, numel = _HEADER.unpack_from(buffer)
         if magic != _MAGIC or version != _VERSION:
-            raise ValueError(
+            raise PeerDataError(
+                Reason.BAD_VERSION if magic == _MAGIC else Reason.MALFORMED,
                 f"{self.name} codec: not a p2p_diloco quantized buffer (magic={magic!r}, version={version}); "
                 f"is the sender using a different codec under hivemind slot "
                 f"{runtime_pb2.CompressionType.Name(self.compression_type)}?"
             )
         if bits != self.bits:
-            raise ValueError(f"{self.name} codec: buffer says {bits} bits, this slot decodes {self.bits}")
+            raise PeerDataError(Reason.BAD_DTYPE,
+                                f"{self.name} codec: buffer says {bits} bits, this slot decodes {self.bits}")
         if block_size < 1:
-            raise ValueError(f"{self.name} codec: block size must be >= 1, got {block_size}")
+            raise PeerDataError(Reason.MALFORMED, f"{self.name} codec: block size must be >= 1, got {block_size}")
         if serialized_tensor.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"{self.name} codec: unsupported dtype {serialized_tensor.dtype!r}")
+            raise PeerDataError(Reason.BAD_DTYPE,
+                                f"{self.name} codec: unsupported dtype {serialized_tensor.dtype!r}"[:200])
         shape = tuple(serialized_tensor.size)
-        if math.prod(shape) != numel:
-            raise ValueError(f"{self.name} codec: shape {shape} does not hold the header's {numel} elements")
+        if any(d < 0 for d in shape) or math.prod(shape) != numel:
+            raise PeerDataError(Reason.BAD_SHAPE,
+                                f"{self.name} codec: shape {shape} does not hold the header's {numel} elements"[:200])
         num_blocks = -(-numel // block_size)
         payload_bytes = self._payload_bytes(numel)
         expected = _HEADER.size + _SCALE_BYTES * num_blocks + payload_bytes
         if len(buffer) != expected:
-            raise ValueError(
+            raise PeerDataError(
+                Reason.MALFORMED,
                 f"{self.name} codec: buffer has {len(buffer)} bytes, expected {expected} "
                 f"for {numel} elements in blocks of {block_size}"
             )
         scales_np = np.frombuffer(buffer, dtype="<f4", count=num_blocks, offset=_HEADER.size)
         scales = torch.from_numpy(scales_np.astype(np.float32))
-        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-            raise ValueError(f"{self.name} codec: buffer holds negative or non-finite scales")
+        if not bool(torch.isfinite(scales).all()):
+            raise PeerDataError(Reason.NON_FINITE, f"{self.name} codec: buffer holds negative or non-finite scales")
+        if bool((scales < 0).any()):
+            raise PeerDataError(Reason.MALFORMED, f"{self.name} codec: buffer holds negative or non-finite scales")
         payload_offset = _HEADER.size + _SCALE_BYTES * num_blocks
         raw = np.frombuffer(buffer, dtype=np.uint8, count=payload_bytes, offset=payload_offset)
         codes = self._unpack(torch.from_numpy(raw.copy()), numel)
@@ -251,18 +263,75 @@ class BlockwiseAbsmaxQuantization(CompressionBase):
         padded[:numel] = codes
         values = (padded.view(num_blocks, block_size) * scales[:, None]).view(-1)[:numel]
         values = values.clamp_(-_FP32_MAX, _FP32_MAX)  # q * s may round just past float32's max
-        return values.to(_SUPPORTED_DTYPES[serialized_tensor.dtype]).reshape(shape)
+        values = values.to(_SUPPORTED_DTYPES[serialized_tensor.dtype])
+        if values.dtype != torch.float32 and not bool(torch.isfinite(values).all()):
+            raise PeerDataError(Reason.NON_FINITE,
+                                f"{self.name} codec: scales overflow the declared dtype {serialized_tensor.dtype}")
+        return values.reshape(shape)
 
     def _unpack(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         if self.bits == 8:
             codes = raw.view(torch.int8)
             if bool((codes == -128).any()):
-                raise ValueError(f"{self.name} codec: code -128 is outside the levels -127..127")
+                raise PeerDataError(Reason.MALFORMED, f"{self.name} codec: code -128 is outside the levels -127..127")
             return codes.to(torch.float32)
         nibbles = torch.stack((raw & 0xF, raw >> 4), dim=1).view(-1)
         if bool((nibbles == 0).any()):
-            raise ValueError(f"{self.name} codec: nibble 0 is outside the levels 1..15 (codes -7..7)")
+            raise PeerDataError(Reason.MALFORMED,
+                                f"{self.name} codec: nibble 0 is outside the levels 1..15 (codes -7..7)")
         return nibbles[:numel].to(torch.float32) - 8
+
+
+def decode_part(message: runtime_pb2.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                compression_type: int) -> torch.Tensor:
+    """Decode a tensor (or tensor part) a peer sent where one of ``shape`` and ``dtype`` compressed in
+    hivemind slot ``compression_type`` is expected; raises :class:`~p2p_diloco.rejects.PeerDataError`.
+
+    The declared slot, shape and dtype and the buffer's exact length are checked *before* anything is
+    decoded, so nothing larger than the expected tensor is ever allocated -- hivemind's own fp32/fp16
+    decoders trust the declared dtype and shape (fp16 with a declared dtype ``"U99999999"`` allocates
+    400 MB per element; a one-element part would broadcast over a reducer's whole accumulator).
+    The decoded tensor must be finite.
+    """
+    slot = runtime_pb2.CompressionType.Name(compression_type)
+    got_slot = runtime_pb2.CompressionType.Name(message.compression) \
+        if message.compression in runtime_pb2.CompressionType.values() else str(message.compression)
+    if got_slot != slot:
+        raise PeerDataError(Reason.BAD_DTYPE, f"tensor compressed in slot {got_slot}, expected {slot}")
+    declared = tuple(message.size)
+    if declared != tuple(shape):
+        raise PeerDataError(Reason.BAD_SHAPE, f"tensor of shape {declared}, expected {tuple(shape)}"[:200])
+    dtype_name = str(dtype).replace("torch.", "")
+    if message.dtype != dtype_name:
+        raise PeerDataError(Reason.BAD_DTYPE, f"tensor of dtype {message.dtype!r}, expected {dtype_name}"[:200])
+    numel = math.prod(shape)
+    codec = _hm_serialization._BASE_COMPRESSION_TYPES[slot]
+    if isinstance(codec, BlockwiseAbsmaxQuantization):
+        sizes = {codec.buffer_bytes(numel)}
+    elif slot == "FLOAT16":
+        sizes = {2 * numel}
+    elif slot == "NONE":
+        element_size = torch.empty((), dtype=dtype).element_size()
+        sizes = {element_size * numel, 4 * numel} if dtype == torch.bfloat16 else {element_size * numel}
+    else:
+        raise PeerDataError(Reason.BAD_DTYPE, f"compression slot {slot} is not accepted from peers")
+    if len(message.buffer) not in sizes:
+        raise PeerDataError(Reason.OVERSIZE if len(message.buffer) > max(sizes) else Reason.MALFORMED,
+                            f"tensor buffer of {len(message.buffer)} bytes, expected {min(sizes)} "
+                            f"for {tuple(shape)}/{dtype_name} in slot {slot}")
+    try:
+        tensor = deserialize_torch_tensor(message).detach()
+    except PeerDataError:
+        raise
+    except Exception as e:  # whatever else the library's decoder trips on is the sender's fault too
+        raise PeerDataError(Reason.MALFORMED,
+                            f"undecodable tensor in slot {slot}: {type(e).__name__}: {e}"[:200]) from None
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise PeerDataError(Reason.BAD_SHAPE, f"tensor decoded to {tuple(tensor.shape)}/{tensor.dtype}, "
+                                              f"expected {tuple(shape)}/{dtype_name}"[:200])
+    if not bool(torch.isfinite(tensor).all()):
+        raise PeerDataError(Reason.NON_FINITE, f"tensor of {tuple(shape)} holds NaN or infinite values")
+    return tensor
 
 
 def _register() -> dict[str, CompressionBase]:

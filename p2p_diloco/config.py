@@ -69,6 +69,7 @@ class InnerConfig:
 MERGES = ("mean", "radial")
 WEIGHTINGS = ("uniform", "tokens", "tokens2")
 CODECS = ("fp32", "fp16", "int8", "int4")
+ROBUST = ("none", "clip", "trim")
 SCHEDULES = ("clock", "steps")
 
 
@@ -88,6 +89,16 @@ class OuterConfig:
     weighting: str = _f("tokens", "Contribution weight: uniform, tokens, or tokens2 (tokens^2/steps).")
     final_average: bool = _f(False, "The last sync sets each anchor to the weighted average of the learners' weights "
                              "(no outer step: stale Nesterov momentum would overshoot at the end of the schedule).")
+    robust: str = _f("none", "How far a round trusts each member: 'clip' caps its weight, its radial norms and every "
+                     "tensor part a reducer receives at outer.clip_factor x the group's lower median (non-finite "
+                     "parts are left out); 'trim' also takes a coordinate-wise trimmed mean (from 3 members on, the "
+                     "most extreme values of every element are left out); 'none' trusts every member (the default: "
+                     "both others also cap honest members with much more progress than the least advanced one, e.g. "
+                     "a veteran paired with a newcomer; use 'trim' where members are not trusted).")
+    clip_factor: float = _f(2.0, "Robust merge: the cap, as a multiple of the group's lower median (>= 1).")
+    max_delta_ratio: float = _f(10.0, "A learner's own pseudo-gradient whose norm exceeds this multiple of its fragment "
+                                "anchor's norm (or that is not finite) is dropped and the fragment re-anchored "
+                                "(0 = only non-finite ones).")
 
 
 @dataclass(frozen=True)
@@ -309,6 +320,11 @@ def validate(cfg: Config) -> None:
     _require(o.merge in MERGES, "outer.merge", f"must be one of {', '.join(MERGES)}, got {o.merge!r}")
     _require(o.weighting in WEIGHTINGS, "outer.weighting",
              f"must be one of {', '.join(WEIGHTINGS)}, got {o.weighting!r}")
+    _require(o.robust in ROBUST, "outer.robust", f"must be one of {', '.join(ROBUST)}, got {o.robust!r}")
+    _require(1.0 <= o.clip_factor < float("inf"), "outer.clip_factor",
+             f"must be finite and >= 1 (a cap below the median would clip honest members), got {o.clip_factor}")
+    _require(0 <= o.max_delta_ratio < float("inf"), "outer.max_delta_ratio",
+             f"must be finite and >= 0, got {o.max_delta_ratio}")
     _require(s.learners >= 1, "sim.learners", f"must be >= 1, got {s.learners}")
     _require(not s.speeds or len(s.speeds) == s.learners, "sim.speeds",
              f"must list one speed per learner (sim.learners={s.learners}), got {len(s.speeds)}")

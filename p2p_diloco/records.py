@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Literal, Mapping, Op
 
 from pydantic.v1 import BaseModel, Extra, ValidationError, confloat, conint, conlist, constr, validator
 
+from p2p_diloco.rejects import PeerDataError, Reason
+
 logger = logging.getLogger(__name__)
 
 STATES = ("joining", "idle", "training", "averaging", "syncing", "leaving", "left")
@@ -45,6 +47,8 @@ MAX_NAME_CHARS = 64
 MAX_ADDRESSES = 16
 MAX_ADDRESS_CHARS = 256
 MAX_FRAGMENTS = 1024
+MAX_INT = 2**63 - 1
+"""Largest integer a record may hold (msgpack's int64; larger ones are refused as oversize)."""
 
 
 def run_key_prefix(run_id: str) -> str:
@@ -113,13 +117,9 @@ class PeerRecord:
 
     @classmethod
     def from_wire(cls, value: Any) -> "PeerRecord":
-        """Parse a stored value, strictly (raises ``ValueError`` with a one-line reason)."""
-        if not isinstance(value, Mapping):
-            raise ValueError(f"peer record must be a dict, got {type(value).__name__}")
-        try:
-            m = PeerRecordModel.parse_obj(value)
-        except ValidationError as e:
-            raise ValueError(f"invalid peer record: {_first_error(e)}") from None
+        """Parse a stored value, strictly (raises :class:`~p2p_diloco.rejects.PeerDataError`, a
+        ``ValueError`` with a one-line reason and a reason code)."""
+        m = _parse(PeerRecordModel, value, "peer record")
         d = m.dict()
         d["addresses"] = tuple(d["addresses"])
         for k in ("fragment_versions", "anchor_hashes", "consensus_distance"):
@@ -151,23 +151,51 @@ class IndexEntry:
 
     @classmethod
     def from_wire(cls, value: Any) -> "IndexEntry":
-        if not isinstance(value, Mapping):
-            raise ValueError(f"index entry must be a dict, got {type(value).__name__}")
-        try:
-            return cls(**IndexEntryModel.parse_obj(value).dict())
-        except ValidationError as e:
-            raise ValueError(f"invalid index entry: {_first_error(e)}") from None
+        """Parse a stored value, strictly (raises :class:`~p2p_diloco.rejects.PeerDataError`)."""
+        return cls(**_parse(IndexEntryModel, value, "index entry").dict())
 
 
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
+_OVERSIZE_ERRORS = frozenset({"value_error.any_str.max_length", "value_error.list.max_items",
+                              "value_error.number.not_le"})
+
+
+def _parse(model: type[BaseModel], value: Any, what: str) -> Any:
+    """``model.parse_obj(value)``, every failure a :class:`PeerDataError` with a one-line reason."""
+    if not isinstance(value, Mapping):
+        raise PeerDataError(Reason.MALFORMED, f"{what} must be a dict, got {type(value).__name__}")
+    if not all(isinstance(k, str) for k in value):  # pydantic would raise TypeError: keywords must be strings
+        raise PeerDataError(Reason.MALFORMED, f"invalid {what}: its keys must be strings")
+    try:
+        return model.parse_obj(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise PeerDataError(_reason(err, value), f"invalid {what}: {_first_error(err)}") from None
+
+
+def _first_error(err: Mapping[str, Any]) -> str:
     return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+
+
+def _reason(err: Mapping[str, Any], value: Any) -> Reason:
+    if err["type"] in _OVERSIZE_ERRORS:
+        return Reason.OVERSIZE
+    offending: Any = value
+    for part in err["loc"]:  # the offending input itself: a NaN fails ``ge=0`` before it fails finiteness
+        try:
+            offending = offending[part]
+        except (KeyError, IndexError, TypeError):
+            offending = None
+            break
+    if err["type"] == "value_error.number.not_finite_number" or (
+            isinstance(offending, float) and not math.isfinite(offending)):
+        return Reason.NON_FINITE
+    return Reason.MALFORMED
 
 
 # ---------------------------------------------------------------- the schema (pydantic.v1, for SchemaValidator)
 
 _Name = constr(strict=True, max_length=MAX_NAME_CHARS)
-_NonNegInt = conint(strict=True, ge=0)
+_NonNegInt = conint(strict=True, ge=0, le=MAX_INT)
 _NonNegFloat = confloat(strict=True, ge=0.0, allow_inf_nan=False)
 
 
@@ -249,9 +277,20 @@ def peer_schemas(run_id: str) -> list[Any]:
     """The record validators every node of ``run_id`` installs (imports hivemind)."""
     from hivemind.dht.schema import SchemaValidator
 
+    class StrictSchemaValidator(SchemaValidator):
+        """hivemind's, except that a record it cannot even inspect is refused instead of raising (1.1.12
+        raises ``TypeError`` for a msgpack list or dict as subkey, which makes the DHT request fail)."""
+
+        def validate(self, record: Any) -> bool:
+            try:
+                return bool(super().validate(record))
+            except Exception as e:
+                logger.debug("refused a DHT record that hivemind's schema validator could not inspect: %r", e)
+                return False
+
     return [
-        SchemaValidator(RunPeersSchema, allow_extra_keys=True, prefix=run_key_prefix(run_id)),
-        SchemaValidator(RunIndexSchema, allow_extra_keys=True, prefix=INDEX_PREFIX),
+        StrictSchemaValidator(RunPeersSchema, allow_extra_keys=True, prefix=run_key_prefix(run_id)),
+        StrictSchemaValidator(RunIndexSchema, allow_extra_keys=True, prefix=INDEX_PREFIX),
     ]
 
 

@@ -19,7 +19,16 @@ Protocol rules reproduced here:
 - a learner that leaves loses its unsynced work; one that (re)joins starts from the current
   anchors with a fresh inner optimizer;
 - at the end every live learner contributes its remaining progress in a final round of every
-  fragment, and the anchors (the global model) are evaluated.
+  fragment, and the anchors (the global model) are evaluated;
+- a learner whose own pseudo-gradient is non-finite or absurd (:func:`outer.local_problem`) drops it
+  and re-anchors the fragment; a round whose merged result is not finite is discarded by everyone
+  and its members keep their progress (as a networked round that fails);
+- the robust merge (``outer.robust``) uses the same functions as the networked reducers and members
+  (:func:`outer.robust_mean`, :func:`outer.decode_merged`), with each whole tensor as one reducer
+  part (decoded from the codec, reduced, and sent back through the codec). The networked reducers
+  refuse a non-finite part before it gets there (the round fails); here it is left out.
+
+An :class:`Attack` makes one learner poison what it sends every round (the poisoning benchmark).
 """
 
 from __future__ import annotations
@@ -42,6 +51,42 @@ from p2p_diloco.model import build_model
 log = logging.getLogger(__name__)
 
 MODES = ("diloco", "data-parallel", "single")
+ATTACKS = ("sign-flip", "random", "nan")
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One learner poisons its contribution to every round, on every surface a peer controls.
+
+    ``sign-flip``: it sends ``-scale`` x its encoded tensors and ``scale`` x its radial norms (with the
+    mean merge, ``-scale`` x its pseudo-gradient); ``random``: each tensor replaced by a random one of
+    ``scale`` x its norm, norms ``scale`` x; ``nan``: tensors full of NaN. Its claimed progress is honest.
+    """
+
+    learner: int
+    mode: str
+    scale: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ATTACKS:
+            raise ValueError(f"unknown attack {self.mode!r} (expected one of {', '.join(ATTACKS)})")
+        if self.learner < 0 or not math.isfinite(self.scale) or self.scale <= 0:
+            raise ValueError(f"attack needs a learner index >= 0 and a finite scale > 0, got {self}")
+
+
+def poison(sent: dict[str, torch.Tensor], norms: dict[str, float], attack: Attack,
+           generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """What the attacker sends instead of its honest encoded contribution ``(sent, norms)``."""
+    k = attack.scale
+    if attack.mode == "nan":
+        return {n: torch.full_like(t, float("nan")) for n, t in sent.items()}, dict(norms)
+    if attack.mode == "sign-flip":
+        return {n: -k * t for n, t in sent.items()}, {n: k * v for n, v in norms.items()}
+    out = {}
+    for n, t in sent.items():
+        r = torch.randn(t.shape, generator=generator)
+        out[n] = r * (k * float(t.norm()) / max(float(r.norm()), 1e-12))
+    return out, {n: k * v for n, v in norms.items()}
 
 
 @dataclass(frozen=True)
@@ -64,6 +109,9 @@ class SimResult:
     dp_fp32_bytes: float = 0.0  # what fp32 data-parallel would send for the same tokens
     rounds: int = 0
     empty_rounds: int = 0
+    discarded_rounds: int = 0  # merged result not finite: nobody applied it
+    local_drops: int = 0  # own pseudo-gradients refused by outer.local_problem (fragment re-anchored)
+    max_delta_ratio: float = 0.0  # largest ||own pseudo-gradient|| / ||fragment anchor|| that was sent
     contributed_tokens: int = 0  # tokens whose progress reached the anchors through some round
     weight_shares: list[list[float]] = field(default_factory=list)  # per round, per learner (0 if absent)
     token_shares: list[float] = field(default_factory=list)
@@ -80,6 +128,9 @@ class SimResult:
             "bytes_saved_vs_dp_fp32": (self.dp_fp32_bytes / self.bytes_sent) if self.bytes_sent else None,
             "rounds": self.rounds,
             "empty_rounds": self.empty_rounds,
+            "discarded_rounds": self.discarded_rounds,
+            "local_drops": self.local_drops,
+            "max_delta_ratio": round(self.max_delta_ratio, 4),
             "contributed_tokens": self.contributed_tokens,
             "wall_s": round(self.wall_s, 1),
             "curve": self.curve,
@@ -151,9 +202,10 @@ class Simulator:
     """K learners and the shared anchors; :meth:`run` trains to the token budget and evaluates."""
 
     def __init__(self, cfg: Config, splits: data.Splits, events: Sequence[Event] = (), eval_points: int = 10,
-                 stop_after_ticks: int = 0) -> None:
+                 stop_after_ticks: int = 0, attack: Attack | None = None) -> None:
         """``stop_after_ticks`` > 0 ends the run early (the LR schedule still spans ``inner.total_steps``):
-        what a time-limited networked run does, for comparisons at equal tokens."""
+        what a time-limited networked run does, for comparisons at equal tokens. ``attack``: one learner
+        poisons every contribution it sends."""
         self.cfg = cfg
         o, k = cfg.outer, cfg.sim.learners
         speeds = list(cfg.sim.speeds) or [1.0] * k
@@ -175,10 +227,37 @@ class Simulator:
         self.pending: list[tuple[int, int, dict[str, torch.Tensor], list[int], bool]] = []
         self.result = SimResult(mode="diloco", learners=k)
         self.n_params = sum(sizes.values())
+        if attack is not None and attack.learner >= k:
+            raise ValueError(f"attack.learner {attack.learner} is not one of the {k} learners")
+        self.attack = attack
+        self.attack_rng = torch.Generator().manual_seed(cfg.run.seed + 7919)
+        self.robust = outer.robust_rule(o.robust, o.clip_factor)
 
     # ------------------------------------------------------------ one round of one fragment
-    def _merge_round(self, f: int, members: list[_Learner]) -> dict[str, torch.Tensor]:
-        """The merged pseudo-gradient of ``members`` for fragment f (codec and merge as configured)."""
+    def _local_ok(self, m: _Learner, f: int) -> bool:
+        """The learner's own check before sending: a non-finite or absurd pseudo-gradient is dropped and the
+        fragment re-anchored (weights <- anchor, fresh AdamW moments for them, no unsynced progress)."""
+        names = self.fragments[f].names
+        with torch.no_grad():
+            delta = {n: self.anchor[n] - m.params[n].detach() for n in names}
+            anchor = {n: self.anchor[n] for n in names}
+            problem = outer.local_problem(delta, anchor, self.cfg.outer.max_delta_ratio)
+            if problem is None:
+                ratio = outer.delta_ratio(delta, anchor)
+                self.result.max_delta_ratio = max(self.result.max_delta_ratio, ratio)
+                return True
+            log.debug("learner %d fragment %d: %s; dropped, fragment re-anchored", m.idx, f, problem)  # counted
+            for n in names:
+                m.params[n].copy_(self.anchor[n])
+                m.opt.state.pop(m.params[n], None)
+        m.since_tokens[f] = 0
+        m.since_steps[f] = 0
+        self.result.local_drops += 1
+        return False
+
+    def _merge_round(self, f: int, members: list[_Learner]) -> dict[str, torch.Tensor] | None:
+        """The merged pseudo-gradient of ``members`` for fragment f (codec, merge and robust merge as
+        configured); None if it is not finite (the round is discarded, the members keep their progress)."""
         o = self.cfg.outer
         names = self.fragments[f].names
         weights = [outer.contribution_weight(m.since_tokens[f], m.since_steps[f], o.weighting) for m in members]
@@ -188,10 +267,24 @@ class Simulator:
             sent, meta = outer.encode_contribution(delta, o.merge)
             if m.error_feedback is not None:
                 sent = {n: m.error_feedback.encode(n, t) for n, t in sent.items()}
+            if self.attack is not None and m.idx == self.attack.learner:
+                sent, meta = poison(sent, meta, self.attack, self.attack_rng)
             encoded.append((sent, meta))
-        averaged = {n: compression.simulate_allreduce(o.codec, [e[0][n] for e in encoded], weights) for n in names}
-        merged = outer.decode_merged(averaged, [e[1] for e in encoded], weights, o.merge)
+        rule = self.robust
+        averaged = {}
+        for n in names:
+            tensors = [e[0][n] for e in encoded]
+            if rule.active:  # as a robust reducer: the parts it decodes, its rule, codec(result) back to all
+                received = [compression.roundtrip(o.codec, t) for t in tensors]
+                reduced = outer.robust_mean(received, outer.clip_to_median(weights, rule.clip_factor), rule)
+                averaged[n] = compression.roundtrip(o.codec, reduced)
+            else:
+                averaged[n] = compression.simulate_allreduce(o.codec, tensors, weights)
         self.result.rounds += 1
+        if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
+            self.result.discarded_rounds += 1  # as the networked members do: "averaged tensors are not finite"
+            return None
+        merged = outer.decode_merged(averaged, [e[1] for e in encoded], weights, o.merge, rule)
         self.result.bytes_sent += _butterfly_bytes(self.fragments[f].numel, len(members), o.codec, len(names),
                                                    o.merge == "radial")
         total = sum(weights)
@@ -206,11 +299,14 @@ class Simulator:
     def _start_round(self, f: int, tick: int, final: bool = False) -> None:
         drop = 0.0 if final else self.cfg.sim.drop_prob
         members = [m for m in self.learners if m.alive and m.since_steps[f] > 0 and self.rng.random() >= drop]
+        members = [m for m in members if self._local_ok(m, f)]
         if not members:
             if not final:  # at the final flush a fragment synced on the last tick has nothing left
                 self.result.empty_rounds += 1
             return
         merged = self._merge_round(f, members)
+        if merged is None:
+            return
         apply_at = tick if final else tick + self.cfg.outer.overlap
         plain = final and self.cfg.outer.final_average
         self.pending.append((apply_at, f, merged, [m.idx for m in members], plain))
@@ -331,9 +427,11 @@ def run_reference(cfg: Config, splits: data.Splits, mode: str, eval_points: int 
 
 
 def run(cfg: Config, splits: data.Splits, mode: str = "diloco", events: Sequence[Event] = (),
-        eval_points: int = 10, progress: bool = False) -> SimResult:
+        eval_points: int = 10, progress: bool = False, attack: Attack | None = None) -> SimResult:
     if mode == "diloco":
-        return Simulator(cfg, splits, events, eval_points).run(progress)
+        return Simulator(cfg, splits, events, eval_points, attack=attack).run(progress)
+    if attack is not None:
+        raise ValueError(f"an attack needs the diloco mode, not {mode!r}")
     return run_reference(cfg, splits, mode, eval_points, progress)
 
 

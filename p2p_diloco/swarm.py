@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import re
 import socket
 import threading
 import time
@@ -31,10 +32,11 @@ from typing import Any, Iterable, Sequence
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils import get_dht_time
-from hivemind.utils.auth import TokenAuthorizerBase
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco import procguard
@@ -75,6 +77,10 @@ class SwarmKeyError(JoinError):
     """The initial peers answered at the network level but refused our DHT requests (or we theirs)."""
 
 
+class ClockSkewError(JoinError):
+    """An initial peer's clock differs from ours by more than the DHT tolerates (:data:`MAX_DHT_CLOCK_SKEW_S`)."""
+
+
 @dataclass(frozen=True)
 class SwarmOptions:
     """How this peer takes part in the DHT."""
@@ -113,6 +119,15 @@ class SwarmKeyAuthorizer(TokenAuthorizerBase):
     peer without the secret gets no answers (and gives none that we accept). Verified here: a
     joiner with no key or another key fails the bootstrap ping in ~0.3 s; a keyed joiner of an
     open swarm fails the same way.
+
+    Clock skew: hivemind also refuses requests whose timestamp is more than 60 s off ours (replay
+    protection), and tokens carry an expiry in the minter's clock. A keyed joiner whose clock is
+    minutes off would then get silence and be told "swarm key mismatch". So a *ping* that is
+    genuinely keyed (HMAC and RSA signature valid) but refused only for its time is answered
+    anyway (a replayed ping does nothing but add its sender to the routing table): hivemind's
+    bootstrap check then fails the join with "local time must be within 3 seconds"
+    (:func:`explain_join_failure` turns that into our one-line clock-skew error). Verified here
+    for +-10 s, +-120 s and +-2 h. Every other request keeps hivemind's checks.
     """
 
     TOKEN_LIFETIME_S = 3600.0
@@ -122,6 +137,8 @@ class SwarmKeyAuthorizer(TokenAuthorizerBase):
     def __init__(self, secret: bytes, private_key: RSAPrivateKey):
         super().__init__(private_key)
         self._mac_key = hashlib.sha256(b"p2p-diloco swarm token\0" + secret).digest()
+        self.refused = 0
+        """DHT requests refused so far (no or another swarm key, replayed, bad signature); in the DHT process."""
 
     def _mac(self, token: AccessToken) -> bytes:
         message = b"\0".join([token.username.encode(), token.public_key, token.expiration_time.encode()])
@@ -148,6 +165,37 @@ class SwarmKeyAuthorizer(TokenAuthorizerBase):
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         return float(access_token.expiration_time) < get_dht_time() + self.REFRESH_MARGIN_S
+
+    def _signed_by_keyed_peer(self, message: Any, token: AccessToken, signature: bytes) -> bool:
+        """The token is HMAC-signed with our secret (its expiry aside) and ``message`` is signed by its key."""
+        if not hmac.compare_digest(token.signature, self._mac(token)):
+            return False
+        message.auth.signature = b""  # what the sender signed (hivemind's own check clears it too)
+        return RSAPublicKey.from_bytes(token.public_key).verify(message.SerializeToString(), signature)
+
+    async def validate_request(self, request: AuthorizedRequestBase) -> bool:
+        signature = request.auth.signature
+        if await super().validate_request(request):
+            return True
+        offset_s = request.auth.time - get_dht_time()
+        if (isinstance(request, dht_pb2.PingRequest) and abs(offset_s) > MAX_DHT_CLOCK_SKEW_S
+                and self._signed_by_keyed_peer(request, request.auth.client_access_token, signature)):
+            logger.warning("a peer with our swarm key pinged us with a clock %+.1f s off ours; answering so that it "
+                           "learns why it cannot join (it must synchronise its clock)", offset_s)
+            return True
+        self.refused += 1
+        logger.debug("refused a DHT request (%s): no valid swarm token, bad signature, replayed or clock off",
+                     type(request).__name__)
+        return False
+
+    async def validate_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> bool:
+        signature = response.auth.signature
+        if await super().validate_response(response, request):
+            return True
+        # a keyed peer's ping answer whose token looks expired to us: its clock is far off ours
+        return (isinstance(response, dht_pb2.PingResponse) and response.auth.nonce == request.auth.nonce
+                and abs(response.dht_time - get_dht_time()) > MAX_DHT_CLOCK_SKEW_S
+                and self._signed_by_keyed_peer(response, response.auth.service_access_token, signature))
 
 
 # ---------------------------------------------------------------- joining
@@ -182,6 +230,24 @@ def _tried(opts: SwarmOptions) -> str:
     return ", ".join(a.text for a in opts.initial_peers)
 
 
+_HIVEMIND_SKEW_RE = re.compile(r"local:\s*(-?[\d.]+),\s*peer:\s*(-?[\d.]+)")
+
+
+def clock_skew_in(text: str) -> float | None:
+    """Our clock minus the peer's (s) from hivemind's bootstrap error "local time must be within 3
+    seconds of others(local: L, peer: P)", or None if the text does not carry both times."""
+    m = _HIVEMIND_SKEW_RE.search(text)
+    return float(m.group(1)) - float(m.group(2)) if m else None
+
+
+def skew_verdict(skew_s: float, ok_below_s: float = 1.0) -> bool | None:
+    """``doctor``'s verdict on one measured clock offset: True (fine), None (works, but close to the
+    DHT's limit), False (the DHT refuses this peer's records: above :data:`MAX_DHT_CLOCK_SKEW_S`)."""
+    if abs(skew_s) <= ok_below_s:
+        return True
+    return None if abs(skew_s) < MAX_DHT_CLOCK_SKEW_S else False
+
+
 def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
     """Turn what hivemind raised while joining into one line for a user (probes TCP to say more)."""
     text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
@@ -197,8 +263,11 @@ def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
         return SwarmKeyError(f"could not join: swarm key mismatch: {_tried(opts)} answered but refused our DHT requests. "
                              f"Check {key_hint}: every peer needs the same secret file (p2p-diloco keygen), or none.")
     if "local time must be within" in text:
-        return JoinError(f"could not join: clock skew above {MAX_DHT_CLOCK_SKEW_S:.0f} s against {_tried(opts)} ({text}). "
-                         f"Synchronise the clock (NTP: timedatectl set-ntp true).")
+        skew_s = clock_skew_in(text)
+        measured = (f"our clock is {abs(skew_s):.1f} s {'ahead of' if skew_s > 0 else 'behind'} an initial peer"
+                    if skew_s is not None else text)
+        return ClockSkewError(f"could not join: clock skew above {MAX_DHT_CLOCK_SKEW_S:.0f} s: {measured} "
+                              f"(tried {_tried(opts)}). Synchronise both machines' clocks (NTP: timedatectl set-ntp true).")
     if isinstance(error, TimeoutError):
         return JoinError(f"could not join within {opts.join_timeout_s:.0f} s: tried {_tried(opts)}. "
                          f"Check that they are up (p2p-diloco doctor --initial-peers …) and not overloaded.")
@@ -403,7 +472,9 @@ class RecordPublisher:
         ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
         if not ok:
             self.failures += 1
-            logger.warning("publishing the peer record was not accepted by any DHT node (attempt failures: %d)", self.failures)
+            logger.warning("publishing the peer record was not accepted by any DHT node (attempt failures: %d); if this "
+                           "persists, check this machine's clock (p2p-diloco doctor): nodes refuse records from a "
+                           "clock more than %.0f s off", self.failures, MAX_DHT_CLOCK_SKEW_S)
         return ok
 
     def publish_within(self, deadline_s: float, retry_interval_s: float = 1.0,
@@ -559,9 +630,26 @@ def measure_clock_skew(dht: DHT, peers: dict[str, list[str]], timeout_s: float =
     return dht.run_coroutine(_AsyncSkew(tuple((k, tuple(v)) for k, v in peers.items()), timeout_s))
 
 
+# ---------------------------------------------------------------- private swarm: what the DHT refused
+
+
+@dataclass(frozen=True)
+class _AsyncRefusals:
+    """Picklable callable for ``DHT.run_coroutine``: the authorizer's refusal count in the DHT process."""
+
+    async def __call__(self, _dht: DHT, node: Any) -> int | None:
+        authorizer = node.protocol.authorizer
+        return authorizer.refused if isinstance(authorizer, SwarmKeyAuthorizer) else None
+
+
+def dht_refusals(dht: DHT) -> int | None:
+    """DHT requests this node refused for want of our swarm key (None: an open swarm, nothing is refused)."""
+    return dht.run_coroutine(_AsyncRefusals())
+
+
 __all__ = [
-    "JoinError", "SwarmKeyError", "SwarmOptions", "SwarmKeyAuthorizer", "write_swarm_key", "read_swarm_key",
-    "swarm_key_fingerprint", "start_dht", "visible_addresses", "read_swarm", "SwarmSnapshot", "Membership",
+    "JoinError", "SwarmKeyError", "ClockSkewError", "SwarmOptions", "SwarmKeyAuthorizer", "write_swarm_key",
+    "read_swarm_key", "swarm_key_fingerprint", "start_dht", "visible_addresses", "read_swarm", "SwarmSnapshot", "Membership",
     "members_of", "RecordPublisher", "check_split", "SplitReport", "measure_clock_skew", "owner_subkey",
-    "owner_peer_id", "tcp_probe", "explain_join_failure",
+    "owner_peer_id", "tcp_probe", "explain_join_failure", "clock_skew_in", "skew_verdict", "dht_refusals",
 ]

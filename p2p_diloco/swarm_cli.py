@@ -497,7 +497,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     local = _local_run(args)
     opts = _swarm_options(args, client_mode=True)
     from p2p_diloco.swarm import (
-        MAX_DHT_CLOCK_SKEW_S, JoinError, SwarmKeyError, measure_clock_skew, read_swarm, start_dht, tcp_probe,
+        MAX_DHT_CLOCK_SKEW_S, ClockSkewError, JoinError, SwarmKeyError, measure_clock_skew, read_swarm, skew_verdict,
+        start_dht, tcp_probe,
     )
 
     failures = 0
@@ -519,6 +520,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         fix = ("pass the swarm's secret with --swarm-key FILE" if opts.swarm_key is None
                else "use the same --swarm-key file as the swarm's peers (compare the fingerprints they print)")
         report(False, f"join the DHT: {e}", fix)
+        return 1
+    except ClockSkewError as e:
+        report(False, f"join the DHT: {e}", "synchronise clocks with NTP on both machines (timedatectl set-ntp true)")
         return 1
     except JoinError as e:
         report(False, f"join the DHT: {e}", "see the reachability lines above")
@@ -552,7 +556,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             if skew is None:
                 report(False, f"clock of {pid}: no answer ({error})", "check that the peer is alive and reachable")
             else:
-                report(True if abs(skew) <= 1.0 else None if abs(skew) < MAX_DHT_CLOCK_SKEW_S else False,
+                report(skew_verdict(skew),
                        f"clock of {pid}: {skew:+.3f} s from ours (the DHT needs < {MAX_DHT_CLOCK_SKEW_S:.0f} s)",
                        "synchronise clocks with NTP on both machines (timedatectl set-ntp true)")
     finally:

@@ -1,0 +1,259 @@
+"""Private swarm end to end (real hivemind on 127.0.0.1, in-process): two swarms with different keys
+share a machine, a run id and therefore every DHT key and averager prefix; outsiders who know a
+member's full address call its DHT and averaging handlers directly; clocks that are off refuse the join.
+
+Swarm A: ``a1`` (member, state donor, checks membership), ``a2`` (member). Swarm B: ``b1`` (a member of B,
+same run id and config, B's key). Outsider ``o``: no key at all (a standalone open DHT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from p2p_diloco.config import load_config
+
+NAMES = ("blocks.0.fc.weight", "blocks.1.fc.weight")
+SHAPES = {n: torch.Size([8, 4]) for n in NAMES}
+CFG = load_config(None, ["run.run_id=private", "model.n_layer=2", "outer.fragments=2", "averaging.window_s=1.0",
+                         "averaging.state_timeout_s=10.0"])
+RPC_TIMEOUT_S = 10.0
+"""Bound on each probe RPC (the refusals come back in well under a second)."""
+
+
+# ---------------------------------------------------------------- pure: the clock-skew error and verdict
+
+
+def test_clock_skew_error_is_one_line_with_the_measured_offset() -> None:
+    from p2p_diloco.addresses import parse_initial_peers
+    from p2p_diloco.swarm import ClockSkewError, SwarmOptions, clock_skew_in, explain_join_failure, skew_verdict
+
+    peer = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQ6Zc23k8dddq4G2yn3dL546juChnAjDXrbZH89Q1ZH6h"
+    opts = SwarmOptions(initial_peers=parse_initial_peers([peer]))
+    # hivemind's text, verbatim (double space included), as the DHT process raises it
+    hivemind = ("hivemind.dht.protocol.ValidationError: local time must be within 3 seconds  of others"
+                "(local: {local:.5f}, peer: {peer:.5f})")
+    for local, theirs, words in ((1795998680.5, 1795998670.25, "10.2 s ahead of"), (1000.0, 1120.0, "120.0 s behind")):
+        assert clock_skew_in(hivemind.format(local=local, peer=theirs)) == pytest.approx(local - theirs)
+        e = explain_join_failure(RuntimeError("Traceback …\n" + hivemind.format(local=local, peer=theirs)), opts)
+        assert type(e) is ClockSkewError and "\n" not in str(e)
+        assert str(e).startswith(f"could not join: clock skew above 3 s: our clock is {words} an initial peer")
+        assert peer in str(e) and "NTP" in str(e)
+    assert clock_skew_in("local time must be within 3 seconds") is None
+    unparsed = explain_join_failure(RuntimeError("local time must be within 3 seconds of others"), opts)
+    assert type(unparsed) is ClockSkewError and "local time must be within 3 seconds" in str(unparsed)
+    assert [skew_verdict(s) for s in (0.0, -1.0, 1.5, -2.9, 3.0, -3.5, 120.0)] == [True, True, None, None, False,
+                                                                                  False, False]
+
+
+# ---------------------------------------------------------------- swarms
+
+
+@dataclass(frozen=True)
+class Probe:
+    """(runs in a DHT process, as that peer) call ``target``'s DHT and averaging handlers directly."""
+
+    target: str
+    maddrs: tuple[str, ...]
+    prefix: str
+    run_key: str
+    state_only: bool = False
+
+    async def __call__(self, _dht: Any, node: Any) -> dict[str, Any]:
+        import asyncio
+        from asyncio import IncompleteReadError
+
+        from hivemind.dht.routing import DHTID
+        from hivemind.p2p import PeerID
+        from hivemind.proto import averaging_pb2
+        from hivemind.utils import get_dht_time
+        from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
+        from hivemind.utils.multiaddr import Multiaddr
+
+        from p2p_diloco.averaging import FragmentAverager
+
+        pid = PeerID.from_base58(self.target)
+        await node.p2p._client.connect(pid, [Multiaddr(m) for m in self.maddrs])  # hivemind has no public dial
+        stub = FragmentAverager.get_stub(node.p2p, pid, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        out: dict[str, Any] = {"state_messages": len([m async for m in aiter_with_timeout(stream, RPC_TIMEOUT_S)])}
+        if self.state_only:
+            return out
+        join = await stub.rpc_join_group(averaging_pb2.JoinRequest(
+            schema_hash=b"", expiration=get_dht_time() + 5, group_key=f"{self.prefix}.0b00000000"))
+        out["join"] = [averaging_pb2.MessageCode.Name(m.code) async for m in aiter_with_timeout(join, RPC_TIMEOUT_S)]
+        parts = as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"guess"))
+        out["parts"] = []
+        try:  # a handler that refuses closes the stream without reading ours: our side may see it broken
+            async for m in aiter_with_timeout(await stub.rpc_aggregate_part(parts), RPC_TIMEOUT_S):
+                out["parts"].append(averaging_pb2.MessageCode.Name(m.code))
+        except (BrokenPipeError, ConnectionResetError, IncompleteReadError) as e:
+            out["parts"].append(f"closed: {type(e).__name__}")
+        key = DHTID.generate(source=self.run_key)
+        out["dht_find"] = await asyncio.wait_for(node.protocol.call_find(pid, [key]), RPC_TIMEOUT_S)
+        out["dht_store"] = await asyncio.wait_for(
+            node.protocol.call_store(pid, [key], [b"forged"], [get_dht_time() + 60]), RPC_TIMEOUT_S)
+        return out
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """(runs in a DHT process) peer ids in this node's routing table, and those libp2p is connected to."""
+
+    async def __call__(self, _dht: Any, node: Any) -> tuple[set[str], set[str]]:
+        table = {p.to_base58() for p in node.protocol.routing_table.peer_id_to_uid}
+        return table, {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
+
+
+@pytest.fixture(scope="module")
+def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    from p2p_diloco.addresses import parse_initial_peers
+    from p2p_diloco.averaging import FragmentAveraging, state_payload
+    from p2p_diloco.identity import load_or_create_identity, read_swarm_key, write_swarm_key
+    from p2p_diloco.records import LocalRun, PeerRecord
+    from p2p_diloco.swarm import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
+
+    tmp = tmp_path_factory.mktemp("private")
+    keys = {}
+    for swarm in ("a", "b"):
+        write_swarm_key(tmp / f"{swarm}.secret")
+        keys[swarm] = read_swarm_key(tmp / f"{swarm}.secret")
+    local = LocalRun.from_config(CFG)
+    log_path = tmp / "member-a1.log"  # a1's averager process (forked) logs its refusals here
+    handler = logging.FileHandler(log_path)
+    handler.setLevel(logging.WARNING)
+    averaging_log = logging.getLogger("p2p_diloco.averaging")
+    averaging_log.addHandler(handler)
+    dhts: dict[str, Any] = {}
+    averagers: list[FragmentAveraging] = []
+    try:
+        for name, swarm in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("o", None)):
+            identity = load_or_create_identity(tmp / f"{name}.id")
+            first = dhts.get(f"{swarm}1")
+            initial = parse_initial_peers(visible_addresses(first)[:1]) if first is not None else ()
+            opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False,
+                                swarm_key=keys[swarm] if swarm else None)
+            dhts[name] = dht = start_dht(opts, CFG.run.run_id, private_key=identity.private_key())
+            if swarm is not None:  # a member of its swarm: a live record of the run (the same run id in A and B)
+                record = PeerRecord(run_id=local.run_id, protocol_version=local.protocol_version,
+                                    config_hash=local.config_hash, software_version=local.software_version,
+                                    peer_id=dht.peer_id.to_base58(), name=name, state="training",
+                                    addresses=tuple(visible_addresses(dht)))
+                assert RecordPublisher(dht, identity.private_key(), record, ttl_s=120.0).publish_within(30.0)
+            if name == "a1":
+                state = state_payload(0, 1, {n: torch.ones(SHAPES[n]) for n in NAMES}, {}, NAMES)
+                averagers.append(FragmentAveraging(CFG, 0, NAMES, SHAPES, dht, identity.private_key(),
+                                                   membership=Membership(dht, local), state_provider=lambda: state))
+        yield SimpleNamespace(dhts=dhts, a1=averagers[0], log_path=log_path, keys=keys)
+    finally:
+        averaging_log.removeHandler(handler)
+        handler.close()
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts.values():
+            dht.shutdown()
+
+
+@pytest.mark.integration
+def test_outsiders_are_refused_at_every_layer_and_the_swarms_never_touch(swarms: SimpleNamespace) -> None:
+    from p2p_diloco.averaging import averager_prefix
+    from p2p_diloco.records import run_key
+    from p2p_diloco.swarm import dht_refusals, visible_addresses
+
+    dhts, a1 = swarms.dhts, swarms.a1
+    ids = {name: dht.peer_id.to_base58() for name, dht in dhts.items()}
+    side = {"a1": "a", "a2": "a", "b1": "b", "o": "o"}
+
+    def cross(name: str, found: set[str]) -> set[str]:
+        return {n for n, pid in ids.items() if pid in found and side[n] != side[name]}
+
+    # before anyone probes: no peer of one swarm in the other's routing tables or libp2p connections
+    neighbours = {name: dht.run_coroutine(Neighbours()) for name, dht in dhts.items()}
+    assert ids["a2"] in neighbours["a1"][0], neighbours  # the inspection itself sees members
+    for name, (table, connected) in neighbours.items():
+        assert not cross(name, table) and not cross(name, connected), (name, neighbours)
+
+    # the outsiders know a1's full address, the run id, its DHT key and the averager prefix
+    target = dict(target=ids["a1"], maddrs=tuple(m.split("/p2p/")[0] for m in visible_addresses(dhts["a1"])),
+                  prefix=averager_prefix(CFG.run.run_id, 0), run_key=run_key(CFG.run.run_id))
+    for outsider in ("o", "b1"):
+        refused0, dht_refused0 = a1.refusals(), dht_refusals(dhts["a1"])
+        got = dhts[outsider].run_coroutine(Probe(**target))
+        refused, dht_refused = a1.refusals() - refused0, dht_refusals(dhts["a1"]) - dht_refused0
+        print(f"\n{outsider}: saw {got}; a1 refused {refused} averaging and {dht_refused} DHT request(s)")
+        # the outsider's side: nothing but refusals (the refusal code of the stream-stream call can be lost, as
+        # the handler closes the stream without reading it: then nothing, or a closed stream)
+        assert got["state_messages"] == 0 and got["join"] == ["PROTOCOL_VIOLATION"], got
+        assert all(c == "PROTOCOL_VIOLATION" or c.startswith("closed: ") for c in got["parts"]), got
+        assert got["dht_find"] is None and got["dht_store"] is None, got
+        # the member's side: each request counted (and logged with the outsider's peer id)
+        assert refused == 3 and dht_refused >= 2, (refused, dht_refused)
+    logged = swarms.log_path.read_text()
+    for outsider in ("o", "b1"):
+        for what in ("a state download", "a join request", "tensor parts"):
+            assert f"refused {what} from {ids[outsider]}: not a member of the run" in logged, logged
+
+    # control: a member asking the same way gets the state, and nothing is refused
+    refused0 = a1.refusals()
+    assert dhts["a2"].run_coroutine(Probe(**target, state_only=True))["state_messages"] > 0
+    assert a1.refusals() == refused0
+
+    # afterwards: the outsiders reached a1 over libp2p (no pre-shared key there) but never its DHT
+    for name, dht in dhts.items():
+        table, _connected = dht.run_coroutine(Neighbours())
+        assert not cross(name, table), (name, table)
+    _, a1_connected = dhts["a1"].run_coroutine(Neighbours())
+    assert {ids["o"], ids["b1"]} <= a1_connected  # connected, yet kept out of the DHT by the swarm key
+
+
+@contextlib.contextmanager
+def clock_off_by(offset_s: float) -> Iterator[None]:
+    """hivemind's DHT time (``get_dht_time``, bound by name in many modules) runs ``offset_s`` ahead in this
+    process and in the DHT processes forked inside the block; restored on exit (forked ones keep it)."""
+    from hivemind.utils import timed_storage
+
+    original = timed_storage.get_dht_time
+
+    def skewed() -> float:
+        return original() + offset_s
+
+    patched = [m for m in list(sys.modules.values()) if getattr(m, "get_dht_time", None) is original]
+    for module in patched:
+        module.get_dht_time = skewed  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.get_dht_time = original  # type: ignore[attr-defined]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("swarm,offset_s", [(None, 10.0), ("a", 120.0), ("a", -7200.0), ("a", 7200.0)])
+def test_a_clock_beyond_the_dht_tolerance_fails_the_join_with_one_line(swarms: SimpleNamespace, swarm: str | None,
+                                                                      offset_s: float) -> None:
+    """Open and private swarms; +-120 s and +-2 h pass hivemind's 60 s request window and the 1 h token
+    expiry, which alone would make a private swarm answer "swarm key mismatch"."""
+    from p2p_diloco.addresses import parse_initial_peers
+    from p2p_diloco.swarm import ClockSkewError, SwarmOptions, start_dht, visible_addresses
+
+    target = swarms.dhts["a1" if swarm else "o"]
+    opts = SwarmOptions(initial_peers=parse_initial_peers(visible_addresses(target)[:1]),
+                        swarm_key=swarms.keys[swarm] if swarm else None)
+    t0 = time.monotonic()
+    with clock_off_by(offset_s), pytest.raises(ClockSkewError) as caught:
+        start_dht(opts, CFG.run.run_id).shutdown()
+    line = str(caught.value)
+    print(f"\n{swarm or 'open'} {offset_s:+g} s: refused in {time.monotonic() - t0:.1f} s: {line}")
+    m = re.search(r"our clock is ([\d.]+) s (ahead of|behind) an initial peer", line)
+    assert m is not None and "\n" not in line, line
+    assert float(m.group(1)) == pytest.approx(abs(offset_s), abs=1.0)  # less the ping's round trip
+    assert m.group(2) == ("ahead of" if offset_s > 0 else "behind")
