@@ -1,0 +1,238 @@
+"""``scripts/wan/``'s pure parts: names, address plan, tc arguments, leftovers, run budgets and metrics.
+
+No root actions, no processes: the plan is checked as data (the commands that would run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import ipaddress
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+WAN = Path(__file__).resolve().parents[1] / "scripts" / "wan"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, WAN / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+netns = _load("netns")
+dp_gloo = _load("dp_gloo")
+bench_wan = _load("bench_wan")
+
+
+# ---------------------------------------------------------------- names and addresses
+
+
+def test_every_name_is_prefixed_and_fits_an_interface_name() -> None:
+    plan = netns.WanPlan(hosts=netns.MAX_HOSTS, rate_mbit=10)
+    names = [netns.bridge_name()] + [f(i) for i in range(plan.hosts)
+                                     for f in (netns.netns_name, netns.inner_if, netns.outer_if)]
+    assert all(n.startswith(netns.PREFIX) for n in names)
+    assert all(len(n) <= netns.IFNAME_MAX for n in names if not n.startswith(netns.PREFIX + "h"))
+    assert len(set(names)) == len(names)
+
+
+def test_addresses_are_distinct_private_and_inside_the_subnet() -> None:
+    plan = netns.WanPlan(hosts=4, rate_mbit=10)
+    addrs = [netns.host_address(plan, i) for i in range(4)]
+    assert addrs == ["10.77.0.1", "10.77.0.2", "10.77.0.3", "10.77.0.4"]
+    assert netns.host_cidr(plan, 3) == "10.77.0.4/24"
+    other = netns.WanPlan(hosts=2, rate_mbit=10, subnet="192.168.250.0/30")
+    assert [netns.host_address(other, i) for i in range(2)] == ["192.168.250.1", "192.168.250.2"]
+    with pytest.raises(ValueError, match="host index"):
+        netns.host_address(plan, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"hosts": 0, "rate_mbit": 10}, "hosts"),
+    ({"hosts": 4, "rate_mbit": 0}, "rate_mbit"),
+    ({"hosts": 4, "rate_mbit": 10, "subnet": "8.8.8.0/24"}, "private"),
+    ({"hosts": 4, "rate_mbit": 10, "subnet": "127.0.0.0/8"}, "private"),
+    ({"hosts": 4, "rate_mbit": 10, "subnet": "10.77.0.1/24"}, "IPv4 network"),
+    ({"hosts": 3, "rate_mbit": 10, "subnet": "10.77.0.0/30"}, "room for 2"),
+    ({"hosts": 4, "rate_mbit": 10, "burst_ms": 0}, "burst_ms"),
+    ({"hosts": 4, "rate_mbit": 10, "queue_ms": -1}, "queue_ms"),
+])
+def test_impossible_plans_fail_with_one_line_naming_the_field(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        netns.WanPlan(**kwargs)
+
+
+# ---------------------------------------------------------------- tc and the set-up commands
+
+
+def test_tbf_rate_burst_and_queue() -> None:
+    plan = netns.WanPlan(hosts=2, rate_mbit=200)
+    args = netns.tbf_args(plan, "p2pd-wan-n0")
+    assert args[:6] == ["qdisc", "replace", "dev", "p2pd-wan-n0", "root", "tbf"]
+    assert args[args.index("rate") + 1] == "200000kbit"
+    assert int(args[args.index("burst") + 1]) == 125_000  # 5 ms at 25 MB/s
+    assert args[args.index("latency") + 1] == "100ms"
+    slow = netns.WanPlan(hosts=2, rate_mbit=2)
+    assert netns.burst_bytes(slow) == 10 * netns.MTU_FRAME_BYTES  # 5 ms at 2 Mbit/s is under one frame: floor
+    assert netns.tbf_args(netns.WanPlan(hosts=2, rate_mbit=0.5), "x")[7] == "500kbit"
+
+
+def test_setup_limits_both_directions_of_every_host_and_touches_only_our_names() -> None:
+    plan = netns.WanPlan(hosts=3, rate_mbit=10)
+    cmds = netns.setup_commands(plan)
+    tbf = [c for c in cmds if c[0] == "tc"]
+    devs = sorted(c[c.index("dev") + 1] for c in tbf)
+    assert devs == sorted([netns.inner_if(i) for i in range(3)] + [netns.outer_if(i) for i in range(3)])
+    inside = [c for c in tbf if c[1] == "-n"]  # the namespace end: what the host sends
+    assert [c[2] for c in inside] == [netns.netns_name(i) for i in range(3)]
+    # every object named in a command is ours, and no command gives the bridge an address or a route
+    for c in cmds:
+        named = [a for a in c if a.startswith("p2pd") or a in ("eth0", "lo")]
+        assert all(a.startswith(netns.PREFIX) or (a == "lo" and "-n" in c) for a in named), c
+        assert "route" not in c
+        assert not (c[:3] == ["ip", "addr", "add"])  # addresses only inside namespaces (ip -n NS addr add)
+    addrs = [c[c.index("add") + 1] for c in cmds if "addr" in c]
+    assert all(ipaddress.ip_interface(a).network == ipaddress.IPv4Network(plan.subnet) for a in addrs)
+    # the bridge exists before any port joins it; each namespace before its veth end moves into it
+    assert cmds.index(["ip", "link", "add", netns.bridge_name(), "type", "bridge"]) == 0
+    for i in range(3):
+        add_ns = cmds.index(["ip", "netns", "add", netns.netns_name(i)])
+        veth = next(k for k, c in enumerate(cmds) if "veth" in c and netns.inner_if(i) in c)
+        assert add_ns < veth
+
+
+def test_exec_prefix_runs_inside_the_host() -> None:
+    assert netns.exec_prefix(2) == ["ip", "netns", "exec", "p2pd-wan-h2"]
+
+
+# ---------------------------------------------------------------- clean-up and counters
+
+
+def test_leftovers_are_ours_only_and_the_bridge_goes_last() -> None:
+    ns_text = "p2pd-wan-h1 (id: 4)\nother-ns (id: 1)\np2pd-wan-h0\n\n"
+    link_json = json.dumps([{"ifname": n} for n in ["lo", "eth0", "p2pd-wan-br", "p2pd-wan-v1", "docker0",
+                                                    "p2pd-wan-v0", "p2pd-wanX"]])
+    ns, links = netns.leftovers(netns.parse_netns_list(ns_text), netns.parse_link_names(link_json))
+    assert ns == ["p2pd-wan-h0", "p2pd-wan-h1"]
+    assert links == ["p2pd-wan-v0", "p2pd-wan-v1", "p2pd-wan-br"]
+    assert netns.leftovers([], netns.parse_link_names("")) == ([], [])
+
+
+def test_byte_delta_and_counters_going_backwards() -> None:
+    assert netns.byte_delta({"tx_bytes": 10, "rx_bytes": 5}, {"tx_bytes": 110, "rx_bytes": 5}) == {
+        "tx_bytes": 100, "rx_bytes": 0}
+    with pytest.raises(netns.WanError, match="went backwards"):
+        netns.byte_delta({"tx_bytes": 10}, {"tx_bytes": 3})
+
+
+# ---------------------------------------------------------------- data-parallel decisions
+
+
+def test_dp_params_validation() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        dp_gloo.DpParams(config="c", rank=4, world_size=4)
+    with pytest.raises(ValueError, match="compute-only"):
+        dp_gloo.DpParams(config="c", compute_only=True, world_size=4)
+    with pytest.raises(ValueError, match="threads"):
+        dp_gloo.DpParams(config="c", threads=0)
+
+
+def test_dp_stop_eval_and_target() -> None:
+    assert dp_gloo.should_stop(20, 20, 1.0, 0.0)
+    assert not dp_gloo.should_stop(19, 20, 1e9, 0.0)  # no time budget: only the step budget
+    assert dp_gloo.should_stop(5, 20, 30.0, 30.0)
+    assert dp_gloo.is_eval_step(7, 7, 50) and dp_gloo.is_eval_step(50, 600, 50)
+    assert not dp_gloo.is_eval_step(49, 600, 50) and not dp_gloo.is_eval_step(50, 600, 0)
+    curve = [{"train_s": 0.0, "eval_loss": 5.3}, {"train_s": 10.0, "eval_loss": 2.4}, {"train_s": 20.0, "eval_loss": 1.9}]
+    assert dp_gloo.time_to_target(curve, 2.0) == 20.0
+    assert dp_gloo.time_to_target(curve, 1.0) is None
+    s = dp_gloo.summarize_steps([9.0, 5.0, 1.0, 2.0, 3.0])
+    assert s["median_step_s"] == 2.0 and s["mean_step_s"] == 2.0  # the first two (warm-up) left out
+
+
+# ---------------------------------------------------------------- benchmark plan and metrics
+
+
+def test_bench_budget_is_checked_up_front() -> None:
+    p = bench_wan.BenchParams(rates_mbit=(10.0,), methods=("dp",), max_time_s=60)
+    assert bench_wan.worst_case_s(p) == pytest.approx(
+        bench_wan.START_SLACK_S + 2 * p.compute_steps + 60 + bench_wan.START_SLACK_S + bench_wan.FINISH_SLACK_S)
+    with pytest.raises(ValueError, match="exceeds the budget"):
+        bench_wan.BenchParams(max_time_s=600)  # 5 rates x 3 methods x 600 s
+    with pytest.raises(ValueError, match="methods"):
+        bench_wan.BenchParams(rates_mbit=(10.0,), methods=("ring",))
+    with pytest.raises(ValueError, match="rate_mbit"):
+        bench_wan.BenchParams(rates_mbit=(0.0,), methods=("dp",))
+
+
+def test_the_default_benchmark_fits_in_30_minutes() -> None:
+    p = bench_wan.BenchParams()
+    assert p.methods == bench_wan.METHODS and p.steps == 600
+    assert bench_wan.worst_case_s(p) <= 30 * 60
+
+
+def test_merge_only_comparable_runs_and_keep_rates_sorted() -> None:
+    p = bench_wan.BenchParams(rates_mbit=(2.0,), merge=True)
+    old_params = dataclasses.asdict(bench_wan.BenchParams())
+    bench_wan.merge_check(json.loads(json.dumps(old_params)), p)  # tuples come back from JSON as lists
+    with pytest.raises(ValueError, match="max_time_s differs"):
+        bench_wan.merge_check({**old_params, "max_time_s": 60.0}, p)
+    old = {"params": old_params, "started": "t0", "compute_only": {"median_step_s": 1.5},
+           "rates": {"10": {"rate_mbit": 10.0, "x": "old"}, "200": {"rate_mbit": 200.0}}}
+    new = {"started": "t1", "rates": {"2": {"rate_mbit": 2.0}, "10": {"rate_mbit": 10.0, "x": "new"}}}
+    merged = bench_wan.merge_results(old, new)
+    assert list(merged["rates"]) == ["2", "10", "200"] and merged["rates"]["10"]["x"] == "new"
+    assert merged["runs"] == ["t0", "t1"] and merged["compute_only"] == {"median_step_s": 1.5}
+
+
+def test_blocking_diloco_needs_every_peer_and_no_overlap() -> None:
+    sets = dict(s.split("=") for s in bench_wan.method_overrides("blocking", 4))
+    assert sets["outer.overlap"] == "0" and sets["outer.fragments"] == "1" and float(sets["outer.alpha"]) == 0.0
+    assert sets["averaging.min_group_size"] == sets["averaging.target_group_size"] == "4"
+    assert bench_wan.method_overrides("decoupled", 4) == []
+    with pytest.raises(ValueError):
+        bench_wan.method_overrides("dp", 4)
+
+
+def _rank(rank: int, step_s: float, curve: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    return {"rank": rank, "median_step_s": step_s, "tokens": 100 * 8192, "steps": 100, "train_s": 100 * step_s,
+            "final_eval_loss": 2.1, "curve": curve or []}
+
+
+def test_dp_and_learner_metrics_and_speedups() -> None:
+    curve = [{"train_s": 0.0, "eval_loss": 5.3}, {"train_s": 300.0, "eval_loss": 1.95}]
+    dp = bench_wan.dp_metrics([_rank(0, 5.0, curve), _rank(1, 5.5), _rank(2, 5.0)], [1000, 2000, 3000],
+                              compute_step_s=0.5, target=2.0)
+    assert dp["median_step_s"] == 5.0 and dp["utilization"] == pytest.approx(0.1)
+    assert dp["time_to_target_s"] == 300.0 and dp["wire_bytes_per_token"] == pytest.approx(6000 / 819200)
+    finals = [{"tokens": 1000 * 2048, "train_s": 500.0, "steps": 1000, "eval_loss_end": 1.9, "utilization": 0.99,
+               "committed": [3, 4], "discarded": [1, 0], "anchor_hashes": ["a", "b"], "bytes_sent": 10}
+              for _ in range(4)]
+    lr = bench_wan.learner_metrics(finals, [10, 20, 30, 40], target=2.0)
+    assert lr["tokens"] == 4 * 1000 * 2048 and lr["median_step_s"] == 0.5 and lr["time_to_target_s"] == 500.0
+    assert lr["anchors_identical"] and lr["committed"] == [7] * 4
+    assert bench_wan.learner_metrics(finals, [0] * 4, target=1.0)["time_to_target_s"] is None
+    sp = bench_wan.speedups({"dp": dp, "decoupled": lr}, compute_step_s=0.5)
+    assert sp["ideal_bound"] == pytest.approx(10.0)
+    assert sp["decoupled"]["throughput"] == pytest.approx(lr["tokens_per_s"] / dp["tokens_per_s"])
+    assert sp["decoupled"]["time_to_target"] == pytest.approx(300.0 / 500.0)
+    assert bench_wan.speedups({"decoupled": lr}, 0.5) == {}
+
+
+def test_report_states_the_missing_latency() -> None:
+    curve = [{"train_s": 0.0, "eval_loss": 5.3}, {"train_s": 300.0, "eval_loss": 1.95}]
+    dp = bench_wan.dp_metrics([_rank(0, 5.0, curve)], [1000], compute_step_s=0.5, target=2.0)
+    result = {"params": {"hosts": 4, "config": "configs/demo.toml", "steps": 20, "max_time_s": 60.0, "target_loss": 2.0},
+              "compute_only": {"median_step_s": 0.5},
+              "rates": {"10": {"rate_mbit": 10.0, "methods": {"dp": dp}, "speedups": bench_wan.speedups({"dp": dp}, 0.5)}}}
+    md = bench_wan.render_md(result)
+    assert "no latency emulation" in md
+    assert "| 10 | dp | 100 | 5.000 |" in md
