@@ -33,6 +33,13 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
   members disagree on the anchor, or whose weights are not what their progress says, or all zero
   (hivemind would return NaN), is discarded by every member -- the decision is a pure function of
   the gathered data, so all members take the same one.
+* **Bounded influence** (``outer.robust``, :class:`RobustTensorPartReducer`). A member that sends
+  1000x tensors or norms must not steer the anchor. Each reducer averages the parts it receives with
+  :func:`outer.robust_mean` (norms capped at ``clip_factor`` x the senders' lower median, non-finite
+  parts left out, and with "trim" a coordinate-wise trimmed mean), weighting senders by their
+  *gathered* weights capped the same way -- not by what they claim in the stream; every member
+  applies the same rule to the gathered norms (:func:`outer.decode_merged`). One reducer computes
+  each part for everyone, so anchors stay bit-identical.
 * **Versioned groups**: the group key carries the fragment version and a few bits of the anchor
   hash (``set_group_bits``), so only peers holding the same anchor meet; a peer behind the swarm
   finds nobody and fetches the current anchor + outer state from a peer that has it
@@ -61,9 +68,11 @@ import asyncio
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import logging
 import math
 import multiprocessing as mp
+import re
 import statistics
 import threading
 import time
@@ -71,10 +80,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
+import msgpack
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -83,8 +94,9 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aite
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco import faults, outer
-from p2p_diloco.compression import get_codec
+from p2p_diloco.compression import decode_part, get_codec
 from p2p_diloco.config import AveragingConfig, Config, config_hash
+from p2p_diloco.rejects import PeerDataError, Reason, log_rejection, reason_of
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +111,15 @@ ANCHOR_BITS = 4
 MAX_GROUP_SIZE = 4096
 MAX_DONORS_TRIED = 4
 """A download's host-side deadline allows this many donors to each take ``state_timeout_s``."""
+MAX_WIRE_INT = 2**63 - 1
+"""Largest integer gathered metadata or a state download may carry (msgpack's int64)."""
+MAX_NORMS = 1 << 16
+"""Most radial norms a member's gathered metadata may carry (one per tensor of the fragment)."""
+MAX_TENSOR_NAME_CHARS = 512
+MAX_STATE_METADATA_BYTES = 4096
+"""A state download's msgpack metadata is four scalars; anything longer is refused before decoding."""
+STATE_METADATA_KEYS = frozenset({"fragment", "version", "anchor", "momentum"})
+_ANCHOR_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 # ---------------------------------------------------------------- pure helpers and decisions
@@ -201,28 +222,80 @@ class RoundMeta:
 
     @classmethod
     def from_wire(cls, value: Any) -> "RoundMeta":
-        """Strict parse of a peer's gathered metadata; raises ValueError with a one-line reason."""
+        """Strict parse of a peer's gathered metadata; raises :class:`~p2p_diloco.rejects.PeerDataError`
+        (a ValueError with a one-line reason and a reason code)."""
+        def refuse(reason: Reason, message: str) -> PeerDataError:
+            return PeerDataError(reason, message[:300])
+
         if not isinstance(value, Mapping):
-            raise ValueError(f"gathered metadata must be a dict, got {type(value).__name__}")
+            raise refuse(Reason.MALFORMED, f"gathered metadata must be a dict, got {type(value).__name__}")
         expected = {f for f in cls.__dataclass_fields__}
         if set(value) != expected:
-            raise ValueError(f"gathered metadata keys {sorted(value)} != {sorted(expected)}")
+            keys = sorted(repr(k)[:40] for k in itertools.islice(value, len(expected) + 1))
+            raise refuse(Reason.OVERSIZE if len(value) > 4 * len(expected) else Reason.MALFORMED,
+                         f"gathered metadata keys {keys} != {sorted(expected)}")
         for key in ("fragment", "version", "tokens", "steps"):
-            if not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 0:
-                raise ValueError(f"gathered {key} must be a non-negative int, got {value[key]!r}")
+            v = value[key]
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_WIRE_INT:
+                reason = (Reason.OVERSIZE if isinstance(v, int) and not isinstance(v, bool) and v > MAX_WIRE_INT
+                          else Reason.BAD_VERSION if key == "version" else Reason.MALFORMED)
+                raise refuse(reason, f"gathered {key} must be a non-negative int, got {v!r}")
         for key in ("anchor", "config"):
             if not isinstance(value[key], str) or len(value[key]) > 64:
-                raise ValueError(f"gathered {key} must be a short string, got {value[key]!r}")
+                raise refuse(Reason.OVERSIZE if isinstance(value[key], str) else Reason.MALFORMED,
+                             f"gathered {key} must be a short string, got {value[key]!r:.80}")
+        numbers = {}
         for key in ("weight", "due"):
-            if not isinstance(value[key], (int, float)) or not math.isfinite(value[key]):
-                raise ValueError(f"gathered {key} must be a finite number, got {value[key]!r}")
+            numbers[key] = _finite_number(value[key])
+            if numbers[key] is None:
+                raise refuse(_number_reason(value[key]), f"gathered {key} must be a finite number, got {value[key]!r}")
         norms = value["norms"]
-        if not isinstance(norms, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
-                for k, v in norms.items()):
-            raise ValueError("gathered norms must map names to finite non-negative numbers")
-        return cls(**{**value, "weight": float(value["weight"]), "due": float(value["due"]),
-                      "norms": {k: float(v) for k, v in norms.items()}})
+        if not isinstance(norms, Mapping):
+            raise refuse(Reason.MALFORMED, "gathered norms must map names to finite non-negative numbers")
+        if len(norms) > MAX_NORMS:
+            raise refuse(Reason.OVERSIZE, f"gathered norms hold {len(norms)} entries, at most {MAX_NORMS}")
+        parsed: dict[str, float] = {}
+        for k, v in norms.items():
+            x = _finite_number(v)
+            if not isinstance(k, str) or len(k) > MAX_TENSOR_NAME_CHARS or x is None or x < 0:
+                reason = (Reason.OVERSIZE if isinstance(k, str) and len(k) > MAX_TENSOR_NAME_CHARS
+                          else _number_reason(v) if isinstance(k, str) and x is None else Reason.MALFORMED)
+                raise refuse(reason, "gathered norms must map names to finite non-negative numbers")
+            parsed[k] = x
+        return cls(**{**value, "weight": numbers["weight"], "due": numbers["due"], "norms": parsed})
+
+
+def _finite_number(v: Any) -> float | None:
+    """``float(v)`` for a finite int or float (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:  # an int beyond float range
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _number_reason(v: Any) -> Reason:
+    if isinstance(v, float) and not math.isfinite(v):
+        return Reason.NON_FINITE
+    if isinstance(v, int) and not isinstance(v, bool):
+        return Reason.OVERSIZE
+    return Reason.MALFORMED
+
+
+def parse_gathered(gathered: Mapping[Any, Any]) -> list[RoundMeta]:
+    """Every member's :meth:`RoundMeta.from_wire`, in the group's order. A member whose metadata is refused
+    is logged (``rejected gathered metadata from <peer id>: <reason>: ...``) and the round with it: raises
+    :class:`~p2p_diloco.rejects.PeerDataError` whose message starts with that peer id."""
+    metas = []
+    for peer, value in gathered.items():
+        try:
+            metas.append(RoundMeta.from_wire(value))
+        except ValueError as e:
+            log_rejection(logger, "gathered metadata", peer, e)
+            raise PeerDataError(reason_of(e), f"{peer}: {reason_of(e)}: {e}") from None
+    return metas
 
 
 @dataclass(frozen=True)
@@ -328,16 +401,72 @@ def commit_decision(reports: Mapping[str, str], peers: Sequence[str]) -> Decisio
 # ---------------------------------------------------------------- hivemind subclasses (run in the averager process)
 
 
+class _RobustPart:
+    """Stands in for :class:`TensorPartReducer`'s accumulator of one part. hivemind calls
+    ``add_(part, alpha=weight)`` once per sender it counts and then ``div_(total weight)``; we keep the
+    parts and return :func:`outer.robust_mean` of them instead of the plain weighted mean."""
+
+    def __init__(self, shape: torch.Size, rule: outer.Robust) -> None:
+        self.shape, self.rule = shape, rule
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> "_RobustPart":
+        self.parts.append(part)
+        self.weights.append(float(alpha))
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        if not self.parts:
+            return torch.zeros(self.shape)
+        return outer.robust_mean(self.parts, self.weights, self.rule)
+
+
+class RobustTensorPartReducer(TensorPartReducer):
+    """hivemind's reducer with a bounded influence per sender (``outer.robust``): each part is
+    :func:`outer.robust_mean` of what the senders sent (non-finite parts left out, norms capped at
+    ``clip_factor`` x the lower median, a trimmed mean with "trim"), weighted by the senders' *gathered*
+    weights after :func:`outer.clip_to_median` -- the weights every member decodes with -- not by the weight a sender
+    claims in its stream. One reducer computes each part and sends it to everyone, so all members
+    still hold bit-identical results. hivemind's own bookkeeping (which sender counts for which part,
+    bans, completion) is untouched: only the accumulator is replaced (hivemind 1.1.12 uses exactly
+    ``add_`` and ``div_`` on it)."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], sender_weights: Sequence[float], rule: outer.Robust) -> None:
+        self.sender_weights = [float(w) for w in sender_weights]
+        self.rule = rule
+        super().__init__(part_shapes, len(self.sender_weights))
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _RobustPart(self.part_shapes[self.current_part_index], self.rule)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        return await super().accumulate_part(sender_index, part_index, tensor_part,
+                                             weight=self.sender_weights[sender_index])
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce, except that reducers return ``codec(average)`` (the same bytes
     to every sender) instead of ``codec(average - x_sender)``, and every message sent or received is
     counted. The outputs are the averaged tensors, not deltas: :class:`FragmentAverager` copies them.
+    With ``robust`` = (clipped gathered weight per peer, rule), parts are reduced by
+    :class:`RobustTensorPartReducer`.
     """
 
-    def __init__(self, *args: Any, counters: tuple[Any, Any], fragment: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, counters: tuple[Any, Any], fragment: int | None = None,
+                 robust: tuple[Mapping[Any, float], outer.Robust] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sent, self._received = counters
         self.fragment = fragment
+        if robust is not None:
+            weights, rule = robust
+            self.tensor_part_reducer.finished.set()  # hivemind's own reducer is replaced unused: no "0% received"
+            self.tensor_part_reducer = RobustTensorPartReducer(
+                tuple(part.shape for part in self.parts_for_local_averaging),
+                [weights[peer] for peer in self.sender_peer_ids], rule)
 
     def _count(self, counter: Any, message: Any) -> None:
         with counter.get_lock():
@@ -395,16 +524,44 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As hivemind's, except that each part is decoded strictly (:func:`decode_part`: our codec's slot,
+        the part's shape and dtype, exact buffer length, finite values; a finite non-negative weight): a
+        sender whose part is refused is logged with its peer id and a reason code, and banned -- the
+        round then fails as a whole (:meth:`completeness_problem`), never half-applied."""
         part_index = 0
         loop = asyncio.get_event_loop()
+        reducer, compression = self.tensor_part_reducer, self.tensor_part_container.compression
+        sender = self.sender_peer_ids[sender_index]
 
-        def receive(msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, float, int]:
+        async def numbered() -> AsyncIterator[tuple[int, averaging_pb2.AveragingData]]:
+            index = 0
+            async for msg in stream:
+                yield index, msg
+                index += 1
+
+        def receive(item: tuple[int, averaging_pb2.AveragingData]) -> tuple[torch.Tensor, float, int]:
+            index, msg = item
             self._count(self._received, msg)
-            return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+            if index >= reducer.num_parts:
+                raise PeerDataError(Reason.OVERSIZE, f"part {index} of only {reducer.num_parts}")
+            if not math.isfinite(msg.weight) or msg.weight < 0:
+                raise PeerDataError(Reason.NON_FINITE if not math.isfinite(msg.weight) else Reason.MALFORMED,
+                                    f"weight {msg.weight} is not a finite number >= 0")
+            local = self.parts_for_local_averaging[index]
+            part = decode_part(msg.tensor_part, reducer.part_shapes[index], local.dtype, compression.compression_type)
+            return part, msg.weight, msg.tensor_part.compression
 
+        parts = amap_in_executor(receive, numbered(), max_prefetch=self.tensor_part_container.prefetch)
         try:
-            async for tensor_part, weight, compression_type in amap_in_executor(
-                    receive, stream, max_prefetch=self.tensor_part_container.prefetch):
+            while True:
+                try:
+                    tensor_part, weight, compression_type = await parts.__anext__()
+                except StopAsyncIteration:
+                    break
+                except ValueError as e:  # excluded: the round fails for everyone (completeness_problem)
+                    log_rejection(logger, "a tensor part", sender, e)
+                    await self._ban_sender(sender)
+                    break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight)
@@ -419,6 +576,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self._count(self._sent, message)
                 yield message
         finally:
+            await parts.aclose()
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
@@ -440,7 +598,7 @@ class FragmentAverager(DecentralizedAverager):
                  state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None = None,
                  runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner, report_subkey: bytes | None = None,
                  fragment: int | None = None, layout: tuple[Sequence[str], Mapping[str, torch.Size]] | None = None,
-                 **kwargs: Any) -> None:
+                 robust: outer.Robust = outer.NO_ROBUST, **kwargs: Any) -> None:
         # the runner is chosen per instance, not by subclassing: hivemind names RPC handlers after the
         # servicer's class, so a subclass could not talk to the other peers' FragmentAverager handlers
         self.runner_class = runner_class  # tests inject faults with a runner subclass
@@ -454,15 +612,22 @@ class FragmentAverager(DecentralizedAverager):
         self.fragment = fragment
         self.layout = layout
         """(names, shapes) of the fragment's tensors: what a downloaded state is checked against."""
+        self.robust = robust
+        """The robust merge rule (:func:`outer.robust_rule`): our reducer bounds each sender's influence."""
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs: Any) -> None:
         group_id = group_info.group_id if group_id is None else group_id
+        try:
+            robust = self._robust_weights(group_info)
+        except ValueError as e:  # every member parses the same gathered data, so every member refuses
+            self._running_groups[group_id].cancel()
+            raise AllreduceException(f"refusing the round: {e}") from None
         runner = self.runner_class(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, counters=(self.bytes_sent, self.bytes_received),
-            fragment=self.fragment, **kwargs)
+            fragment=self.fragment, robust=robust, **kwargs)
         assert group_id in self._running_groups, f"group {group_id!r} was not registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -481,6 +646,18 @@ class FragmentAverager(DecentralizedAverager):
             await self._post_veto(group_info, f"{type(e).__name__}: {e}")
             raise
         self.last_updated = get_dht_time()
+
+    def _robust_weights(self, group_info: GroupInfo) -> tuple[dict[Any, float], outer.Robust] | None:
+        """(each member's gathered weight after :func:`outer.clip_to_median`, the rule), or None when the
+        robust merge is off: what our reducer weighs each sender's parts with."""
+        if not self.robust.active:
+            return None
+        metas = []
+        for blob in group_info.gathered:
+            _bandwidth, _mode, user = self.serializer.loads(blob)
+            metas.append(RoundMeta.from_wire(self.serializer.loads(user)))  # the host logs who sent bad metadata
+        weights = outer.clip_to_median([m.weight for m in metas], self.robust.clip_factor)
+        return dict(zip(group_info.peer_ids, weights)), self.robust
 
     async def _post_veto(self, group_info: GroupInfo, reason: str) -> None:
         if self.report_subkey is None:
@@ -555,20 +732,25 @@ class FragmentAverager(DecentralizedAverager):
                     if isinstance(item.value, (int, float)) and not isinstance(item.value, bool):
                         priorities[PeerID(subkey).to_base58()] = float(item.value)
             cap = state_size_cap([shapes[n] for n in names])
+            expected = [shapes[n] for n in names] * 2  # the anchor then the momentum, in names order
             for donor in donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]:
                 t0 = time.monotonic()
                 try:
-                    metadata, tensors = await asyncio.wait_for(self._download_from(PeerID.from_base58(donor), cap),
-                                                               timeout=timeout_s)
+                    metadata, tensors = await asyncio.wait_for(
+                        self._download_from(PeerID.from_base58(donor), cap, expected), timeout=timeout_s)
                     fetched = await asyncio.get_event_loop().run_in_executor(
                         None, parse_state, metadata, tensors, self.fragment, names, shapes, ours)
                     if fetched is None:
                         raise ValueError("its state is not ahead of ours (its declaration was stale)")
                 except Exception as e:  # this donor failed us (died, stalled, sent too much or bad data): the next
-                    why = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+                    if isinstance(e, PeerDataError):  # it sent something our checks refuse
+                        why = f"{reason_of(e)}: {e}"
+                        log_rejection(logger, f"fragment {self.fragment}'s state download", donor, e)
+                    else:
+                        why = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+                        logger.warning("fragment %s: state download from %s failed (%s); trying the next donor",
+                                       self.fragment, donor, why[:200])
                     attempts.append((donor, why[:200], time.monotonic() - t0))
-                    logger.warning("fragment %s: state download from %s failed (%s); trying the next donor",
-                                   self.fragment, donor[-8:], why[:200])
                     continue
                 attempts.append((donor, "ok", time.monotonic() - t0))
                 future.set_result((fetched, attempts))
@@ -580,25 +762,38 @@ class FragmentAverager(DecentralizedAverager):
             if not isinstance(e, Exception):
                 raise
 
-    async def _download_from(self, donor: Any, cap_bytes: int) -> tuple[Any, list[torch.Tensor]]:
+    async def _download_from(self, donor: Any, cap_bytes: int,
+                             expected: Sequence[torch.Size]) -> tuple[Any, list[torch.Tensor]]:
+        """Stream a donor's state: at most ``cap_bytes`` in all; each tensor must be an uncompressed float32
+        tensor of the ``expected`` shape (checked before it is decoded, :func:`decode_part`)."""
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, parts, received = None, [], [], 0
+
+        def decode(parts: list[Any]) -> torch.Tensor:
+            if len(tensors) >= len(expected):
+                raise PeerDataError(Reason.OVERSIZE, f"the donor sent more than the {len(expected)} tensors expected")
+            return decode_part(combine_from_streaming(parts), expected[len(tensors)], torch.float32,
+                               self.state_compression.compression_type)
+
         async for message in faults.after_first(aiter_with_timeout(stream, timeout=self.next_chunk_timeout),
                                                 "fetching-state", self.fragment):
             received += len(message.metadata) + message.tensor_part.ByteSize()
             if received > cap_bytes:
-                raise ValueError(f"the donor sent more than the {cap_bytes} bytes this fragment's state takes")
+                raise PeerDataError(Reason.OVERSIZE,
+                                    f"the donor sent more than the {cap_bytes} bytes this fragment's state takes")
             if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
+                if metadata is not None:
+                    raise PeerDataError(Reason.MALFORMED, "the donor sent its metadata twice")
+                metadata = decode_state_metadata(message.metadata)
             if message.tensor_part.dtype and parts:  # a dtype starts the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                tensors.append(decode(parts))
                 parts = []
             parts.append(message.tensor_part)
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(decode(parts))
         if metadata is None:
-            raise ValueError("the donor sent no state")
+            raise PeerDataError(Reason.MALFORMED, "the donor sent no state")
         return metadata, tensors
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
@@ -685,7 +880,8 @@ class FragmentAveraging:
     def __init__(self, cfg: Config, fragment: int, names: Sequence[str], shapes: Mapping[str, torch.Size],
                  dht: Any, private_key: Any, *, membership: Any = None,
                  state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None = None,
-                 runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner) -> None:
+                 runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner, start: bool = True) -> None:
+        """``start=False``: the averager process is started by :meth:`start_background` (several at once)."""
         from p2p_diloco.swarm import owner_peer_id, owner_subkey
 
         a = cfg.averaging
@@ -697,9 +893,10 @@ class FragmentAveraging:
                              f"the same identity (SwarmOptions.identity) so that verdicts can be matched to members")
         self.config_hash = config_hash(cfg)
         self.radial_names = tuple(n for n in names if cfg.outer.merge == "radial" and not outer.uses_plain_merge(n))
+        self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names]
         self.averager = FragmentAverager(
-            self.buffers, dht, start=True, prefix=self.prefix,
+            self.buffers, dht, start=start, prefix=self.prefix,
             target_group_size=a.target_group_size or None, min_group_size=a.min_group_size,
             initial_group_bits=version_group_bits(0), min_matchmaking_time=a.window_s,
             request_timeout=a.request_timeout_s, allreduce_timeout=a.allreduce_timeout_s,
@@ -708,10 +905,19 @@ class FragmentAveraging:
             shutdown_timeout=a.shutdown_timeout_s, allow_state_sharing=state_provider is not None,
             declare_state_period=max(1.0, a.record_ttl_s), membership=membership, state_provider=state_provider,
             runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
+            robust=self.robust,
             layout=(self.names, {n: b.shape for n, b in zip(self.names, self.buffers)}),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"averaging-f{fragment}")
         self._cancelled = threading.Event()
+
+    def start_background(self) -> None:
+        """Start the averager process without waiting for it (then :meth:`wait_ready`)."""
+        self.averager.run_in_background(await_ready=False)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the averager process serves requests; raises what made it fail to start."""
+        self.averager.wait_until_ready(timeout=timeout_s)
 
     def cancel(self) -> None:
         """Leaving: end the round in flight at once (discarded) and start no new one."""
@@ -763,7 +969,7 @@ class FragmentAveraging:
             return failed("all-reduce returned no group")
         peers = tuple(str(p) for p in gathered)
         try:
-            metas = [RoundMeta.from_wire(v) for v in gathered.values()]
+            metas = parse_gathered(gathered)
         except ValueError as e:
             return failed(f"bad metadata from a member: {e}", group_size=len(peers), peers=peers)
         weights = tuple(m.weight for m in metas)
@@ -784,7 +990,8 @@ class FragmentAveraging:
             return failed(decision.reason, **extra)
         if not verdict.ok:
             return failed(verdict.reason, **extra)
-        merged = outer.decode_merged(averaged, [m.norms for m in metas], list(weights), self.cfg.outer.merge)
+        merged = outer.decode_merged(averaged, [m.norms for m in metas], list(weights), self.cfg.outer.merge,
+                                     self.robust)
         return RoundOutcome(**base, committed=True, reason="ok", own_share=c.meta.weight / sum(weights),
                             duration_s=time.monotonic() - t0, bytes_sent=self.averager.bytes_sent.value - sent0,
                             bytes_received=self.averager.bytes_received.value - received0, merged=merged, **extra)
@@ -857,26 +1064,61 @@ def state_payload(fragment: int, version: int, anchor: Mapping[str, torch.Tensor
 
 def parse_state(metadata: Any, tensors: Sequence[torch.Tensor], fragment: int, names: Sequence[str],
                 shapes: Mapping[str, torch.Size], ours: tuple[int, str]) -> FetchedState | None:
-    """Validate a downloaded state (everything from a peer is checked); None if it is not ahead of
-    ``ours`` = (version, anchor hash) in :func:`anchor_order`."""
-    if not isinstance(metadata, Mapping) or metadata.get("fragment") != fragment:
-        raise ValueError(f"state download: metadata is not for fragment {fragment}: {metadata!r}"[:200])
-    version = metadata.get("version")
-    if not isinstance(version, int) or version < 0:
-        raise ValueError(f"state download: bad version {version!r}")
+    """Validate a downloaded state (everything from a peer is checked: metadata keys and types, the
+    version, tensor count, shapes, dtypes, finite values, the anchor hash); None if it is not ahead of
+    ``ours`` = (version, anchor hash) in :func:`anchor_order`. Raises
+    :class:`~p2p_diloco.rejects.PeerDataError`."""
+    def refuse(reason: Reason, message: str) -> PeerDataError:
+        return PeerDataError(reason, f"state download: {message}"[:300])
+
+    if (not isinstance(metadata, Mapping) or set(metadata) != STATE_METADATA_KEYS
+            or type(metadata["fragment"]) is not int or metadata["fragment"] != fragment):
+        raise refuse(Reason.MALFORMED, f"metadata is not for fragment {fragment}: {metadata!r:.160}")
+    version = metadata["version"]
+    if type(version) is not int or not 0 <= version <= MAX_WIRE_INT:
+        raise refuse(Reason.BAD_VERSION, f"bad version {version!r:.40}")
+    if not isinstance(metadata["anchor"], str) or not _ANCHOR_RE.match(metadata["anchor"]):
+        raise refuse(Reason.MALFORMED, f"bad anchor hash {metadata['anchor']!r:.40}")
+    if not isinstance(metadata["momentum"], bool):
+        raise refuse(Reason.MALFORMED, f"bad momentum flag {metadata['momentum']!r:.40}")
     if version < ours[0]:
         return None
     if len(tensors) != 2 * len(names):
-        raise ValueError(f"state download: {len(tensors)} tensors, expected {2 * len(names)}")
+        raise refuse(Reason.OVERSIZE if len(tensors) > 2 * len(names) else Reason.MALFORMED,
+                     f"{len(tensors)} tensors, expected {2 * len(names)}")
     anchor, momentum = {}, {}
     for i, n in enumerate(names):
         for t, sink in ((tensors[i], anchor), (tensors[len(names) + i], momentum)):
-            if tuple(t.shape) != tuple(shapes[n]) or t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
-                raise ValueError(f"state download: tensor {n} is {tuple(t.shape)}/{t.dtype} or not finite")
+            if not isinstance(t, torch.Tensor):
+                raise refuse(Reason.MALFORMED, f"tensor {n} is a {type(t).__name__}")
+            if tuple(t.shape) != tuple(shapes[n]):
+                raise refuse(Reason.BAD_SHAPE, f"tensor {n} is {tuple(t.shape)}/{t.dtype} or not finite")
+            if t.dtype != torch.float32:
+                raise refuse(Reason.BAD_DTYPE, f"tensor {n} is {tuple(t.shape)}/{t.dtype} or not finite")
+            if not bool(torch.isfinite(t).all()):
+                raise refuse(Reason.NON_FINITE, f"tensor {n} is {tuple(t.shape)}/{t.dtype} or not finite")
             sink[n] = t.clone()
     digest = anchor_hash(anchor)
-    if digest != metadata.get("anchor"):
-        raise ValueError(f"state download: anchor hash {digest} does not match the donor's {metadata.get('anchor')!r}")
+    if digest != metadata["anchor"]:
+        raise refuse(Reason.BAD_HASH, f"anchor hash {digest} does not match the donor's {metadata['anchor']!r}")
     if not is_ahead((version, digest), ours):
         return None
-    return FetchedState(version, anchor, momentum if metadata.get("momentum") else {}, digest)
+    return FetchedState(version, anchor, momentum if metadata["momentum"] else {}, digest)
+
+
+def decode_state_metadata(blob: bytes) -> Any:
+    """The msgpack metadata of a state download, decoded strictly: at most ``MAX_STATE_METADATA_BYTES``,
+    plain msgpack (no extension types: hivemind's serializer would run its extension hooks on a peer's
+    bytes). What it holds is checked by :func:`parse_state`."""
+    if len(blob) > MAX_STATE_METADATA_BYTES:
+        raise PeerDataError(Reason.OVERSIZE, f"state download: metadata of {len(blob)} bytes, "
+                                             f"at most {MAX_STATE_METADATA_BYTES}")
+
+    def no_ext(code: int, _data: bytes) -> Any:
+        raise ValueError(f"msgpack extension type {code}")
+
+    try:
+        return msgpack.unpackb(blob, raw=False, strict_map_key=True, ext_hook=no_ext)
+    except Exception as e:  # msgpack's errors are several classes; all mean the same here
+        raise PeerDataError(Reason.MALFORMED,
+                            f"state download: undecodable metadata: {type(e).__name__}: {e}"[:200]) from None

@@ -21,6 +21,20 @@ def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def schedule_step(step: int, total: int, warmup: int, elapsed_s: float, budget_s: float) -> int:
+    """The step at which to read the schedule of a run bounded by time as well as by steps.
+
+    Without a time budget (``budget_s <= 0``) it is ``step``. With one, the cosine runs on whichever
+    budget is used up faster: after the warm-up (always counted in steps), the schedule is at
+    ``max(step, warmup + (total - warmup) * elapsed_s / budget_s)``, so a learner that will run out of
+    time before its steps still ends its decay at the end of its time, whatever its speed.
+    """
+    if budget_s <= 0 or step < warmup:
+        return step
+    by_time = warmup + int((total - warmup) * min(1.0, max(0.0, elapsed_s) / budget_s))
+    return max(step, by_time)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: InnerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 

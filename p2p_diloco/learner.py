@@ -30,13 +30,15 @@ import contextlib
 import json
 import logging
 import math
+import os
 import threading
 import time
 import tomllib
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -49,7 +51,7 @@ from p2p_diloco.checkpoint import save_checkpoint, tensors_digest
 from p2p_diloco.clock import SyncClock
 from p2p_diloco.config import Config, config_hash
 from p2p_diloco.model import build_model
-from p2p_diloco.inner import build_optimizer, train_step
+from p2p_diloco.inner import build_optimizer, schedule_step, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,12 @@ CLOCK_REPUBLISH_S = 60.0
 """The clock leader re-stores the current clock this often (it expires after ``clock.CLOCK_TTL_S``)."""
 SPEED_WINDOW_S = 10.0
 """Published tokens/s are measured over this much recent wall time (one status period is too noisy)."""
+ROUND_POLL_S = 0.25
+"""Blocking mode: how often a wait for a round checks for a stop signal."""
+QUICK_EVAL_BATCHES = 2
+"""Held-out batches of a periodic evaluation (``--eval-every``): a quarter of the default eval set, cheap."""
+AVERAGER_START_TIMEOUT_S = 120.0
+"""How long a fragment's averager process may take to come up (generous: a loaded 2-core machine)."""
 LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
 """Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
 
@@ -114,6 +122,9 @@ class LearnerOptions:
     """Inner steps this learner runs (the LR schedule still spans ``inner.total_steps``)."""
     max_time_s: float = 0.0
     """Stop training after this many seconds (0 = no limit)."""
+    lr_by_time: bool = False
+    """With ``max_time_s``: the LR's cosine ends when the time does, if that comes before its steps
+    (:func:`p2p_diloco.inner.schedule_step`)."""
     events_path: Path | None = None
     wait_peers: int = 0
     """Wait until this many learners (us included) are live before the first step."""
@@ -128,6 +139,15 @@ class LearnerOptions:
     """Save checkpoints here (:mod:`p2p_diloco.checkpoint`): every ``checkpoint_every_s`` and when leaving."""
     checkpoint_every_s: float = 0.0
     """Seconds between periodic checkpoints (0: only the final one)."""
+    blocking: bool = False
+    """Wait for every round handed off before the next inner step (synchronous, OpenDiLoCo-style DiLoCo:
+    a baseline for the benchmarks; the decoupled default never waits)."""
+    train_nice: int = 5
+    """Niceness added to the training thread once it trains (Linux: per thread), so that the swarm's
+    communication (the DHT and averager processes) and a newcomer starting on the same machine are not
+    starved by inner steps; 0 leaves it as it is."""
+    eval_every_s: float = 0.0
+    """Seconds between quick held-out evaluations of the anchors while training (``eval`` events; 0: none)."""
     started_at: float = field(default_factory=time.monotonic)
     """When the learner process started (monotonic): time to first contribution is measured from here."""
 
@@ -203,8 +223,17 @@ class Learner:
             self.slots.append(FragmentSlot(frag.index, frag.names, anchor, anchor_hash=anchor_hash(anchor)))
         shapes = {n: p.shape for n, p in self.params.items()}
         self.averaging = [FragmentAveraging(cfg, s.index, s.names, shapes, joined.dht, joined.private_key,
-                                            membership=membership,
-                                            state_provider=self._state_provider(s)) for s in self.slots]
+                                            membership=membership, state_provider=self._state_provider(s),
+                                            start=False) for s in self.slots]
+        try:
+            for averaging in self.averaging:  # their processes start side by side: a newcomer is up sooner
+                averaging.start_background()
+            for averaging in self.averaging:
+                averaging.wait_ready(AVERAGER_START_TIMEOUT_S)
+        except BaseException:
+            for averaging in self.averaging:
+                averaging.shutdown()
+            raise
         for s in self.slots:
             self.averaging[s.index].set_anchor(*s.rank)
         self.step = self.tokens = 0
@@ -225,6 +254,7 @@ class Learner:
         self._events_lock = threading.Lock()  # the status and checkpoint threads log events too
         self._stop_status = threading.Event()
         self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
+        self._eval_thread = threading.Thread(target=self._eval_loop, name="learner-eval", daemon=True)
         self._last_clock = self._dht_time()
         a = cfg.averaging
         self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
@@ -240,7 +270,11 @@ class Learner:
     def run(self, stop: threading.Event) -> dict[str, Any]:
         self._status_thread.start()
         self.wait_for_peers(stop)
-        eval_start = self.evaluate_anchors()
+        if self.opts.train_nice > 0:
+            os.nice(self.opts.train_nice)  # this thread only (Linux); raising niceness needs no privilege
+        if self.opts.eval_every_s > 0:
+            self._eval_thread.start()
+        start_anchors = self.anchor_snapshot()  # evaluated at the end: no eval delays the first round
         self._set_state("training")
         self.t_start = time.monotonic()
         self.start_step, self.start_tokens = self.step, self.tokens  # not 0 after --resume
@@ -256,18 +290,23 @@ class Learner:
                 self.catch_up()  # a fragment we are behind on is downloaded and sits out its due round
                 for f in self.due_fragments():
                     self.hand_off(self.slots[f])
+                if self.opts.blocking:
+                    self.wait_rounds(stop)
         train_s = time.monotonic() - self.t_start
         self.training = False  # the clock is tended by learners that train
         self.finish(stop)
         if self._checkpointer is not None:
             self._checkpointer.save(final=True)
-        return self.summary(eval_start, self.evaluate_anchors(), train_s)
+        return self.summary(self.evaluate(start_anchors), self.evaluate(self.anchor_snapshot()), train_s)
 
     def inner_step(self) -> float:
         """One AdamW step on our shard, padded to the profile's pace."""
         t0 = time.monotonic()
         x, y = next(self.batches)
-        loss = train_step(self.model, self.opt, (x, y), self.step, self.cfg.inner.total_steps, self.cfg.inner)
+        i = self.cfg.inner
+        budget_s = self.opts.max_time_s if self.opts.lr_by_time else 0.0
+        at = schedule_step(self.step, i.total_steps, i.warmup_steps, t0 - self.t_start, budget_s)
+        loss = train_step(self.model, self.opt, (x, y), at, i.total_steps, i)
         self.step += 1
         self.tokens += x.numel()
         for s in self.slots:
@@ -303,6 +342,17 @@ class Learner:
         o, a = self.cfg.outer, self.cfg.averaging
         with torch.no_grad():
             delta = {n: slot.anchor[n] - self.params[n].detach() for n in slot.names}
+        problem = outer.local_problem(delta, slot.anchor, o.max_delta_ratio)
+        if problem is not None:  # never sent: drop it and restart this fragment from its anchor, fresh AdamW moments
+            with slot.lock, torch.no_grad():
+                for n in slot.names:
+                    self.params[n].copy_(slot.anchor[n])
+                    self.opt.state.pop(self.params[n], None)
+            slot.since_tokens = slot.since_steps = 0
+            self._event({"event": "local_drop", "fragment": slot.index, "version": slot.version, "step": self.step,
+                         "reason": problem})
+            logger.warning("fragment %d at step %d: %s; dropped, fragment re-anchored", slot.index, self.step, problem)
+            return
         sent, norms = outer.encode_contribution(delta, o.merge)
         now = self._dht_time()
         clock = self.clock  # None on the step schedule, or before a derived clock is known
@@ -342,6 +392,14 @@ class Learner:
                     logger.warning("fragment %d: state download failed: %s: %s", slot.index, type(e).__name__, e)
                     continue
                 self.apply_fetched(slot, download)
+
+    def wait_rounds(self, stop: threading.Event) -> None:
+        """Blocking mode: wait until every round in flight has ended (its own timeouts bound this), then apply."""
+        for slot in self.slots:
+            while slot.inflight is not None and slot.inflight_kind == "round" and not stop.is_set():
+                if wait_futures([slot.inflight], timeout=ROUND_POLL_S).done:
+                    break
+        self.collect(min_age_steps=0)
 
     def apply_round(self, slot: FragmentSlot, outcome: RoundOutcome) -> None:
         """Commit: outer Nesterov step on the anchor, alpha-mix into the weights. Discard: nothing changes."""
@@ -545,16 +603,22 @@ class Learner:
             self.blocked_s += dt
             self.max_stall_s = max(self.max_stall_s, dt)
 
-    def evaluate_anchors(self) -> float:
-        """Eval loss of the global model (the anchors), not of our local replica."""
+    def anchor_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the global model (the anchors of every fragment), not of our local replica."""
+        out: dict[str, torch.Tensor] = {}
+        for s in self.slots:
+            with s.lock:
+                out.update({n: s.anchor[n].detach().clone() for n in s.names})
+        return out
+
+    def evaluate(self, weights: Mapping[str, torch.Tensor], batches: list[Any] | None = None) -> float:
+        """Held-out eval loss of a model with these weights (on ``batches``, default the whole eval set)."""
         model = build_model(self.cfg.model, self.cfg.run.seed)
         with torch.no_grad():
             params = dict(model.named_parameters())
-            for s in self.slots:
-                with s.lock:
-                    for n in s.names:
-                        params[n].copy_(s.anchor[n])
-        return data.evaluate(model, self.eval_set)
+            for n, t in weights.items():
+                params[n].copy_(t)
+        return data.evaluate(model, self.eval_set if batches is None else batches)
 
     def summary(self, eval_start: float, eval_end: float, train_s: float) -> dict[str, Any]:
         sent = sum(a.bytes_total()[0] for a in self.averaging)
@@ -630,6 +694,15 @@ class Learner:
             self.swarm_reads += 1
             if self.auto_clock and self.training:
                 self._tend_clock(step_time_s, others)
+
+    def _eval_loop(self) -> None:
+        """Every ``eval_every_s``: the anchors' loss on the first :data:`QUICK_EVAL_BATCHES` held-out batches
+        (an ``eval`` event), for the loss-over-time plots. Runs beside the inner loop, never blocks it."""
+        quick = self.eval_set[:QUICK_EVAL_BATCHES]
+        while not self._stop_status.wait(self.opts.eval_every_s) and self.training:
+            loss = self.evaluate(self.anchor_snapshot(), quick)
+            self._event({"event": "eval", "eval_loss": loss, "tokens": self.tokens,
+                         "versions": [s.version for s in self.slots], "batches": len(quick)})
 
     def _finite_loss(self) -> float | None:
         """The latest training loss, or None (not known yet, or not finite: JSON and records reject NaN)."""
@@ -750,6 +823,8 @@ class Learner:
     def close(self) -> None:
         self._stop_status.set()
         self._status_thread.join(timeout=5)
+        if self._eval_thread.is_alive():  # an evaluation in progress ends within seconds
+            self._eval_thread.join(timeout=60)
         for a in self.averaging:
             a.shutdown()
         if self._events is not None:

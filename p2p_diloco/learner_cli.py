@@ -35,14 +35,19 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.shard is not None and not 0 <= args.shard < num_shards:
         raise ValueError(f"--shard: must be in [0, {num_shards}), got {args.shard}")
     for flag, value in (("--steps", args.steps), ("--wait-peers", args.wait_peers), ("--serve", args.serve_s),
+                        ("--eval-every", args.eval_every_s), ("--train-nice", args.train_nice),
                         ("--checkpoint-every", args.checkpoint_every_s)):
         if value is not None and value < 0:
             raise ValueError(f"{flag}: must be >= 0, got {value}")
+    if args.train_nice > 19:
+        raise ValueError(f"--train-nice: must be at most 19 (the lowest CPU priority), got {args.train_nice}")
     from p2p_diloco import faults
 
     armed = [faults.parse_fault(spec) for spec in args.faults]  # a bad spec fails before we join
     chosen = args.checkpoint_dir or args.resume
     checkpoint_dir = Path(chosen) if chosen else None
+    if args.lr_schedule == "time" and not args.max_time_s:
+        raise ValueError("--lr-schedule time: needs --max-time SECONDS")
     if args.checkpoint_every_s and checkpoint_dir is None:
         raise ValueError("--checkpoint-every: needs --checkpoint-dir DIR")
     local = LocalRun.from_config(cfg)
@@ -59,9 +64,12 @@ def cmd_join(args: argparse.Namespace) -> int:
         shard = args.shard if args.shard is not None else int(hashlib.sha256(joined.peer_id.encode()).hexdigest(), 16) % num_shards
         opts = LearnerOptions(
             name=joined.name, shard=shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
-            max_time_s=args.max_time_s, events_path=Path(args.events) if args.events else None,
+            max_time_s=args.max_time_s,
+            lr_by_time=args.lr_schedule == "time" or (args.lr_schedule is None and args.max_time_s > 0),
+            events_path=Path(args.events) if args.events else None,
             wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s, checkpoint_dir=checkpoint_dir,
-            checkpoint_every_s=args.checkpoint_every_s or 0.0, started_at=started_at,
+            checkpoint_every_s=args.checkpoint_every_s or 0.0, eval_every_s=args.eval_every_s,
+            train_nice=args.train_nice, blocking=args.blocking, started_at=started_at,
         )
         if armed:  # before the averagers start: their processes are forked with the faults armed
             faults.arm(armed)
@@ -103,6 +111,18 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, help="inner steps to run (default: inner.total_steps)")
     p.add_argument("--max-time", dest="max_time_s", type=float, default=0.0, metavar="SECONDS",
                    help="stop training after this many seconds (default: no limit)")
+    p.add_argument("--lr-schedule", dest="lr_schedule", choices=("steps", "time"),
+                   help="what the inner LR's warm-up + cosine runs over: steps (inner.total_steps) or time (the cosine "
+                        "ends with --max-time if that comes first); default: time with --max-time, else steps")
+    p.add_argument("--blocking", action="store_true",
+                   help="wait for each round before the next inner step (synchronous DiLoCo, a baseline for "
+                        "benchmarks; the default never waits)")
+    p.add_argument("--train-nice", dest="train_nice", type=int, default=5, metavar="N",
+                   help="lower the training thread's CPU priority by N once it trains (default: 5), so that this "
+                        "peer's networking and a newcomer starting on the same machine are not starved; 0: no change")
+    p.add_argument("--eval-every", dest="eval_every_s", type=float, default=0.0, metavar="SECONDS",
+                   help="evaluate the global model on 2 held-out batches this often while training, as 'eval' "
+                        "events in --events (default: 0, only at the start and the end)")
     p.add_argument("--events", metavar="FILE", help="append one JSON line per round / resync to FILE")
     p.add_argument("--wait-peers", dest="wait_peers", type=int, metavar="N",
                    help="wait until N learners (us included) are live before the first step")

@@ -15,6 +15,7 @@ Only the standard library is imported at module level (``p2p-diloco --help`` sta
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -39,6 +40,10 @@ LINGER_S = 30.0
 DEFAULT_MINUTES = 7.0
 """Training time by default: with start-up, the final rounds and the evaluation, the main job takes
 about 9 minutes on a 2-core machine (all learners share it)."""
+EVAL_EVERY_S = 30.0
+"""Learners evaluate the global model on 2 held-out batches this often (the eval-loss-over-time plot)."""
+REFERENCE_DIR = ROOT / "results" / "reference"
+"""Data-parallel reference curves, one file per config hash (``scripts/bench_reference.py``)."""
 FINISH_SLACK_S = 300.0
 """After the training budget: final rounds, linger, evaluation and exit of every learner."""
 
@@ -88,7 +93,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 argv = ["join", "--initial-peers", peers, *common, *network, "--host", args.host, "--name", name,
                         "--profile", str(profiles[i % len(profiles)]), "--shard", str(i), "--num-shards",
                         str(args.peers), "--wait-peers", str(wait), "--linger", str(LINGER_S),
-                        "--events", str(out / "logs" / f"{name}.jsonl")]
+                        "--events", str(out / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
                 if max_time_s is not None:
                     argv += ["--max-time", f"{max_time_s:.1f}"]
                 return swarm.start(name, argv)
@@ -248,6 +253,7 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
     sent = sum(f["bytes_sent"] for f in finals.values())
     dp_bytes = dp_fp32_bytes(tokens, cfg, n_params, learners=max(1, len(finals)))
     rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in read_jsonl(p) if e.get("event") == "round"]
+    reference = reference_at(load_reference(reference_key(cfg)), tokens)
     return {
         "config": config_path, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
         "peers": args.peers, "chaos": args.chaos, "wall_s": round(wall_s, 1), "model_params": n_params,
@@ -262,7 +268,47 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
         "rounds_discarded": sum(e["outcome"] != "committed" for e in rounds),
         "discard_reasons": _top_reasons(e["reason"] for e in rounds if e["outcome"] != "committed"),
         "chaos_events": events,
+        "reference": reference,
     }
+
+
+def reference_key(cfg: Any) -> str:
+    """What a data-parallel reference depends on: the model, data, inner optimizer, seed and number of
+    replicas (not the outer algorithm, averaging or the step budget), as a 16-hex-digit hash."""
+    d = cfg.to_dict()
+    inner = {k: v for k, v in d["inner"].items() if k != "total_steps"}
+    blob = json.dumps({"model": d["model"], "data": d["data"], "inner": inner, "seed": d["run"]["seed"],
+                       "replicas": d["sim"]["learners"]}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_reference(key: str, folder: Path = REFERENCE_DIR) -> dict[str, Any] | None:
+    """The data-parallel reference curve for this :func:`reference_key` (``scripts/bench_reference.py``), if any."""
+    path = folder / f"dp-{key}.json"
+    if not path.exists():
+        return None
+    ref = json.loads(path.read_text())
+    if ref.get("reference_key") != key or not ref.get("curve"):
+        raise ValueError(f"{path}: not a reference curve for reference key {key}")
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return {**ref, "path": str(shown)}
+
+
+def reference_at(ref: dict[str, Any] | None, tokens: int) -> dict[str, Any] | None:
+    """The reference's eval loss at ``tokens`` (linear between its points; None past its end + 10%)."""
+    if ref is None or tokens <= 0:
+        return None
+    points = sorted((float(p["tokens"]), float(p["eval_loss"])) for p in ref["curve"])
+    if tokens > points[-1][0] * 1.1:
+        return {"path": ref["path"], "tokens": tokens, "eval_loss": None, "command": ref.get("command"),
+                "why": f"the reference stops at {points[-1][0]:,.0f} tokens"}
+    loss = points[-1][1]
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if t0 <= tokens <= t1:
+            loss = l0 + (l1 - l0) * (tokens - t0) / (t1 - t0) if t1 > t0 else l1
+            break
+    return {"path": ref["path"], "tokens": tokens, "eval_loss": loss, "command": ref.get("command"),
+            "reference_tokens": int(points[-1][0]), "reference_final_eval_loss": points[-1][1]}
 
 
 def _top_reasons(reasons: Any, top: int = 5) -> list[tuple[str, int]]:
@@ -291,6 +337,18 @@ def render_report(r: dict[str, Any]) -> str:
         lines.append(f"held-out eval loss of the global model: {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.4f} "
                      f"nats/byte after {r['tokens']:,} tokens; anchors identical on every learner: "
                      f"{'yes' if r['anchors_identical'] else 'NO'}")
+        ref = r.get("reference")
+        if ref and ref.get("eval_loss") is not None:
+            gap = r["eval_loss_end"] / ref["eval_loss"] - 1
+            lines.append(f"data-parallel reference (fp32 gradients averaged every step, same model) at the same tokens: "
+                         f"{ref['eval_loss']:.4f} nats/byte; ours {100 * gap:+.1f}% (from {ref['path']}, a curve of "
+                         f"{ref['reference_tokens']:,} tokens)")
+        elif ref:
+            lines.append(f"data-parallel reference: none at {ref['tokens']:,} tokens ({ref['why']}); make one with "
+                         f"python scripts/bench_reference.py --tokens {ref['tokens']}")
+        else:
+            lines.append(f"data-parallel reference: none for this model, data and optimizer; make one with "
+                         f"python scripts/bench_reference.py --config {r['config'] or 'FILE'} --tokens {r['tokens']}")
         lines.append(f"bytes sent {r['bytes_sent'] / 1e6:.2f} MB vs {r['dp_fp32_bytes'] / 1e6:.0f} MB for fp32 "
                      f"data-parallel on the same tokens" + (f" ({saved:.0f}x fewer)" if saved else ""))
         lines.append(f"median utilization {100 * r['median_utilization']:.1f}%; rounds {r['rounds_committed']} committed, "
@@ -312,13 +370,19 @@ def plot(out: Path) -> None:
     logs = sorted((out / "logs").glob("*.jsonl"))
     series = {p.stem: [e for e in read_jsonl(p) if e.get("event") == "round"] for p in logs}
     t0 = min((e["time"] for es in series.values() for e in es), default=0.0)
+    evals = {p.stem: [e for e in read_jsonl(p) if e.get("event") == "eval"] for p in logs}
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, es in series.items():
+    for i, (name, es) in enumerate(series.items()):
+        color = f"C{i % 10}"
+        pts = [(e["time"] - t0, e["eval_loss"]) for e in evals.get(name, []) if isinstance(e.get("eval_loss"), float)]
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=color, label=f"{name}: eval (global model)", markersize=3)
         pts = [(e["time"] - t0, e["loss"]) for e in es if isinstance(e.get("loss"), float)]
         if pts:
-            ax.plot(*zip(*pts), ".-", label=name, markersize=3)
-    ax.set_ylabel("training loss (nats/byte)")
-    _finish(plt, fig, [(ax, "training loss per learner (at each round)")], out / "loss.png")
+            ax.plot(*zip(*pts), ".", color=color, alpha=0.35, label=f"{name}: training loss", markersize=2)
+    ax.set_ylabel("loss (nats/byte)")
+    _finish(plt, fig, [(ax, "held-out eval loss of the global model per learner (2 batches), and training loss")],
+            out / "loss.png")
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, es in series.items():
         done = [e for e in es if e["outcome"] == "committed"]

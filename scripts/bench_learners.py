@@ -47,7 +47,7 @@ def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, 
         for i, name in enumerate(names):
             swarm.start(name, [
                 "join", "--initial-peers", peers, "--config", config, *sets, "--name", name, "--shard", str(i),
-                "--num-shards", str(learners), "--wait-peers", str(learners), "--max-time", str(seconds),
+                "--num-shards", str(learners), "--wait-peers", str(learners), "--max-time", str(seconds), "--lr-schedule", "steps",
                 "--linger", "30", "--events", str(logs / f"{name}.jsonl")])
         t0 = time.monotonic()
         deadline = t0 + START_TIMEOUT_S + seconds + FINISH_SLACK_S

@@ -6,8 +6,9 @@ training time and, on a seeded schedule (:func:`make_schedule`), every ~60 s eit
 
 * **kills** one learner with kill -9 of its whole process group (CLI, DHT and averager processes,
   p2pd) and starts it again after a down time, as the *same peer* (same ``--identity`` file, same
-  ``--name``, ``--wait-peers 0``, ``--max-time`` = the training time left): it downloads the
-  current anchors from the live peers and rejoins by itself; or
+  ``--name``, ``--wait-peers 0``, ``--max-time`` = the training time left): it resumes from its newest
+  complete checkpoint (every learner checkpoints every ``--checkpoint-every`` seconds, default 15;
+  0 = restart afresh), downloads the fragments the live peers moved on and rejoins by itself; or
 * **stops** one learner with SIGSTOP to its whole process group and SIGCONTs it after a while.
 
 Never more than one learner is down or stopped at a time, and nothing happens in the first ~45 s
@@ -47,8 +48,9 @@ Reported (definitions; the pure functions below compute them and are unit-tested
 
 Baseline steps: each learner runs ``--steps`` = the inner steps of all its chaos incarnations; a killed
 incarnation's steps are the largest ``step`` in its events file (steps after its last round or resync
-are not counted: a slight under-count, at most one sync period per kill). A restarted incarnation
-starts its learning-rate schedule, AdamW state and data order at step 0 again; the baseline does not.
+are not counted: a slight under-count, at most one sync period per kill); a resumed incarnation counts
+from the step it resumed at. Without checkpoints a restarted incarnation starts its learning-rate
+schedule, AdamW state and data order at step 0 again; the baseline does not.
 
     python scripts/chaos.py                 # 4 learners x 10 minutes on demo.toml, a kill or stop every ~60 s, then the baseline
     python scripts/chaos.py --quick         # tiny.toml, 3 learners, 90 s, every ~20 s: checks the pipeline, not the numbers
@@ -100,6 +102,7 @@ MIN_RESTART_TRAIN_S = 10.0
 """A restart with less training time than this left is skipped (the schedule keeps restarts earlier)."""
 STOP_TOLERANCE_S = 0.5
 """A stopped incarnation's stall within this of one of its stops may contain that stop."""
+RESUMED_RE = re.compile(r"^resumed from \S+: step (\d+)", re.M)
 TRAINING_START_RE = re.compile(r"learners ready; starting together in (-?[\d.]+) s")
 
 
@@ -289,7 +292,8 @@ def survivor_stall(incarnations: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def incarnation_steps(inc: dict[str, Any]) -> int:
     """Inner steps of one incarnation: its final summary's, else (killed) the largest ``step`` in its events."""
     final = inc.get("final")
-    return int(final["steps"]) if final else int(inc.get("max_step", 0))
+    steps = int(final["steps"]) if final else int(inc.get("max_step", 0))
+    return max(0, steps - int(inc.get("resumed_from_step") or 0))  # a resumed one counts from its checkpoint
 
 
 def steps_per_learner(incarnations: Sequence[dict[str, Any]]) -> dict[str, int]:
@@ -414,8 +418,11 @@ class ChaosRun:
     """Bootstrap + learners on a :class:`LocalSwarm`, the schedule executed on them, every action logged."""
 
     def __init__(self, swarm: LocalSwarm, config: str, overrides: list[str], learners: int, duration_s: float,
-                 schedule: list[ChaosAction], events_log: IO[str], stop: threading.Event) -> None:
+                 schedule: list[ChaosAction], events_log: IO[str], stop: threading.Event,
+                 checkpoint_every_s: float = 0.0) -> None:
         self.swarm, self.config, self.overrides = swarm, config, overrides
+        self.checkpoint_every_s = checkpoint_every_s
+        """> 0: every learner checkpoints this often and a restart resumes (``--resume``); 0: restarts start afresh."""
         self.names = [f"l{i}" for i in range(learners)]
         self.duration_s, self.schedule, self.log, self.stop = duration_s, schedule, events_log, stop
         self.t_harness = time.monotonic()
@@ -452,10 +459,18 @@ class ChaosRun:
         key, shard = f"{name}.{n}", self.names.index(name)
         logs = self.swarm.logs
         sets = [a for o in self.overrides for a in ("--set", o)]
+        if self.checkpoint_every_s > 0:  # a restart resumes from its newest complete checkpoint, if any
+            from p2p_diloco.checkpoint import list_checkpoints
+
+            folder = self.swarm.tmp / f"ckpt-{name}"
+            resume = ["--resume", str(folder)] if folder.exists() and list_checkpoints(folder) else \
+                ["--checkpoint-dir", str(folder)]
+            sets += [*resume, "--checkpoint-every", f"{self.checkpoint_every_s:g}"]
         child = self.swarm.start(key, [
             "join", "--initial-peers", self.peers, "--config", self.config, *sets, "--name", name,
             "--identity", str(self.swarm.tmp / f"{name}.id"), "--shard", str(shard), "--num-shards", str(len(self.names)),
-            "--wait-peers", str(wait_peers), "--max-time", f"{max_time_s:.1f}", "--linger", str(LINGER_S),
+            "--wait-peers", str(wait_peers), "--max-time", f"{max_time_s:.1f}", "--lr-schedule", "steps",
+            "--linger", str(LINGER_S),
             "--events", str(logs / f"{key}.jsonl")])
         inc = Incarnation(name, key, shard, child, logs / f"{key}.jsonl", self.now())
         self.incarnations.append(inc)
@@ -654,11 +669,19 @@ class ChaosRun:
                 "stops": [[round(self.rel(a), 2) if a is not None else None, round(self.rel(b), 2) if b is not None else None]
                           for a, b in inc.stops],
                 "final": inc.child.final(), "max_step": _max_step(events),
+                "resumed_from_step": _resumed_step(inc.child.log_path),
                 "rounds": compact_rounds(events, self.train0_wall),
                 "resyncs": sum(e.get("event") == "resync" for e in events),
             })
         return {"incarnations": out, "schedule": [asdict(a) for a in self.schedule], "startup_s": self.startup_s,
                 "train0_wall": self.train0_wall, "interrupted": self.interrupted}
+
+
+def _resumed_step(log: Path) -> int | None:
+    """The step an incarnation resumed from (its ``resumed from DIR: step N`` line), None if it started afresh."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    m = RESUMED_RE.search(text)
+    return int(m.group(1)) if m else None
 
 
 def _max_step(events: Sequence[dict[str, Any]]) -> int:
@@ -674,11 +697,12 @@ def compact_rounds(events: Sequence[dict[str, Any]], t0_wall: float) -> list[dic
 
 
 def run_chaos(config: str, overrides: list[str], learners: int, duration_s: float, schedule: list[ChaosAction],
-              out: Path, stop: threading.Event) -> dict[str, Any]:
+              out: Path, stop: threading.Event, checkpoint_every_s: float = 0.0) -> dict[str, Any]:
     """The chaos run; always stops every process it started (stopped ones are continued first)."""
     logs = out / "logs"
     with (out / "chaos_events.jsonl").open("w") as events_log, LocalSwarm(logs, grace_s=LINGER_S + 60) as swarm:
-        run = ChaosRun(swarm, config, overrides, learners, duration_s, schedule, events_log, stop)
+        run = ChaosRun(swarm, config, overrides, learners, duration_s, schedule, events_log, stop,
+                       checkpoint_every_s=checkpoint_every_s)
         try:
             run.start()
             run.run()
@@ -764,7 +788,9 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [
         f"Chaos against a local swarm ({Path(payload['config']).name}, {len(a['learners'])} learners, "
         f"{payload['duration_s']:.0f} s of training, seed {payload['seed']}, {kills} kill -9 + restart and {stops} "
-        f"SIGSTOP/SIGCONT, {'quick' if payload['quick'] else 'full'} run):",
+        f"SIGSTOP/SIGCONT, {'quick' if payload['quick'] else 'full'} run, "
+        + (f"checkpoints every {payload['checkpoint_every_s']:g} s and restarts resume from them):"
+           if payload.get("checkpoint_every_s") else "restarts start afresh):"),
         "",
         "| measure | result | target | verdict |",
         "|---|---|---|---|",
@@ -911,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", dest="every_s", type=float, default=60.0, metavar="SECONDS",
                    help="mean seconds between chaos actions (default: 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the chaos schedule (default: 0)")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float, default=15.0, metavar="SECONDS",
+                   help="learners checkpoint this often and a killed one resumes from its checkpoint (default: 15; "
+                        "0: restarts start afresh and download everything)")
     p.add_argument("--out", default=str(ROOT / "results" / "chaos"), help="output folder (default: results/chaos)")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-chaos run (no eval comparison)")
     p.add_argument("--quick", action="store_true", help="tiny.toml, 3 learners, 90 s, an action every ~20 s: checks "
@@ -944,10 +973,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        chaos = run_chaos(args.config, args.overrides, args.learners, duration_s, schedule, out, stop)
+        chaos = run_chaos(args.config, args.overrides, args.learners, duration_s, schedule, out, stop,
+                          checkpoint_every_s=args.checkpoint_every_s)
         payload: dict[str, Any] = {
             "config": args.config, "overrides": args.overrides, "quick": args.quick, "seed": args.seed,
-            "duration_s": duration_s, "schedule_params": asdict(params), "fragments": cfg.outer.fragments,
+            "duration_s": duration_s, "schedule_params": asdict(params), "checkpoint_every_s": args.checkpoint_every_s, "fragments": cfg.outer.fragments,
             "tokens_per_step": cfg.inner.batch_size * cfg.model.block_size, "chaos": chaos, "baseline": None}
         steps = steps_per_learner(chaos["incarnations"])
         print(f"chaos: chaos run done; steps per learner {steps}", file=sys.stderr, flush=True)

@@ -170,3 +170,17 @@ def test_report_from_a_small_payload(tmp_path: Path) -> None:
     assert "61.1%" in md and "FAIL" in md and "1 x round exceeded N s" in md
     assert "Restart l1.1: spawned at 35 s, up at 45 s (start-up 10 s), trained 100 s" in md
     assert (tmp_path / "chaos.png").stat().st_size > 0
+
+
+def test_resumed_incarnation_counts_its_steps_from_the_checkpoint(tmp_path: Path) -> None:
+    first = {"learner": "l1", "final": None, "max_step": 130}  # killed at step 130, last checkpoint at 120
+    resumed = {"learner": "l1", "final": {"steps": 300}, "max_step": 300, "resumed_from_step": 120}
+    afresh = {"learner": "l2", "final": {"steps": 90}, "max_step": 90, "resumed_from_step": None}
+    assert chaos.incarnation_steps(resumed) == 180
+    assert chaos.incarnation_steps(afresh) == 90
+    assert chaos.steps_per_learner([first, resumed, afresh]) == {"l1": 310, "l2": 90}
+    log = tmp_path / "l1.1.log"
+    log.write_text("faults armed: none\nresumed from /tmp/x/ckpt-l1/ckpt-00000120: step 120, model ab12, versions [3]\n")
+    assert chaos._resumed_step(log) == 120
+    log.write_text("learner l1: shard 1/4\n")
+    assert chaos._resumed_step(log) is None
