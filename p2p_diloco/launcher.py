@@ -12,6 +12,7 @@ Only the standard library is imported here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+
+logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
 """Bootstrap start: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""
@@ -138,6 +141,11 @@ class LocalSwarm:
     def __init__(self, logs: Path, grace_s: float = 60.0) -> None:
         self.logs = Path(logs)
         self.logs.mkdir(parents=True, exist_ok=True)
+        stale = [*self.logs.glob("*.jsonl"), *self.logs.glob("*.log")]
+        for path in stale:  # learners append to their events files: a previous run's must not mix in
+            path.unlink()
+        if stale:
+            logger.info("removed %d log and event files of a previous run from %s", len(stale), self.logs)
         self.grace_s = grace_s
         self.children: list[Child] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="p2pds-", dir=_short_tmp()))  # this run's identities and sockets

@@ -102,7 +102,7 @@ MIN_RESTART_TRAIN_S = 10.0
 """A restart with less training time than this left is skipped (the schedule keeps restarts earlier)."""
 STOP_TOLERANCE_S = 0.5
 """A stopped incarnation's stall within this of one of its stops may contain that stop."""
-RESUMED_RE = re.compile(r"^resumed from \S+: step (\d+)", re.M)
+RESUMED_RE = re.compile(r"^resumed from \S+: step (\d+)")
 TRAINING_START_RE = re.compile(r"learners ready; starting together in (-?[\d.]+) s")
 
 
@@ -669,7 +669,7 @@ class ChaosRun:
                 "stops": [[round(self.rel(a), 2) if a is not None else None, round(self.rel(b), 2) if b is not None else None]
                           for a, b in inc.stops],
                 "final": inc.child.final(), "max_step": _max_step(events),
-                "resumed_from_step": _resumed_step(inc.child.log_path),
+                "resumed_from_step": _resumed_step(inc.child),
                 "rounds": compact_rounds(events, self.train0_wall),
                 "resyncs": sum(e.get("event") == "resync" for e in events),
             })
@@ -677,10 +677,10 @@ class ChaosRun:
                 "train0_wall": self.train0_wall, "interrupted": self.interrupted}
 
 
-def _resumed_step(log: Path) -> int | None:
-    """The step an incarnation resumed from (its ``resumed from DIR: step N`` line), None if it started afresh."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    m = RESUMED_RE.search(text)
+def _resumed_step(child: Any) -> int | None:
+    """The step an incarnation resumed from (its ``resumed from DIR: step N`` stdout line), None if it
+    started afresh."""
+    m = child.find(RESUMED_RE)
     return int(m.group(1)) if m else None
 
 

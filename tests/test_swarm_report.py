@@ -46,3 +46,16 @@ def test_reference_key_follows_what_data_parallel_training_depends_on() -> None:
         assert reference_key(load_config(None, [outer_only])) == base, outer_only
     for changes in ("model.n_embd=32", "inner.lr=0.01", "run.seed=3", "sim.learners=2", "data.max_bytes=100000"):
         assert reference_key(load_config(None, [changes])) != base, changes
+
+
+def test_local_swarm_clears_a_previous_runs_logs(tmp_path: Path) -> None:
+    from p2p_diloco.launcher import LocalSwarm
+
+    logs = tmp_path / "logs"
+    (logs / "baseline").mkdir(parents=True)
+    for name in ("l0.jsonl", "l0.log", "boot.log", "baseline/l0.jsonl", "notes.txt"):
+        (logs / name).write_text("old\n")
+    with LocalSwarm(logs):
+        pass
+    left = sorted(str(p.relative_to(logs)) for p in logs.rglob("*") if p.is_file())
+    assert left == ["baseline/l0.jsonl", "notes.txt"]  # its own folder's run files only; a nested run clears its own
