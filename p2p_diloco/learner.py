@@ -178,6 +178,9 @@ class FragmentSlot:
     consensus_distance: float = 0.0
     """``||ours - winner|| / ||winner||`` at the last fork we healed (0.0: none yet)."""
     busy_skips: int = 0
+    restored: bool = False
+    """Progress restored from a checkpoint and not yet in a round we committed: rounds that committed after
+    the checkpoint (before the crash) may already hold part of it, so it is not rebased (see apply_fetched)."""
     last_fetch_try: float = -math.inf
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -413,6 +416,7 @@ class Learner:
             slot.since_tokens -= slot.sent_tokens  # what went out is in the anchor now
             slot.since_steps -= slot.sent_steps
             slot.committed += 1
+            slot.restored = False
             self.averaging[slot.index].set_anchor(*slot.rank)
             if self.first_contribution_s is None:
                 self.first_contribution_s = time.monotonic() - self.opts.started_at
@@ -460,10 +464,17 @@ class Learner:
                          "outcome": "failed" if download.failures else "nothing newer"})
             return
         fork = fetched.version == slot.version
+        reset = slot.restored and not fork
         with slot.lock, torch.no_grad():
             if fork:
                 slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
-            outer.rebase({n: self.params[n] for n in slot.names}, slot.anchor, fetched.anchor)
+            if reset:  # the swarm moved on since our checkpoint: start this fragment from its anchor
+                for n in slot.names:
+                    self.params[n].copy_(fetched.anchor[n])
+                slot.since_tokens = slot.since_steps = 0
+                slot.restored = False
+            else:
+                outer.rebase({n: self.params[n] for n in slot.names}, slot.anchor, fetched.anchor)
             old, old_hash = slot.version, slot.anchor_hash
             slot.anchor = fetched.anchor
             slot.state = outer.OuterState(momentum=fetched.momentum, version=fetched.version)
@@ -472,11 +483,14 @@ class Learner:
         slot.forks_healed += fork
         self.averaging[slot.index].set_anchor(*slot.rank)
         extra = {"consensus_distance": slot.consensus_distance} if fork else {}
-        self._event({"event": "resync", "fragment": slot.index, "outcome": "fork healed" if fork else "rebased",
+        self._event({"event": "resync", "fragment": slot.index,
+                     "outcome": "fork healed" if fork else "reset after resume" if reset else "rebased",
                      "version": old, "version_after": slot.version, "anchor_hash_before": old_hash,
                      "anchor_hash": slot.anchor_hash, **tried, **extra})
-        logger.info("fragment %d: rebased from v%d (%s) onto v%d (%s)%s", slot.index, old, old_hash, slot.version,
-                    slot.anchor_hash, f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
+        logger.info("fragment %d: %s from v%d (%s) onto v%d (%s)%s", slot.index,
+                    "reset (the swarm moved on since our checkpoint)" if reset else "rebased", old, old_hash,
+                    slot.version, slot.anchor_hash,
+                    f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
 
     # -------------------------------------------------------------- checkpoints
 
@@ -533,6 +547,7 @@ class Learner:
                     slot.anchor_hash = anchor_hash(slot.anchor)
                     slot.since_tokens = int(m["since_tokens"][slot.index])
                     slot.since_steps = int(m["since_steps"][slot.index])
+                    slot.restored = True
         digest = self._model_digest()
         if digest != m["model_digest"]:
             raise ValueError(f"checkpoint {ckpt.path}: the restored weights hash to {digest}, its manifest says "
