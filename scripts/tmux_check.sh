@@ -36,13 +36,14 @@ sleep 3
 # process anywhere whose command line names this run's folder (learners run in their own sessions)
 left_session=$(ps -eo pid=,sid=,args= | awk -v s="$(ps -o sid= -p "$PANE_PID" | tr -d ' ')" -v p="$PANE_PID" \
     '$2 == s && $1 != p && $3 != "sleep"' | wc -l)
-left_run=$(ps -eo pid=,args= | grep -F "$RUN" | grep -v grep | wc -l || true)
+left_run=$(ps -eo pid=,args= | grep -F "$RUN" | grep -v -e grep -e "^ *$PANE_PID " -e "tmux new-session" | wc -l || true)  # not the pane's shell
 # p2pd daemons that were not there before (run this when no other swarm starts daemons meanwhile)
 left_p2pd=$(comm -13 <(echo "$p2pd_before") <(ps -eo pid=,args= | awk '$2 ~ /p2pd$/ {print $1}' | sort) | grep -c . || true)
 {
     echo "processes in the pane's session before Ctrl+C: $before"
     echo "swarm exit: $(cat "$RUN/exit" 2>/dev/null || echo 'none within 120 s')"
     echo "left after Ctrl+C: $left_session in the pane's session, $left_run naming the run folder, $left_p2pd new p2pd"
+    ps -eo pid=,args= | grep -F "$RUN" | grep -v -e grep -e "^ *$PANE_PID " -e "tmux new-session" | cut -c1-200 | sed 's/^/still running: /' || true
     ls "$RUN/out" 2>/dev/null | sed 's/^/written: /'
     if [ "$left_session" -eq 0 ] && [ "$left_run" -eq 0 ] && [ "$left_p2pd" -eq 0 ] && [ -f "$RUN/exit" ]; then echo "verdict: clean"; else echo "verdict: NOT clean"; fi
 } | tee "$OUT/verdict.txt"
