@@ -11,14 +11,14 @@ results on every member -- the weighted mean within the int4 codec's bound.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import multiprocessing as mp
 import time
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import pytest
 import torch
+from averagers import averaging_swarm
 
 from p2p_diloco.averaging import (
     Contribution, ExactAllReduceRunner, FragmentAveraging, RoundMeta, RoundOutcome,
@@ -134,26 +134,6 @@ def test_a_hanging_peer_fails_the_round_in_bounded_time_and_nobody_commits(tmp_p
         print(f"all three rounds ended {wall_s:.1f} s after they started (bound {bound_s:.0f} s)")
 
 
-@contextlib.contextmanager
-def swarm(tmp_path: Any, runners: tuple[type[ExactAllReduceRunner], ...]) -> Iterator[list[FragmentAveraging]]:
+def swarm(tmp_path: Any, runners: tuple[type[ExactAllReduceRunner], ...]) -> Any:
     """One DHT + one fragment averager per runner class, on 127.0.0.1, all shut down on exit."""
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.identity import load_or_create_identity
-    from p2p_diloco.swarm import SwarmOptions, start_dht, visible_addresses
-
-    dhts: list[Any] = []
-    peers: list[FragmentAveraging] = []
-    try:
-        for i, runner in enumerate(runners):
-            identity = load_or_create_identity(tmp_path / f"peer{i}.id")  # libp2p id = record-signing key
-            key = identity.private_key()
-            initial = parse_initial_peers(visible_addresses(dhts[0])[:1]) if dhts else ()
-            opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False)
-            dhts.append(start_dht(opts, CFG.run.run_id, private_key=key))
-            peers.append(FragmentAveraging(CFG, 0, NAMES, SHAPES, dhts[-1], key, runner_class=runner))
-        yield peers
-    finally:
-        for p in peers:
-            p.shutdown()
-        for d in dhts:
-            d.shutdown()
+    return averaging_swarm(tmp_path, CFG, NAMES, SHAPES, runners)

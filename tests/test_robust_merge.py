@@ -4,13 +4,13 @@ poisoned sender (3 DHTs + 3 fragment averagers on 127.0.0.1, in-process)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
+from averagers import averaging_swarm
 
 from p2p_diloco import compression, data, outer, sim
 from p2p_diloco.config import ConfigError, config_hash, load_config
@@ -193,7 +193,9 @@ def test_a_poisoned_sender_in_a_real_all_reduce_is_bounded_and_everyone_agrees(t
     deltas = [{n: t + 0.7 * torch.randn(t.shape, generator=gen) for n, t in common.items()} for _ in range(3)]
     encoded = [outer.encode_contribution(d, "radial") for d in deltas]
     encoded[2] = sim.poison(*encoded[2], sim.Attack(2, "sign-flip"), gen)  # -1000x directions, 1000x norms
-    with _swarm(tmp_path, cfg) as peers:
+    from p2p_diloco.averaging import ExactAllReduceRunner
+
+    with averaging_swarm(tmp_path, cfg, NAMES, SHAPES, (ExactAllReduceRunner,) * 3) as peers:
         outcomes = _run_round(peers, encoded, cfg)
     assert all(o.committed and o.group_size == 3 for o in outcomes), [o.reason for o in outcomes]
     merged = [o.merged for o in outcomes]
@@ -221,29 +223,3 @@ def _run_round(peers: list[Any], encoded: list[tuple[dict[str, torch.Tensor], di
                          weight=2560.0, due=get_dht_time(), norms=norms)
         futures.append(peer.start_round(Contribution(meta, sent, start, cfg.averaging.window_s)))
     return [f.result(timeout=ROUND_DEADLINE_S) for f in futures]
-
-
-@contextlib.contextmanager
-def _swarm(tmp_path: Path, cfg: Any) -> Iterator[list[Any]]:
-    """Three DHTs + fragment averagers on 127.0.0.1, shut down on exit."""
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.averaging import FragmentAveraging
-    from p2p_diloco.identity import load_or_create_identity
-    from p2p_diloco.swarm import SwarmOptions, start_dht, visible_addresses
-
-    dhts: list[Any] = []
-    peers: list[Any] = []
-    try:
-        for i in range(3):
-            identity = load_or_create_identity(tmp_path / f"peer{i}.id")
-            key = identity.private_key()
-            initial = parse_initial_peers(visible_addresses(dhts[0])[:1]) if dhts else ()
-            opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False)
-            dhts.append(start_dht(opts, cfg.run.run_id, private_key=key))
-            peers.append(FragmentAveraging(cfg, 0, NAMES, SHAPES, dhts[-1], key))
-        yield peers
-    finally:
-        for p in peers:
-            p.shutdown()
-        for d in dhts:
-            d.shutdown()

@@ -1,0 +1,36 @@
+"""Real fragment averagers for in-process tests: one hivemind DHT + one :class:`FragmentAveraging` per
+runner class on 127.0.0.1, joined to the first one, all shut down on exit."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+
+@contextlib.contextmanager
+def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapping[str, torch.Size],
+                    runners: Sequence[type]) -> Iterator[list[Any]]:
+    from p2p_diloco.addresses import parse_initial_peers
+    from p2p_diloco.averaging import FragmentAveraging
+    from p2p_diloco.identity import load_or_create_identity
+    from p2p_diloco.swarm import SwarmOptions, start_dht, visible_addresses
+
+    dhts: list[Any] = []
+    peers: list[Any] = []
+    try:
+        for i, runner in enumerate(runners):
+            identity = load_or_create_identity(tmp_path / f"peer{i}.id")  # libp2p id = record-signing key
+            key = identity.private_key()
+            initial = parse_initial_peers(visible_addresses(dhts[0])[:1]) if dhts else ()
+            opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False)
+            dhts.append(start_dht(opts, cfg.run.run_id, private_key=key))
+            peers.append(FragmentAveraging(cfg, 0, names, shapes, dhts[-1], key, runner_class=runner))
+        yield peers
+    finally:
+        for p in peers:
+            p.shutdown()
+        for d in dhts:
+            d.shutdown()
