@@ -148,6 +148,8 @@ class LearnerOptions:
     starved by inner steps; 0 leaves it as it is."""
     eval_every_s: float = 0.0
     """Seconds between quick held-out evaluations of the anchors while training (``eval`` events; 0: none)."""
+    eval_batches: int = QUICK_EVAL_BATCHES
+    """Held-out batches per evaluation while training (the first ones of the eval set; at most all of it)."""
     started_at: float = field(default_factory=time.monotonic)
     """When the learner process started (monotonic): time to first contribution is measured from here."""
 
@@ -206,6 +208,7 @@ class Learner:
             if value:  # the simulator has them; silently ignoring them would make the runs differ
                 raise ValueError(f"{key} = true is not supported by the networked learner yet (simulator only)")
         torch.set_num_threads(profile.threads or 1)
+        t_init = time.monotonic()
         self.cfg, self.profile, self.opts, self.joined, self.local = cfg, profile, opts, joined, local
         i, o = cfg.inner, cfg.outer
         corpus = data.load_corpus(cfg.data)
@@ -225,6 +228,7 @@ class Learner:
             anchor = {n: self.params[n].detach().clone() for n in frag.names}
             self.slots.append(FragmentSlot(frag.index, frag.names, anchor, anchor_hash=anchor_hash(anchor)))
         shapes = {n: p.shape for n, p in self.params.items()}
+        t_averagers = time.monotonic()
         self.averaging = [FragmentAveraging(cfg, s.index, s.names, shapes, joined.dht, joined.private_key,
                                             membership=membership, state_provider=self._state_provider(s),
                                             start=False) for s in self.slots]
@@ -239,6 +243,9 @@ class Learner:
             raise
         for s in self.slots:
             self.averaging[s.index].set_anchor(*s.rank)
+        now = time.monotonic()
+        logger.info("learner ready %.1f s after start: data and model %.1f s, %d averagers %.1f s",
+                    now - opts.started_at, t_averagers - t_init, len(self.averaging), now - t_averagers)
         self.step = self.tokens = 0
         self.start_step = self.start_tokens = 0
         self.loss: float | None = None
@@ -280,6 +287,7 @@ class Learner:
         start_anchors = self.anchor_snapshot()  # evaluated at the end: no eval delays the first round
         self._set_state("training")
         self.t_start = time.monotonic()
+        logger.info("training from step %d, %.1f s after start", self.step, self.t_start - self.opts.started_at)
         self.start_step, self.start_tokens = self.step, self.tokens  # not 0 after --resume
         self.training = True
         self._last_clock = self._dht_time()  # boundaries passed while waiting for peers are not due
@@ -713,10 +721,11 @@ class Learner:
     def _eval_loop(self) -> None:
         """Every ``eval_every_s``: the anchors' loss on the first :data:`QUICK_EVAL_BATCHES` held-out batches
         (an ``eval`` event), for the loss-over-time plots. Runs beside the inner loop, never blocks it."""
-        quick = self.eval_set[:QUICK_EVAL_BATCHES]
+        quick = self.eval_set[:self.opts.eval_batches]
         while not self._stop_status.wait(self.opts.eval_every_s) and self.training:
             loss = self.evaluate(self.anchor_snapshot(), quick)
             self._event({"event": "eval", "eval_loss": loss, "tokens": self.tokens,
+                         "train_s": round(time.monotonic() - self.t_start, 3),
                          "versions": [s.version for s in self.slots], "batches": len(quick)})
 
     def _finite_loss(self) -> float | None:

@@ -39,6 +39,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                         ("--checkpoint-every", args.checkpoint_every_s)):
         if value is not None and value < 0:
             raise ValueError(f"{flag}: must be >= 0, got {value}")
+    if args.eval_batches < 1:
+        raise ValueError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
     if args.train_nice > 19:
         raise ValueError(f"--train-nice: must be at most 19 (the lowest CPU priority), got {args.train_nice}")
     from p2p_diloco import faults
@@ -69,6 +71,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             events_path=Path(args.events) if args.events else None,
             wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s, checkpoint_dir=checkpoint_dir,
             checkpoint_every_s=args.checkpoint_every_s or 0.0, eval_every_s=args.eval_every_s,
+            eval_batches=args.eval_batches,
             train_nice=args.train_nice, blocking=args.blocking, started_at=started_at,
         )
         if armed:  # before the averagers start: their processes are forked with the faults armed
@@ -121,8 +124,11 @@ def add_parsers(subparsers: Any) -> None:
                    help="lower the training thread's CPU priority by N once it trains (default: 5), so that this "
                         "peer's networking and a newcomer starting on the same machine are not starved; 0: no change")
     p.add_argument("--eval-every", dest="eval_every_s", type=float, default=0.0, metavar="SECONDS",
-                   help="evaluate the global model on 2 held-out batches this often while training, as 'eval' "
-                        "events in --events (default: 0, only at the start and the end)")
+                   help="evaluate the global model on --eval-batches held-out batches this often while training, "
+                        "as 'eval' events in --events (default: 0, only at the start and the end)")
+    p.add_argument("--eval-batches", type=int, default=2, metavar="N",
+                   help="held-out batches per --eval-every evaluation (default: 2; data.eval_batches: the whole "
+                        "set, as at the end)")
     p.add_argument("--events", metavar="FILE", help="append one JSON line per round / resync to FILE")
     p.add_argument("--wait-peers", dest="wait_peers", type=int, metavar="N",
                    help="wait until N learners (us included) are live before the first step")

@@ -265,6 +265,34 @@ def goodput(incarnations: Sequence[dict[str, Any]], rates: dict[str, float], tra
             "train_wall_s": train_wall_s, "per_learner": per_learner}
 
 
+def time_away(incarnations: Sequence[dict[str, Any]], window_s: float, learners: int) -> dict[str, Any]:
+    """Learner-time the chaos itself took away, inside the training window ``[0, window_s]`` (seconds since
+    the harness started): *down* (from a kill to the restart's spawn), *start-up* (spawn to training again,
+    or to the window's end if it never got there) and *stopped* (SIGSTOP to SIGCONT). ``ceiling`` is the
+    goodput a perfect protocol would reach under this schedule (1 - away / allocated), ignoring that the
+    others step faster meanwhile."""
+    def clip(a: float, b: float | None) -> float:
+        return max(0.0, min(window_s, window_s if b is None else b) - max(0.0, a))
+
+    by_learner: dict[str, list[dict[str, Any]]] = {}
+    for inc in incarnations:
+        by_learner.setdefault(inc["learner"], []).append(inc)
+    down = startup = stopped = 0.0
+    for incs in by_learner.values():
+        incs = sorted(incs, key=lambda i: int(i["key"].rsplit(".", 1)[1]))
+        for prev, inc in zip(incs, incs[1:]):
+            if prev.get("ended_s") is not None:
+                down += clip(prev["ended_s"], inc["spawned_s"])
+            startup += clip(inc["spawned_s"], inc.get("up_s"))
+        for inc in incs:
+            stopped += sum(clip(a, b) for a, b in inc.get("stops", []))
+    allocated = learners * window_s
+    away = down + startup + stopped
+    return {"down_s": down, "startup_s": startup, "stopped_s": stopped, "away_s": away, "allocated_s": allocated,
+            "away_share": away / allocated if allocated > 0 else None,
+            "ceiling": 1.0 - away / allocated if allocated > 0 else None}
+
+
 def survivor_stall(incarnations: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The longest inner-loop stall (``max_stall_s`` of the final summaries): over the survivors, i.e.
     leaving out a SIGSTOPped incarnation whose stall is at least as long as one of its stops (then the
@@ -367,6 +395,7 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
             "goodput": good["per_learner"][name]["goodput"] if good else None,
         }
     processed = sum(p["tokens_processed"] for p in per_learner.values())
+    away = time_away(incs, float(payload["duration_s"]), len(learners))
     verdicts = {
         "goodput": None if not good or good["goodput"] is None else good["goodput"] >= TARGET_GOODPUT,
         "stall": None if stall["survivors_max_s"] is None else stall["survivors_max_s"] <= TARGET_STALL_S,
@@ -386,6 +415,8 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
         "anchors_identical_baseline": (len({tuple(f["anchor_hashes"]) for f in base_finals.values()}) == 1
                                        if base_finals else None),
         "tokens_chaos": processed,
+        "time_away": away,
+        "share_of_ceiling": good["goodput"] / away["ceiling"] if good and good["goodput"] and away["ceiling"] else None,
         "work_share": good["committed_tokens"] / processed if good and processed else None,
         "tokens_baseline": sum(f["tokens"] for f in base_finals.values()) if base_finals else None,
         "verdicts": verdicts,
@@ -825,6 +856,13 @@ def markdown(payload: dict[str, Any]) -> str:
                      f"{_pct(a['work_share'])} of them reached the model (lost: uncommitted work of killed incarnations "
                      "and discarded final rounds). Learners share the CPU, so the survivors step faster while one is "
                      "down: goodput above 100% is possible.")
+        t = a.get("time_away")
+        if t and t["ceiling"] is not None:
+            lines.append(f"Time the chaos took away: {t['down_s']:.0f} learner-s down after kills, {t['startup_s']:.0f} "
+                         f"learner-s of restarts starting up, {t['stopped_s']:.0f} learner-s stopped: "
+                         f"{_pct(t['away_share'])} of the {t['allocated_s']:.0f} allocated, so a perfect protocol would "
+                         f"reach about {_pct(t['ceiling'])} under this schedule; goodput is "
+                         f"{_pct(a.get('share_of_ceiling'))} of that ceiling.")
     else:
         lines.append("Goodput: n/a (no `tokens_sent` in the round events, or no throughput to compare with).")
     if stall["excluded"]:

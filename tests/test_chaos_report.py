@@ -190,3 +190,20 @@ def test_resumed_incarnation_counts_its_steps_from_the_checkpoint(tmp_path: Path
     resumed = Child(["faults armed: none", "resumed from /tmp/x/ckpt-l1/ckpt-00000120: step 120, model ab12, v [3]"])
     assert chaos._resumed_step(resumed) == 120
     assert chaos._resumed_step(Child(["learner l1: shard 1/4"])) is None
+
+
+def test_time_away_splits_down_start_up_and_stops_inside_the_window() -> None:
+    incs = [
+        {"learner": "l0", "key": "l0.0", "spawned_s": -20.0, "up_s": 0.0, "ended_s": 100.0, "stops": []},
+        {"learner": "l0", "key": "l0.1", "spawned_s": 130.0, "up_s": 150.0, "ended_s": 600.0, "stops": [[300.0, 310.0]]},
+        {"learner": "l1", "key": "l1.0", "spawned_s": -20.0, "up_s": 0.0, "ended_s": 500.0,
+         "stops": [[50.0, 70.0], [595.0, None]]},  # an open stop ends with the window
+        # killed near the end, restarted, never trained again before the window closed
+        {"learner": "l1", "key": "l1.1", "spawned_s": 560.0, "up_s": None, "ended_s": 610.0, "stops": []},
+    ]
+    t = chaos.time_away(incs, window_s=600.0, learners=2)
+    assert t["down_s"] == pytest.approx(30.0 + 60.0)  # 100 -> 130, 500 -> 560
+    assert t["startup_s"] == pytest.approx(20.0 + 40.0)  # 130 -> 150, 560 -> the window's end
+    assert t["stopped_s"] == pytest.approx(10.0 + 20.0 + 5.0)
+    assert t["allocated_s"] == 1200.0 and t["ceiling"] == pytest.approx(1 - 185.0 / 1200.0)
+    assert chaos.time_away([], window_s=600.0, learners=0)["ceiling"] is None

@@ -162,34 +162,54 @@ def test_dp_stop_eval_and_target() -> None:
 
 
 def test_bench_budget_is_checked_up_front() -> None:
-    p = bench_wan.BenchParams(rates_mbit=(10.0,), methods=("dp",), max_time_s=60)
-    assert bench_wan.worst_case_s(p) == pytest.approx(
-        bench_wan.START_SLACK_S + 2 * p.compute_steps + 60 + bench_wan.START_SLACK_S + bench_wan.FINISH_SLACK_S)
+    p = bench_wan.BenchParams(rates_mbit=(10.0,), methods=("dp",), dp_max_time_s=60)
+    slack = bench_wan.START_SLACK_S + bench_wan.FINISH_SLACK_S
+    once = bench_wan.START_SLACK_S + 2 * p.compute_steps + slack + bench_wan.TRAJECTORY_STEP_S * p.trajectory_steps
+    assert bench_wan.worst_case_s(p) == pytest.approx(once + 60 + slack)
+    assert bench_wan.worst_case_s(dataclasses.replace(p, merge=True)) == pytest.approx(60 + slack)
     with pytest.raises(ValueError, match="exceeds the budget"):
-        bench_wan.BenchParams(max_time_s=600)  # 5 rates x 3 methods x 600 s
-    with pytest.raises(ValueError, match="methods"):
+        bench_wan.BenchParams(rates_mbit=(2.0, 10.0))  # two rates with every method
+    with pytest.raises(ValueError, match="methods must be"):
         bench_wan.BenchParams(rates_mbit=(10.0,), methods=("ring",))
     with pytest.raises(ValueError, match="rate_mbit"):
         bench_wan.BenchParams(rates_mbit=(0.0,), methods=("dp",))
+    with pytest.raises(ValueError, match="trajectory_steps >= 1"):
+        bench_wan.BenchParams(methods=("dp",), trajectory_steps=0)
 
 
-def test_the_default_benchmark_fits_in_30_minutes() -> None:
-    p = bench_wan.BenchParams()
-    assert p.methods == bench_wan.METHODS and p.steps == 600
-    assert bench_wan.worst_case_s(p) <= 30 * 60
+def test_one_rate_with_every_method_fits_in_30_minutes_once_the_reference_runs_are_done() -> None:
+    assert bench_wan.worst_case_s(bench_wan.BenchParams(merge=True)) <= 30 * 60
+    assert bench_wan.worst_case_s(bench_wan.BenchParams(methods=("dp",))) <= 30 * 60
+
+
+def test_trajectory_steps_and_tokens_to_target() -> None:
+    pts = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
+    t = bench_wan.trajectory_summary([{"step": s, "tokens": s * 8192, "eval_loss": l} for s, l in pts], 2.5)
+    assert t["steps_to_target"] == pytest.approx(15.0) and t["tokens_to_target"] == pytest.approx(15 * 8192)
+    assert bench_wan.trajectory_summary([{"step": 0, "tokens": 0, "eval_loss": 5.0}], 2.5)["steps_to_target"] is None
 
 
 def test_merge_only_comparable_runs_and_keep_rates_sorted() -> None:
     p = bench_wan.BenchParams(rates_mbit=(2.0,), merge=True)
-    old_params = dataclasses.asdict(bench_wan.BenchParams())
+    old_params = dataclasses.asdict(bench_wan.BenchParams(merge=True))
     bench_wan.merge_check(json.loads(json.dumps(old_params)), p)  # tuples come back from JSON as lists
     with pytest.raises(ValueError, match="max_time_s differs"):
         bench_wan.merge_check({**old_params, "max_time_s": 60.0}, p)
+    dp = {"median_step_s": 6.0, "tokens_per_s": 1.0, "time_to_target_s": 600.0, "wire_bytes_per_token": 400.0}
+    ours = {"median_step_s": 1.5, "tokens_per_s": 4.0, "time_to_target_s": 200.0, "wire_bytes_per_token": 1.0}
     old = {"params": old_params, "started": "t0", "compute_only": {"median_step_s": 1.5},
-           "rates": {"10": {"rate_mbit": 10.0, "x": "old"}, "200": {"rate_mbit": 200.0}}}
-    new = {"started": "t1", "rates": {"2": {"rate_mbit": 2.0}, "10": {"rate_mbit": 10.0, "x": "new"}}}
+           "rates": {"10": {"rate_mbit": 10.0, "methods": {"dp": dp}, "speedups": {}},
+                     "200": {"rate_mbit": 200.0, "methods": {}, "speedups": {}}}}
+    new = {"started": "t1", "rates": {"2": {"rate_mbit": 2.0, "methods": {}, "speedups": {}},
+                                      "10": {"rate_mbit": 10.0, "methods": {"decoupled": ours}, "speedups": {}}}}
     merged = bench_wan.merge_results(old, new)
-    assert list(merged["rates"]) == ["2", "10", "200"] and merged["rates"]["10"]["x"] == "new"
+    assert list(merged["rates"]) == ["2", "10", "200"]
+    ten = merged["rates"]["10"]
+    assert set(ten["methods"]) == {"dp", "decoupled"}  # a method measured later joins the rate's others
+    assert ten["speedups"]["ideal_bound"] == pytest.approx(4.0)
+    assert ten["speedups"]["decoupled"]["time_to_target"] == pytest.approx(3.0)
+    assert ten["speedups"]["decoupled"]["share_of_bound"] == pytest.approx(0.75)
+    assert ten["speedups"]["decoupled"]["fewer_wire_bytes_per_token"] == pytest.approx(400.0)
     assert merged["runs"] == ["t0", "t1"] and merged["compute_only"] == {"median_step_s": 1.5}
 
 
@@ -202,37 +222,49 @@ def test_blocking_diloco_needs_every_peer_and_no_overlap() -> None:
         bench_wan.method_overrides("dp", 4)
 
 
-def _rank(rank: int, step_s: float, curve: list[dict[str, float]] | None = None) -> dict[str, Any]:
-    return {"rank": rank, "median_step_s": step_s, "tokens": 100 * 8192, "steps": 100, "train_s": 100 * step_s,
-            "final_eval_loss": 2.1, "curve": curve or []}
+def _rank(rank: int, step_s: float) -> dict[str, Any]:
+    return {"rank": rank, "median_step_s": step_s, "tokens": 20 * 8192, "steps": 20, "train_s": 20 * step_s,
+            "final_eval_loss": 2.9, "curve": []}
+
+
+TRAJECTORY = bench_wan.trajectory_summary(
+    [{"step": 0, "tokens": 0, "eval_loss": 5.3}, {"step": 100, "tokens": 100 * 8192, "eval_loss": 2.5},
+     {"step": 200, "tokens": 200 * 8192, "eval_loss": 1.9}], target=2.2)
 
 
 def test_dp_and_learner_metrics_and_speedups() -> None:
-    curve = [{"train_s": 0.0, "eval_loss": 5.3}, {"train_s": 300.0, "eval_loss": 1.95}]
-    dp = bench_wan.dp_metrics([_rank(0, 5.0, curve), _rank(1, 5.5), _rank(2, 5.0)], [1000, 2000, 3000],
-                              compute_step_s=0.5, target=2.0)
+    dp = bench_wan.dp_metrics([_rank(0, 5.0), _rank(1, 5.5), _rank(2, 5.0)], [1000, 2000, 3000],
+                              compute_step_s=0.5, trajectory=TRAJECTORY)
     assert dp["median_step_s"] == 5.0 and dp["utilization"] == pytest.approx(0.1)
-    assert dp["time_to_target_s"] == 300.0 and dp["wire_bytes_per_token"] == pytest.approx(6000 / 819200)
-    finals = [{"tokens": 1000 * 2048, "train_s": 500.0, "steps": 1000, "eval_loss_end": 1.9, "utilization": 0.99,
+    assert TRAJECTORY["steps_to_target"] == pytest.approx(150.0)
+    assert dp["time_to_target_s"] == pytest.approx(150 * 5.0) and dp["time_to_target_projected"]
+    assert dp["wire_bytes_per_token"] == pytest.approx(6000 / (20 * 8192))
+    finals = [{"tokens": 150 * 2048, "train_s": 500.0, "steps": 150, "eval_loss_end": 2.0, "utilization": 0.99,
                "committed": [3, 4], "discarded": [1, 0], "anchor_hashes": ["a", "b"], "bytes_sent": 10}
               for _ in range(4)]
-    lr = bench_wan.learner_metrics(finals, [10, 20, 30, 40], target=2.0)
-    assert lr["tokens"] == 4 * 1000 * 2048 and lr["median_step_s"] == 0.5 and lr["time_to_target_s"] == 500.0
+    evals = [{"event": "eval", "train_s": 100.0, "eval_loss": 2.6}, {"event": "eval", "train_s": 200.0, "eval_loss": 2.0}]
+    lr = bench_wan.learner_metrics(finals, [10, 20, 30, 40], evals, TRAJECTORY)
+    assert lr["tokens"] == 4 * 150 * 2048 and lr["median_step_s"] == pytest.approx(500 / 150)
+    assert lr["time_to_target_s"] == pytest.approx(100 + 100 * 0.4 / 0.6)
+    assert lr["dp_eval_loss_at_tokens"] == pytest.approx(2.2) and lr["vs_dp_at_tokens"] == pytest.approx(2.0 / 2.2 - 1)
     assert lr["anchors_identical"] and lr["committed"] == [7] * 4
-    assert bench_wan.learner_metrics(finals, [0] * 4, target=1.0)["time_to_target_s"] is None
+    # no evaluation at or below the target, and none at the end either: unknown, not the run's length
+    late = [{**f, "eval_loss_end": 2.4} for f in finals]
+    assert bench_wan.learner_metrics(late, [0] * 4, evals[:1], TRAJECTORY)["time_to_target_s"] is None
     sp = bench_wan.speedups({"dp": dp, "decoupled": lr}, compute_step_s=0.5)
     assert sp["ideal_bound"] == pytest.approx(10.0)
     assert sp["decoupled"]["throughput"] == pytest.approx(lr["tokens_per_s"] / dp["tokens_per_s"])
-    assert sp["decoupled"]["time_to_target"] == pytest.approx(300.0 / 500.0)
+    assert sp["decoupled"]["time_to_target"] == pytest.approx(750.0 / lr["time_to_target_s"])
+    assert sp["decoupled"]["share_of_bound"] == pytest.approx(sp["decoupled"]["time_to_target"] / 10.0)
     assert bench_wan.speedups({"decoupled": lr}, 0.5) == {}
 
 
-def test_report_states_the_missing_latency() -> None:
-    curve = [{"train_s": 0.0, "eval_loss": 5.3}, {"train_s": 300.0, "eval_loss": 1.95}]
-    dp = bench_wan.dp_metrics([_rank(0, 5.0, curve)], [1000], compute_step_s=0.5, target=2.0)
-    result = {"params": {"hosts": 4, "config": "configs/demo.toml", "steps": 20, "max_time_s": 60.0, "target_loss": 2.0},
-              "compute_only": {"median_step_s": 0.5},
+def test_report_states_the_missing_latency_and_the_projection() -> None:
+    dp = bench_wan.dp_metrics([_rank(0, 5.0)], [1000], compute_step_s=0.5, trajectory=TRAJECTORY)
+    result = {"params": {"hosts": 4, "config": "configs/demo.toml", "steps": 20, "max_time_s": 60.0,
+                         "target_loss": 2.2, "eval_every_s": 15.0},
+              "compute_only": {"median_step_s": 0.5}, "trajectory": TRAJECTORY,
               "rates": {"10": {"rate_mbit": 10.0, "methods": {"dp": dp}, "speedups": bench_wan.speedups({"dp": dp}, 0.5)}}}
     md = bench_wan.render_md(result)
-    assert "no latency emulation" in md
-    assert "| 10 | dp | 100 | 5.000 |" in md
+    assert "no latency emulation" in md and "projected" in md
+    assert "| 10 | dp | 5.000 | 0.16 | 750 (projected) |" in md

@@ -3,8 +3,7 @@
 
 For each link rate, N hosts are built as network namespaces on a private bridge (``netns.py``: a
 token bucket on each host's link, both directions; **no latency emulation**, netem is missing
-here), and on the same hosts, model, data, seeds and token budget (``--steps`` per host, capped by
-``--max-time`` seconds of training) it runs:
+here), and on the same hosts, model, data and seeds it runs:
 
 - ``dp``: data-parallel with torch.distributed gloo, gradients all-reduced every step
   (``dp_gloo.py``, one rank per host) -- conventional synchronization;
@@ -13,19 +12,31 @@ here), and on the same hosts, model, data, seeds and token budget (``--steps`` p
   (``averaging.min_group_size = target_group_size = N``);
 - ``decoupled``: our learner with the config as it is (F fragments, tau, int4, any live peers).
 
-Once, before the rates: ``compute``, the data-parallel loop with no all-reduce on all hosts at once
-(the same CPU contention, no network); data-parallel step time / compute-only step time is the
-*ideal bound* on any speed-up over data-parallel at that rate, reported next to every speed-up.
+Once, before the rates (reused by ``--merge``):
 
-Reported per rate and method: steps and tokens per host, median step time, final held-out eval
-loss, time to ``--target-loss``, bytes on the wire per token (every host's interface ``tx_bytes``
-over the run, all traffic included: DHT, headers, retransmissions), learner utilization (share of
-training time spent in inner steps; for data-parallel compute-only step / step), and the speed-up
-over data-parallel in tokens per second next to the ideal bound.
+- ``compute``: the data-parallel loop with no all-reduce on all hosts at once (the same CPU
+  contention, no network). Data-parallel step time / compute-only step time is the *ideal bound* on
+  any speed-up over data-parallel at that rate, reported next to every speed-up.
+- ``trajectory``: data-parallel on an unlimited link, evaluated every ``--trajectory-eval-every``
+  steps: its eval loss per step. Data-parallel's loss after k steps does not depend on the link (the
+  same math, seeds and data), only its step time does; so at each rate data-parallel runs only long
+  enough for its step time (``--dp-max-time``), and its **time to the target is projected**: steps to
+  the target on the trajectory x the step time measured at that rate. Running it to the target at
+  2 Mbit/s would take hours.
 
-    sudo python scripts/wan/bench_wan.py                          # 10 Mbit/s, all methods, 300 s each (<= 30 min)
+The learners run for real at every rate (``--max-time`` of training); learner 0 evaluates the global
+model on the whole held-out set every ``--eval-every`` seconds, which gives their time to the target.
+
+Reported per rate and method: median step time, tokens, time to ``--target-loss`` (linear between
+evaluations), the final held-out eval loss and the data-parallel trajectory's loss at the same tokens,
+bytes on the wire per token (every host's interface ``tx_bytes`` over the run, all traffic included:
+DHT, headers, retransmissions), learner utilization (share of training time spent in inner steps; for
+data-parallel compute-only step / step), and the speed-up over data-parallel in time to the target,
+next to the ideal bound and its share of it.
+
+    sudo python scripts/wan/bench_wan.py --rates 10                    # compute-only, trajectory, then 10 Mbit/s (<= 30 min)
     for r in 2 5 50 200; do sudo python scripts/wan/bench_wan.py --rates $r --merge; done   # the other rates
-    sudo python scripts/wan/bench_wan.py --methods dp --steps 20 --max-time 150   # a smoke run
+    sudo python scripts/wan/bench_wan.py --methods dp --max-time 60 --trajectory-steps 20   # a smoke run
     python scripts/wan/bench_wan.py --replot                              # rewrite wan.md / wan.png from wan.json
     sudo python scripts/wan/netns.py --cleanup                            # leftovers of a run killed by SIGKILL
 
@@ -61,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 import netns  # noqa: E402  (scripts/wan/netns.py, stdlib only)
 from dp_gloo import summarize_steps  # noqa: E402  (imports torch lazily)
+from p2p_diloco.curves import crossing, value_at  # noqa: E402  (stdlib only)
 from p2p_diloco.procguard import die_with_parent  # noqa: E402  (stdlib only)
 
 log = logging.getLogger("wan.bench")
@@ -90,23 +102,28 @@ class BenchParams:
     overrides: tuple[str, ...] = ()
     """``--set`` overrides applied to every method (the model, data and budget must stay the same)."""
     steps: int = 600
-    """Token budget: inner steps per host (each step is inner.batch_size x model.block_size bytes per host)."""
+    """Cap on inner steps per host (each step is inner.batch_size x model.block_size bytes per host)."""
     max_time_s: float = 300.0
-    """Cap on one run's training time; a run that hits it reports fewer tokens."""
-    eval_every: int = 50
-    """Data-parallel: steps between held-out evaluations (for the time to the target)."""
-    target_loss: float = 2.0
+    """Training time of each learner run (blocking, decoupled)."""
+    dp_max_time_s: float = 100.0
+    """Training time of each rate's data-parallel run: long enough for a median step time (at least 3 steps)."""
+    eval_every_s: float = 15.0
+    """Learners: seconds between evaluations of the global model by learner 0 (for the time to the target)."""
+    trajectory_steps: int = 240
+    """Data-parallel steps of the trajectory run (on an unlimited link); the learners' tokens should not
+    exceed its tokens, or their loss at equal tokens is not known."""
+    trajectory_eval_every: int = 10
+    """Trajectory: steps between held-out evaluations."""
+    target_loss: float = 2.3
     """Eval loss (nats/byte) whose first crossing is the time to target."""
     budget_s: float = 1800.0
     """Refuse a plan whose worst-case wall time is above this."""
     out: str = str(ROOT / "results" / "wan")
     compute_steps: int = 30
     """Steps of the compute-only run (its median step time is all that is used)."""
-    compute_step_s: float = 0.0
-    """A compute-only step time measured before (seconds); > 0 skips the compute-only run."""
     merge: bool = False
     """Add the rates measured now to ``out/wan.json`` (same hosts, config, budget), reusing its compute-only
-    step time, instead of starting a new result."""
+    step time and trajectory, instead of starting a new result."""
 
     def __post_init__(self) -> None:
         if not self.rates_mbit:
@@ -118,11 +135,12 @@ class BenchParams:
             raise ValueError(f"methods must be some of {', '.join(METHODS)}, got {list(self.methods)}")
         if self.hosts < 2:
             raise ValueError(f"hosts must be >= 2 (data-parallel and averaging need peers), got {self.hosts}")
-        if self.steps < 1 or self.max_time_s <= 0 or self.compute_steps < 3:
-            raise ValueError(f"steps >= 1, max_time_s > 0 and compute_steps >= 3 required, got {self.steps}, "
-                             f"{self.max_time_s}, {self.compute_steps}")
-        if self.compute_step_s < 0:
-            raise ValueError(f"compute_step_s must be >= 0, got {self.compute_step_s}")
+        if self.steps < 1 or self.max_time_s <= 0 or self.dp_max_time_s <= 0 or self.compute_steps < 3:
+            raise ValueError(f"steps >= 1, max_time_s > 0, dp_max_time_s > 0 and compute_steps >= 3 required, got "
+                             f"{self.steps}, {self.max_time_s}, {self.dp_max_time_s}, {self.compute_steps}")
+        if self.trajectory_steps < 1 or self.trajectory_eval_every < 1 or self.eval_every_s <= 0:
+            raise ValueError(f"trajectory_steps >= 1, trajectory_eval_every >= 1 and eval_every_s > 0 required, got "
+                             f"{self.trajectory_steps}, {self.trajectory_eval_every}, {self.eval_every_s}")
         if self.target_loss <= 0:
             raise ValueError(f"target_loss must be > 0, got {self.target_loss}")
         if worst_case_s(self) > self.budget_s:
@@ -132,13 +150,29 @@ class BenchParams:
 
 # ---------------------------------------------------------------- pure decisions
 
+TRAJECTORY_RATE_MBIT = 10_000.0
+"""The trajectory's link: a veth with no practical limit (its step time is not used)."""
+TRAJECTORY_STEP_S = 3.0
+"""Worst-case data-parallel step on that link, 4 ranks on 2 busy cores (measured about 1.6 s)."""
+
 
 def worst_case_s(p: BenchParams) -> float:
     """Upper bound on the whole benchmark's wall time (every run using its full budget and slack)."""
-    per_run = p.max_time_s + START_SLACK_S + FINISH_SLACK_S
-    # a compute-only step is under 2 s here; none is run with a given or merged compute-only step time
-    compute = 0.0 if p.compute_step_s > 0 or p.merge else START_SLACK_S + 2.0 * p.compute_steps
-    return compute + len(p.rates_mbit) * len(p.methods) * per_run
+    slack = START_SLACK_S + FINISH_SLACK_S
+    once = 0.0
+    if not p.merge:  # a compute-only step is under 2 s here
+        once = START_SLACK_S + 2.0 * p.compute_steps + slack + TRAJECTORY_STEP_S * p.trajectory_steps
+    per_rate = sum((p.dp_max_time_s if m == "dp" else p.max_time_s) + slack for m in p.methods)
+    return once + len(p.rates_mbit) * per_rate
+
+
+def trajectory_summary(curve: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The trajectory run's rank-0 curve and its steps (and tokens) to ``target``."""
+    pts = [(float(c["step"]), float(c["eval_loss"])) for c in curve]
+    steps = crossing(pts, target)
+    tokens_per_step = curve[-1]["tokens"] / curve[-1]["step"] if curve and curve[-1]["step"] else None
+    return {"curve": list(curve), "target_loss": target, "steps_to_target": steps,
+            "tokens_to_target": steps * tokens_per_step if steps is not None and tokens_per_step else None}
 
 
 def method_overrides(method: str, hosts: int) -> list[str]:
@@ -154,36 +188,44 @@ def method_overrides(method: str, hosts: int) -> list[str]:
 
 
 def dp_metrics(ranks: Sequence[dict[str, Any]], wire_tx: Sequence[int], compute_step_s: float,
-               target: float) -> dict[str, Any]:
-    """One data-parallel run's figures from its ranks' ``final`` lines (rank 0 holds the eval curve)."""
+               trajectory: dict[str, Any]) -> dict[str, Any]:
+    """One rate's data-parallel figures from its ranks' ``final`` lines; the time to the target is the
+    trajectory's steps to it x this rate's median step time (projected: see the module's text)."""
     r0 = next(r for r in ranks if r["rank"] == 0)
     step_s = statistics.median(r["median_step_s"] for r in ranks)
     tokens = r0["tokens"]  # all ranks together
-    curve = r0["curve"]
+    steps_to_target = trajectory.get("steps_to_target")
     return {
-        "steps_per_host": r0["steps"], "tokens": tokens, "median_step_s": step_s,
-        "train_s": r0["train_s"], "final_eval_loss": r0["final_eval_loss"],
-        "time_to_target_s": next((p["train_s"] for p in curve if p["eval_loss"] <= target), None),
+        "steps_per_host": r0["steps"], "tokens": tokens, "median_step_s": step_s, "train_s": r0["train_s"],
+        "final_eval_loss": None,  # a few steps only: the trajectory holds data-parallel's losses
+        "time_to_target_s": steps_to_target * step_s if steps_to_target is not None else None,
+        "time_to_target_projected": True,
         "wire_bytes": sum(wire_tx), "wire_bytes_per_token": sum(wire_tx) / tokens if tokens else None,
         "utilization": compute_step_s / step_s if step_s > 0 else None,
         "tokens_per_s": tokens / r0["train_s"] if r0["train_s"] > 0 else None,
-        "curve": curve,
     }
 
 
-def learner_metrics(finals: Sequence[dict[str, Any]], wire_tx: Sequence[int], target: float) -> dict[str, Any]:
-    """One learner run's figures from the learners' ``final`` lines; the anchors are evaluated only at
-    the end, so the time to target is the training time if the end is at or below the target, else
-    unknown (None)."""
+def learner_metrics(finals: Sequence[dict[str, Any]], wire_tx: Sequence[int], evals: Sequence[dict[str, Any]],
+                    trajectory: dict[str, Any]) -> dict[str, Any]:
+    """One learner run's figures from the learners' ``final`` lines and learner 0's ``eval`` events (training
+    seconds and loss of the global model), next to the data-parallel trajectory at the same tokens."""
     tokens = sum(f["tokens"] for f in finals)
     train_s = statistics.median(f["train_s"] for f in finals)
     final_loss = statistics.median(f["eval_loss_end"] for f in finals)
+    pts = [(float(e["train_s"]), float(e["eval_loss"])) for e in evals if "train_s" in e and "eval_loss" in e]
+    pts.append((train_s, final_loss))
+    per_step = trajectory["curve"][-1]["tokens"] / trajectory["curve"][-1]["step"] if trajectory.get("curve") else 0
+    dp_loss = value_at([(c["step"] * per_step, c["eval_loss"]) for c in trajectory.get("curve", [])], tokens)
     return {
         "steps_per_host": statistics.median(f["steps"] for f in finals), "tokens": tokens,
         # wall time per step, like data-parallel's (inner step + any time the loop was held up)
         "median_step_s": statistics.median(f["train_s"] / max(1, f["steps"]) for f in finals),
         "train_s": train_s, "final_eval_loss": final_loss,
-        "time_to_target_s": train_s if final_loss <= target else None,
+        "time_to_target_s": crossing(sorted(pts), trajectory["target_loss"]) if trajectory else None,
+        "eval_curve": pts,
+        "dp_eval_loss_at_tokens": dp_loss,
+        "vs_dp_at_tokens": final_loss / dp_loss - 1 if dp_loss else None,
         "wire_bytes": sum(wire_tx), "wire_bytes_per_token": sum(wire_tx) / tokens if tokens else None,
         "utilization": statistics.median(f["utilization"] for f in finals),
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
@@ -194,8 +236,8 @@ def learner_metrics(finals: Sequence[dict[str, Any]], wire_tx: Sequence[int], ta
 
 
 def speedups(rows: dict[str, dict[str, Any]], compute_step_s: float) -> dict[str, Any]:
-    """Each method's speed-up over data-parallel at one rate (tokens per second, and time to target),
-    with the ideal bound: data-parallel step time / compute-only step time."""
+    """Each method's speed-up over data-parallel at one rate (time to target, and tokens per second), with
+    the ideal bound (data-parallel step time / compute-only step time) and the share of it reached."""
     dp = rows.get("dp")
     if dp is None:
         return {}
@@ -207,11 +249,16 @@ def speedups(rows: dict[str, dict[str, Any]], compute_step_s: float) -> dict[str
         tput = row["tokens_per_s"] / dp["tokens_per_s"] if row.get("tokens_per_s") and dp.get("tokens_per_s") else None
         ttt = (dp["time_to_target_s"] / row["time_to_target_s"]
                if row.get("time_to_target_s") and dp.get("time_to_target_s") else None)
-        out[name] = {"throughput": tput, "time_to_target": ttt}
+        bytes_x = (dp["wire_bytes_per_token"] / row["wire_bytes_per_token"]
+                   if row.get("wire_bytes_per_token") and dp.get("wire_bytes_per_token") else None)
+        out[name] = {"throughput": tput, "time_to_target": ttt,
+                     "share_of_bound": ttt / bound if ttt is not None and bound else None,
+                     "fewer_wire_bytes_per_token": bytes_x}
     return out
 
 
-COMPARABLE = ("hosts", "config", "overrides", "steps", "max_time_s", "eval_every", "target_loss")
+COMPARABLE = ("hosts", "config", "overrides", "steps", "max_time_s", "dp_max_time_s", "eval_every_s",
+              "trajectory_steps", "trajectory_eval_every", "target_loss")
 """Parameters that must agree for results of two runs to share one table."""
 
 
@@ -227,8 +274,15 @@ def merge_check(old_params: dict[str, Any], p: BenchParams) -> None:
 
 
 def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """``old`` with the rates of ``new`` added (a rate measured again is replaced); rates sorted."""
-    rates = {**old["rates"], **new["rates"]}
+    """``old`` with the rates of ``new`` added; at a rate both have, ``new``'s methods replace or join ``old``'s
+    and the speed-ups are computed again (``old``'s compute-only step). Rates sorted."""
+    compute_step_s = old.get("compute_only", {}).get("median_step_s", 0.0)
+    rates = dict(old["rates"])
+    for key, r in new["rates"].items():
+        if key in rates:
+            methods = {**rates[key]["methods"], **r["methods"]}
+            r = {**rates[key], **r, "methods": methods, "speedups": speedups(methods, compute_step_s)}
+        rates[key] = r
     out = {**old, "rates": dict(sorted(rates.items(), key=lambda kv: kv[1]["rate_mbit"]))}
     out["runs"] = [*old.get("runs", [old.get("started")]), new.get("started")]
     return out
@@ -302,33 +356,40 @@ class Procs:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _dp_cmd(p: BenchParams, wan: netns.Wan, i: int, steps: int, compute_only: bool, json_path: Path) -> list[str]:
+def _dp_cmd(p: BenchParams, wan: netns.Wan, i: int, mode: str, json_path: Path) -> list[str]:
+    """Host i's ``dp_gloo.py`` for ``mode``: ``compute`` (no all-reduce), ``trajectory`` (evaluated every
+    ``trajectory_eval_every`` steps) or ``rate`` (step times only)."""
     sets = [a for o in p.overrides for a in ("--set", o)]
-    cmd = [sys.executable, str(HERE / "dp_gloo.py"), "--config", p.config, *sets, "--steps", str(steps),
-           "--json", str(json_path), "-v"]
-    if compute_only:
-        return [*cmd, "--compute-only", "--shard", str(i), "--num-shards", str(p.hosts), "--eval-every", "0"]
-    return [*cmd, "--rank", str(i), "--world-size", str(p.hosts), "--master-addr", wan.address(0),
-            "--ifname", netns.inner_if(i), "--max-time", str(p.max_time_s), "--eval-every", str(p.eval_every)]
+    cmd = [sys.executable, str(HERE / "dp_gloo.py"), "--config", p.config, *sets, "--json", str(json_path), "-v"]
+    if mode == "compute":
+        return [*cmd, "--steps", str(p.compute_steps), "--compute-only", "--shard", str(i), "--num-shards",
+                str(p.hosts), "--eval-every", "0"]
+    cmd += ["--rank", str(i), "--world-size", str(p.hosts), "--master-addr", wan.address(0), "--ifname",
+            netns.inner_if(i)]
+    if mode == "trajectory":
+        return [*cmd, "--steps", str(p.trajectory_steps), "--eval-every", str(p.trajectory_eval_every)]
+    return [*cmd, "--steps", str(p.steps), "--max-time", str(p.dp_max_time_s), "--eval-every", "0"]
 
 
-def run_dp(p: BenchParams, wan: netns.Wan, logs: Path, tag: str, compute_only: bool) -> tuple[list[dict[str, Any]], list[int]]:
-    """Data-parallel (or compute-only) on every host; returns the ranks' finals and each host's bytes sent."""
-    steps = p.compute_steps if compute_only else p.steps
+def run_dp(p: BenchParams, wan: netns.Wan, logs: Path, tag: str, mode: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """Data-parallel (``mode`` as in :func:`_dp_cmd`) on every host; the ranks' finals and each host's bytes sent."""
+    budget = {"compute": 2.0 * p.compute_steps, "trajectory": TRAJECTORY_STEP_S * p.trajectory_steps,
+              "rate": p.dp_max_time_s}[mode]
     before = wan.all_counters()
     with Procs(wan, logs) as procs:
         names = [f"{tag}-r{i}" for i in range(p.hosts)]
         for i, name in enumerate(names):
-            procs.start(name, i, _dp_cmd(p, wan, i, steps, compute_only, logs / f"{name}.json"))
-        budget = START_SLACK_S + (2.0 * steps if compute_only else p.max_time_s) + FINISH_SLACK_S
-        finals = procs.wait_finals(names, timeout_s=budget)
+            procs.start(name, i, _dp_cmd(p, wan, i, mode, logs / f"{name}.json"))
+        finals = procs.wait_finals(names, timeout_s=START_SLACK_S + budget + FINISH_SLACK_S)
     after = wan.all_counters()
     wire = [netns.byte_delta(b, a)["tx_bytes"] for b, a in zip(before, after)]
     return [finals[n] for n in names], wire
 
 
-def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str, method: str) -> tuple[list[dict[str, Any]], list[int]]:
-    """A bootstrap peer in host 0 and one ``p2p-diloco join`` learner per host; their finals and bytes sent."""
+def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
+                 method: str) -> tuple[list[dict[str, Any]], list[int], list[dict[str, Any]]]:
+    """A bootstrap peer in host 0 and one ``p2p-diloco join`` learner per host; their finals, bytes sent,
+    and learner 0's ``eval`` events (the global model on the whole held-out set every ``eval_every_s``)."""
     sets = [a for o in [*p.overrides, *method_overrides(method, p.hosts), f"run.run_id=wan-{method}"]
             for a in ("--set", o)]
     cli = [sys.executable, "-m", "p2p_diloco.cli"]
@@ -339,15 +400,24 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str, method: s
         peers = procs.wait_for(f"{tag}-boot", PEERS_RE, START_SLACK_S).group(1)
         names = [f"{tag}-l{i}" for i in range(p.hosts)]
         for i, name in enumerate(names):
+            evals = ["--eval-every", f"{p.eval_every_s:g}", "--eval-batches", str(EVAL_ALL)] if i == 0 else []
             procs.start(name, i, [*cli, "join", "--initial-peers", peers, "--host", wan.address(i), "--config",
                                   p.config, *sets, "--name", f"l{i}", "--shard", str(i), "--num-shards", str(p.hosts),
                                   "--wait-peers", str(p.hosts), "--steps", str(p.steps), "--max-time",
                                   str(p.max_time_s), "--lr-schedule", "steps", "--linger", str(LINGER_S), "--events",
-                                  str(logs / f"{name}.jsonl"), *(["--blocking"] if method == "blocking" else [])])
+                                  str(logs / f"{name}.jsonl"), *evals,
+                                  *(["--blocking"] if method == "blocking" else [])])
         finals = procs.wait_finals(names, timeout_s=START_SLACK_S + p.max_time_s + FINISH_SLACK_S)
     after = wan.all_counters()
     wire = [netns.byte_delta(b, a)["tx_bytes"] for b, a in zip(before, after)]
-    return [finals[n] for n in names], wire
+    events = logs / f"{names[0]}.jsonl"
+    evals_l0 = [e for e in map(json.loads, events.read_text().splitlines() if events.exists() else [])
+                if e.get("event") == "eval"]
+    return [finals[n] for n in names], wire, evals_l0
+
+
+EVAL_ALL = 1_000_000
+"""``--eval-batches`` for the whole held-out set (the learner evaluates at most all of it), as data-parallel does."""
 
 
 def bench(p: BenchParams) -> dict[str, Any]:
@@ -361,16 +431,25 @@ def bench(p: BenchParams) -> dict[str, Any]:
         previous = json.loads((out / "wan.json").read_text())
         merge_check(previous["params"], p)
     t0 = time.monotonic()
-    if p.compute_step_s > 0 or previous is not None:
-        compute_step_s = p.compute_step_s or previous["compute_only"]["median_step_s"]  # type: ignore[index]
-        result["compute_only"] = {"median_step_s": compute_step_s, "steps": 0, "given": True}
+    if previous is not None:
+        result["compute_only"] = previous["compute_only"]
+        result["trajectory"] = previous["trajectory"]
     else:
-        with netns.Wan(netns.WanPlan(hosts=p.hosts, rate_mbit=max(p.rates_mbit))) as wan:
-            ranks, _ = run_dp(p, wan, logs, "compute", compute_only=True)
-        compute_step_s = statistics.median(summarize_steps(r["step_s"])["median_step_s"] for r in ranks)
-        result["compute_only"] = {"median_step_s": compute_step_s, "steps": p.compute_steps,
-                                  "per_rank": [r["median_step_s"] for r in ranks]}
-    log.info("compute-only: %.3f s per step (%d hosts at once)", compute_step_s, p.hosts)
+        with netns.Wan(netns.WanPlan(hosts=p.hosts, rate_mbit=TRAJECTORY_RATE_MBIT)) as wan:
+            ranks, _ = run_dp(p, wan, logs, "compute", "compute")
+            compute_step_s = statistics.median(summarize_steps(r["step_s"])["median_step_s"] for r in ranks)
+            result["compute_only"] = {"median_step_s": compute_step_s, "steps": p.compute_steps,
+                                      "per_rank": [r["median_step_s"] for r in ranks]}
+            log.info("compute-only: %.3f s per step (%d hosts at once)", compute_step_s, p.hosts)
+            ranks, _ = run_dp(p, wan, logs, "trajectory", "trajectory")
+            r0 = next(r for r in ranks if r["rank"] == 0)
+            result["trajectory"] = {**trajectory_summary(r0["curve"], p.target_loss),
+                                    "median_step_s": r0["median_step_s"], "rate_mbit": TRAJECTORY_RATE_MBIT}
+        _write(out, result)
+    compute_step_s = result["compute_only"]["median_step_s"]
+    trajectory = result["trajectory"]
+    log.info("trajectory: %s steps to %g; final %.4f after %d steps", _fmt(trajectory["steps_to_target"], ".1f"),
+             p.target_loss, trajectory["curve"][-1]["eval_loss"], trajectory["curve"][-1]["step"])
     for rate in p.rates_mbit:
         plan = netns.WanPlan(hosts=p.hosts, rate_mbit=rate)
         rows: dict[str, dict[str, Any]] = {}
@@ -378,13 +457,14 @@ def bench(p: BenchParams) -> dict[str, Any]:
             qdisc = wan.qdisc(0)
             for method in p.methods:
                 tag = f"{rate:g}mbit-{method}"
-                log.info("%s: %d hosts at %g Mbit/s, %d steps or %.0f s", method, p.hosts, rate, p.steps, p.max_time_s)
                 if method == "dp":
-                    ranks, wire = run_dp(p, wan, logs, tag, compute_only=False)
-                    rows[method] = dp_metrics(ranks, wire, compute_step_s, p.target_loss)
+                    log.info("dp: %d hosts at %g Mbit/s, %.0f s", p.hosts, rate, p.dp_max_time_s)
+                    ranks, wire = run_dp(p, wan, logs, tag, "rate")
+                    rows[method] = dp_metrics(ranks, wire, compute_step_s, trajectory)
                 else:
-                    finals, wire = run_learners(p, wan, logs, tag, method)
-                    rows[method] = learner_metrics(finals, wire, p.target_loss)
+                    log.info("%s: %d hosts at %g Mbit/s, %.0f s", method, p.hosts, rate, p.max_time_s)
+                    finals, wire, evals = run_learners(p, wan, logs, tag, method)
+                    rows[method] = learner_metrics(finals, wire, evals, trajectory)
                 rows[method]["wire_tx_per_host"] = wire
                 log.info("%s at %g Mbit/s: %s", method, rate, _brief(rows[method]))
         result["rates"][f"{rate:g}"] = {"rate_mbit": rate, "plan": asdict(plan), "qdisc": qdisc, "methods": rows,
@@ -399,7 +479,8 @@ def bench(p: BenchParams) -> dict[str, Any]:
 
 
 def _brief(row: dict[str, Any]) -> str:
-    return (f"{row['steps_per_host']} steps/host, {row['median_step_s']:.3f} s/step, eval {row['final_eval_loss']:.4f}, "
+    return (f"{row['steps_per_host']} steps/host, {row['median_step_s']:.3f} s/step, eval "
+            f"{_fmt(row['final_eval_loss'], '.4f')}, to target {_fmt(row['time_to_target_s'], '.0f')} s, "
             f"{row['wire_bytes_per_token'] or 0:.1f} wire B/token, utilization {row['utilization'] or 0:.1%}")
 
 
@@ -413,30 +494,43 @@ def _fmt(v: Any, spec: str, none: str = "—") -> str:
 def render_md(result: dict[str, Any]) -> str:
     p = result["params"]
     c = result.get("compute_only", {})
+    t = result.get("trajectory", {})
+    target = p["target_loss"]
+    last = t["curve"][-1] if t.get("curve") else {}
     lines = [
-        f"# Emulated WAN: {p['hosts']} hosts, {Path(p['config']).name}, {p['steps']} steps/host or "
-        f"{p['max_time_s']:g} s of training",
+        f"# Emulated WAN: {p['hosts']} hosts, {Path(p['config']).name}, learners {p['max_time_s']:g} s of training",
         "",
         "Per-host links limited with tc tbf in both directions; **no latency emulation** (netem is not "
         "available): round trips stay sub-millisecond, so these figures favour data-parallel.",
-        f"Compute-only step (all hosts at once, no all-reduce): {_fmt(c.get('median_step_s'), '.3f')} s.",
+        f"Compute-only step (all hosts at once, no all-reduce): {_fmt(c.get('median_step_s'), '.3f')} s. "
+        f"Data-parallel trajectory (unlimited link): {_fmt(t.get('steps_to_target'), '.1f')} steps "
+        f"({_fmt((t.get('tokens_to_target') or 0) / 1e6 or None, '.2f')}M tokens) to eval loss {target:g}; "
+        f"{_fmt(last.get('eval_loss'), '.4f')} after {last.get('step', '—')} steps.",
+        f"Data-parallel's time to {target:g} at each rate is projected: those steps x the step time measured "
+        "at that rate. The learners' is measured (the global model evaluated every "
+        f"{p.get('eval_every_s', 0):g} s on the whole held-out set).",
         "",
-        "| Mbit/s | method | steps/host | s/step | train s | eval loss | time to "
-        f"{p['target_loss']:g} (s) | wire B/token | utilization | speed-up (tokens/s) | ideal bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| Mbit/s | method | s/step | tokens (M) | time to {target:g} (s) | eval loss | data-parallel at "
+        "equal tokens | wire B/token | fewer bytes | utilization | speed-up to target | ideal bound | share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in result["rates"].items():
         sp = r["speedups"]
         for method, row in r["methods"].items():
             s = sp.get(method, {}) if method != "dp" else {}
+            ttt = _fmt(row["time_to_target_s"], ".0f") + (" (projected)" if row.get("time_to_target_projected") else "")
+            vs = row.get("vs_dp_at_tokens")
+            at_tokens = (f"{_fmt(row.get('dp_eval_loss_at_tokens'), '.4f')} ({_fmt(100 * vs if vs is not None else None, '+.1f')}%)"
+                         if method != "dp" else "—")
             lines.append(
-                f"| {key} | {method} | {_fmt(row['steps_per_host'], 'g')} | {_fmt(row['median_step_s'], '.3f')} | "
-                f"{_fmt(row['train_s'], '.0f')} | {_fmt(row['final_eval_loss'], '.4f')} | "
-                f"{_fmt(row['time_to_target_s'], '.0f')} | {_fmt(row['wire_bytes_per_token'], '.1f')} | "
-                f"{_fmt(row['utilization'], '.1%')} | {_fmt(s.get('throughput'), '.2f')}× | "
-                f"{_fmt(sp.get('ideal_bound'), '.2f')}× |")
+                f"| {key} | {method} | {_fmt(row['median_step_s'], '.3f')} | {_fmt(row['tokens'] / 1e6, '.2f')} | "
+                f"{ttt} | {_fmt(row['final_eval_loss'], '.4f')} | {at_tokens} | "
+                f"{_fmt(row['wire_bytes_per_token'], '.1f')} | {_fmt(s.get('fewer_wire_bytes_per_token'), '.0f')}× | "
+                f"{_fmt(row['utilization'], '.1%')} | {_fmt(s.get('time_to_target'), '.2f')}× | "
+                f"{_fmt(sp.get('ideal_bound'), '.2f')}× | {_fmt(s.get('share_of_bound'), '.0%')} |")
     lines += ["", "Wire bytes: every host's interface tx_bytes over the run (all traffic: gradients or pseudo-"
-              "gradients, DHT, TCP/IP headers as handed to the interface with segmentation offload).", ""]
+              "gradients, DHT, TCP/IP headers as handed to the interface with segmentation offload). "
+              "Share: speed-up to target / ideal bound.", ""]
     return "\n".join(lines)
 
 
@@ -446,23 +540,47 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [r["rate_mbit"] for r in result["rates"].values()]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    rates = list(result["rates"].values())
     for method in METHODS:
-        pts = [(r["rate_mbit"], r["methods"][method]) for r in result["rates"].values() if method in r["methods"]]
+        pts = [(r["rate_mbit"], r["methods"][method]) for r in rates if method in r["methods"]]
         if not pts:
             continue
-        ax1.plot([x for x, _ in pts], [m["median_step_s"] for _, m in pts], marker="o", label=method)
-        ax2.plot([x for x, _ in pts], [m["final_eval_loss"] for _, m in pts], marker="o", label=method)
-    c = result.get("compute_only", {}).get("median_step_s")
-    if c and rates:
-        ax1.axhline(c, color="grey", linestyle="--", label="compute only")
-    for ax, title in ((ax1, "step time (s)"), (ax2, "final eval loss (nats/byte)")):
+        tt = [(x, m["time_to_target_s"]) for x, m in pts if m.get("time_to_target_s")]
+        if tt:
+            ax1.plot(*zip(*tt), marker="o", label=method + (" (projected)" if method == "dp" else ""))
+        if method != "dp":
+            sp = [(r["rate_mbit"], r["speedups"].get(method, {}).get("time_to_target")) for r in rates]
+            sp = [(x, y) for x, y in sp if y]
+            if sp:
+                ax2.plot(*zip(*sp), marker="o", label=method)
+    bound = [(r["rate_mbit"], r["speedups"].get("ideal_bound")) for r in rates]
+    bound = [(x, y) for x, y in bound if y]
+    if bound:
+        ax2.plot(*zip(*bound), color="grey", linestyle="--", label="ideal bound")
+    t = result.get("trajectory", {})
+    if t.get("curve"):
+        ax3.plot([c["tokens"] / 1e6 for c in t["curve"]], [c["eval_loss"] for c in t["curve"]], "k-",
+                 label="data-parallel (trajectory)")
+    for key, r in result["rates"].items():
+        for method in ("blocking", "decoupled"):
+            m = r["methods"].get(method)
+            if m and m.get("eval_curve") and m.get("tokens_per_s"):
+                ax3.plot([x * m["tokens_per_s"] / 1e6 for x, _ in m["eval_curve"]], [y for _, y in m["eval_curve"]],
+                         linestyle=":" if method == "blocking" else "-", alpha=0.7, label=f"{method} {key} Mbit/s")
+    target = result["params"]["target_loss"]
+    ax3.axhline(target, color="grey", linestyle="--", linewidth=0.8)
+    ax1.set_title(f"time to eval loss {target:g} (s)")
+    ax2.set_title("speed-up over data-parallel (time to target)")
+    for ax in (ax1, ax2):
         ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set_xlabel("per-host link (Mbit/s), no added latency")
-        ax.set_title(title)
-        ax.legend()
-    ax1.set_yscale("log")
+        ax.legend(fontsize=8)
+    ax3.set_title("held-out eval loss vs tokens (learners: approx. tokens)")
+    ax3.set_xlabel("tokens (M), all hosts")
+    ax3.set_ylim(top=min(3.5, ax3.get_ylim()[1]))
+    ax3.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -486,16 +604,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--steps", type=int, default=d["steps"].default, help="inner steps per host (token budget)")
     ap.add_argument("--max-time", type=float, default=d["max_time_s"].default, metavar="SECONDS",
-                    help="cap on each run's training time")
-    ap.add_argument("--eval-every", type=int, default=d["eval_every"].default)
-    ap.add_argument("--target-loss", type=float, default=d["target_loss"].default)
+                    help="training time of each learner run (default: %(default)s)")
+    ap.add_argument("--dp-max-time", type=float, default=d["dp_max_time_s"].default, metavar="SECONDS",
+                    help="training time of each rate's data-parallel run (step times only; default: %(default)s)")
+    ap.add_argument("--eval-every", type=float, default=d["eval_every_s"].default, metavar="SECONDS",
+                    help="learner 0 evaluates the global model this often (default: %(default)s)")
+    ap.add_argument("--trajectory-steps", type=int, default=d["trajectory_steps"].default,
+                    help="data-parallel steps on an unlimited link (default: %(default)s)")
+    ap.add_argument("--trajectory-eval-every", type=int, default=d["trajectory_eval_every"].default,
+                    help="steps between the trajectory's evaluations (default: %(default)s)")
+    ap.add_argument("--target-loss", type=float, default=d["target_loss"].default,
+                    help="eval loss (nats/byte) for the time to target (default: %(default)s)")
     ap.add_argument("--compute-steps", type=int, default=d["compute_steps"].default)
-    ap.add_argument("--compute-step-s", type=float, default=0.0, metavar="SECONDS",
-                    help="reuse a compute-only step time measured before instead of measuring it")
     ap.add_argument("--budget-min", type=float, default=d["budget_s"].default / 60, help="refuse longer plans")
     ap.add_argument("--out", default=d["out"].default)
     ap.add_argument("--merge", action="store_true",
-                    help="add these rates to --out/wan.json (same hosts, config, budget; its compute-only step time)")
+                    help="add these rates to --out/wan.json (same parameters; its compute-only step and trajectory)")
     ap.add_argument("--replot", action="store_true", help="rewrite wan.md and wan.png from wan.json")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -507,9 +631,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = BenchParams(rates_mbit=tuple(float(x) for x in a.rates.split(",")),
                              methods=tuple(m.strip() for m in a.methods.split(",")), hosts=a.hosts, config=a.config,
                              overrides=tuple(a.overrides), steps=a.steps, max_time_s=a.max_time,
-                             eval_every=a.eval_every, target_loss=a.target_loss, budget_s=a.budget_min * 60,
-                             out=a.out, compute_steps=a.compute_steps,
-                             compute_step_s=a.compute_step_s, merge=a.merge)
+                             dp_max_time_s=a.dp_max_time, eval_every_s=a.eval_every,
+                             trajectory_steps=a.trajectory_steps, trajectory_eval_every=a.trajectory_eval_every,
+                             target_loss=a.target_loss, budget_s=a.budget_min * 60, out=a.out,
+                             compute_steps=a.compute_steps, merge=a.merge)
     except ValueError as e:
         print(f"bench_wan: {e}", file=sys.stderr)
         return 2
