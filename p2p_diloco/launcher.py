@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -172,6 +172,25 @@ class LocalSwarm:
 
     def learners(self) -> list[Child]:
         return [c for c in self.children if c.name != "boot"]
+
+    def wait_finals(self, timeout_s: float, what: str, progress: Callable[[float], None] | None = None,
+                    period_s: float = 30.0, poll_s: float = 1.0) -> dict[str, dict[str, Any]]:
+        """Every learner's ``final`` summary, by name; ``progress(elapsed_s)`` every ``period_s`` meanwhile.
+        RuntimeError naming ``what`` and the logs if a learner exits without one or ``timeout_s`` passes."""
+        t0 = time.monotonic()
+        next_report = t0 + period_s
+        while True:
+            pending = [c for c in self.learners() if c.final() is None]
+            if not pending:
+                return {c.name: c.final() for c in self.learners()}  # type: ignore[misc]
+            dead = [c for c in pending if not c.alive]
+            if dead or time.monotonic() - t0 > timeout_s:
+                why = f"{dead[0].name} exited without a final line" if dead else f"no final lines within {timeout_s:.0f} s"
+                raise RuntimeError(f"{what}: {why}; see the logs in {self.logs}")
+            if progress is not None and time.monotonic() >= next_report:
+                next_report += period_s
+                progress(time.monotonic() - t0)
+            time.sleep(poll_s)
 
     def close(self) -> None:
         """Stop every learner gracefully (in parallel), then everything else; nothing is left behind."""

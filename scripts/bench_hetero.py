@@ -114,27 +114,16 @@ def run_swarm(name: str, profiles: Sequence[str], args: argparse.Namespace, logs
                             "--profile", str(ROOT / "peers" / f"{profile}.toml"), "--shard", str(i), "--num-shards",
                             str(len(profiles)), "--wait-peers", str(len(profiles)), "--max-time", f"{seconds:g}",
                             "--linger", f"{LINGER_S:g}", "--events", str(logs / f"{n}.jsonl"), *evals])
-        t0 = time.monotonic()
-        deadline = t0 + START_TIMEOUT_S + seconds + FINISH_SLACK_S
-        next_report = t0 + PROGRESS_PERIOD_S
-        while True:
-            pending = [c for c in swarm.learners() if c.final() is None]
-            if not pending:
-                break
-            dead = [c for c in pending if not c.alive]
-            if dead or time.monotonic() > deadline:
-                what = f"{dead[0].name} exited without a final line" if dead else "the run overran its deadline"
-                raise RuntimeError(f"bench_hetero: {name}: {what}; see the logs in {logs}")
-            if time.monotonic() >= next_report:
-                next_report += PROGRESS_PERIOD_S
-                steps = [(read_jsonl(logs / f"{n}.jsonl") or [{}])[-1].get("step", 0) for n in names]
-                print(f"[{name} {time.monotonic() - t0:5.0f}/{seconds:.0f} s] steps "
-                      + ", ".join(f"{n} ({p}) {s}" for n, p, s in zip(names, profiles, steps)), file=sys.stderr,
-                      flush=True)
-            time.sleep(1.0)
-        finals = {c.name: c.final() for c in swarm.learners()}
+
+        def progress(elapsed_s: float) -> None:
+            steps = [(read_jsonl(logs / f"{n}.jsonl") or [{}])[-1].get("step", 0) for n in names]
+            print(f"[{name} {elapsed_s:5.0f}/{seconds:.0f} s] steps "
+                  + ", ".join(f"{n} ({p}) {s}" for n, p, s in zip(names, profiles, steps)), file=sys.stderr, flush=True)
+
+        finals = swarm.wait_finals(START_TIMEOUT_S + seconds + FINISH_SLACK_S, f"bench_hetero: {name}", progress,
+                                   PROGRESS_PERIOD_S)
     evals = [e for e in read_jsonl(logs / "l0.jsonl") if e.get("event") == "eval"]
-    return summarize(profiles, finals, evals)  # type: ignore[arg-type]
+    return summarize(profiles, finals, evals)
 
 
 # ---------------------------------------------------------------- report

@@ -50,21 +50,8 @@ def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, 
                 "--num-shards", str(learners), "--wait-peers", str(learners), "--max-time", str(seconds), "--lr-schedule", "steps",
                 "--linger", "30", "--events", str(logs / f"{name}.jsonl")])
         t0 = time.monotonic()
-        deadline = t0 + START_TIMEOUT_S + seconds + FINISH_SLACK_S
-        next_report = t0 + PROGRESS_PERIOD_S
-        while True:
-            pending = [c for c in swarm.learners() if c.final() is None]
-            if not pending:
-                break
-            dead = [c for c in pending if not c.alive]
-            if dead or time.monotonic() > deadline:
-                what = f"{dead[0].name} exited without a final line" if dead else "the run overran its deadline"
-                raise RuntimeError(f"bench_learners: {what}; see the logs in {logs}")
-            if time.monotonic() >= next_report:
-                next_report += PROGRESS_PERIOD_S
-                _report_progress(names, logs, time.monotonic() - t0, seconds)
-            time.sleep(1.0)
-        finals = {c.name: c.final() for c in swarm.learners()}
+        finals = swarm.wait_finals(START_TIMEOUT_S + seconds + FINISH_SLACK_S, "bench_learners",
+                                   lambda elapsed_s: _report_progress(names, logs, elapsed_s, seconds), PROGRESS_PERIOD_S)
         return {"finals": finals, "wall_s": time.monotonic() - t0}
 
 
