@@ -132,7 +132,7 @@ class LearnerOptions:
     linger_s: float = 20.0
     """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
     status_period_s: float = 1.0
-    """How often the background thread publishes our record and reads the swarm."""
+    """How often the background thread reads the swarm (and publishes our record when :func:`publish_due`)."""
     serve_s: float = 0.0
     """After the linger, stay this long (record alive, state shared) for newcomers to download from us."""
     checkpoint_dir: Path | None = None
@@ -152,6 +152,14 @@ class LearnerOptions:
     """Held-out batches per evaluation while training (the first ones of the eval set; at most all of it)."""
     started_at: float = field(default_factory=time.monotonic)
     """When the learner process started (monotonic): time to first contribution is measured from here."""
+
+
+def publish_due(now: float, last_at: float, refresh_s: float, key: tuple[Any, ...], last_key: tuple[Any, ...] | None) -> bool:
+    """Whether the status thread publishes our record now: at once when what peers act on (``key``: state,
+    fragment versions, anchor hashes) changed since the last publish, else once per ``refresh_s`` (a third of
+    the record's TTL) for its counters. Publishing is two DHT stores, each replicated: every status period
+    (1 s) it cost each learner's DHT process about 7% of a core on a 2-core machine."""
+    return key != last_key or now - last_at >= refresh_s
 
 
 # ---------------------------------------------------------------- per-fragment state
@@ -684,6 +692,8 @@ class Learner:
         publisher = self.joined.publisher
         seen: list[tuple[float, int]] = [(time.monotonic(), 0)]  # (time, tokens) over the last SPEED_WINDOW_S
         was_training = False
+        refresh_s = publisher.period_s  # a third of the record's TTL, as a heartbeat
+        published: tuple[float, tuple[Any, ...] | None] = (-math.inf, None)  # (when, what peers act on)
         while not self._stop_status.wait(self.opts.status_period_s):
             now = time.monotonic()
             if self.training and not was_training:  # waiting for peers is no step time
@@ -701,9 +711,13 @@ class Learner:
                              anchor_hashes=tuple(s.anchor_hash for s in self.slots),
                              consensus_distance=tuple(s.consensus_distance for s in self.slots), bytes_sent=sent,
                              bytes_received=received, loss=self._finite_loss())
-            publisher.beat()
+            record = publisher.record
+            key = (record.state, record.fragment_versions, record.anchor_hashes)
+            if publish_due(now, published[0], refresh_s, key, published[1]):
+                publisher.beat()
+                published = (now, key)
             try:
-                snapshot = read_swarm(self.joined.dht, self.local)
+                snapshot = read_swarm(self.joined.dht, self.local, index=False)
             except Exception:  # a DHT hiccup: keep the last view, log it whole, try again next period
                 logger.exception("reading the swarm failed")
                 continue

@@ -371,11 +371,14 @@ def _entries(result: Any, parse: Any, rejected: list[str]) -> list[tuple[Any, fl
     return out
 
 
-def read_swarm(dht: DHT, local: LocalRun) -> SwarmSnapshot:
-    """One read of the run's records and the run index, classified at the current DHT time."""
+def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
+    """One read of the run's records and (``index``) the run index, classified at the current DHT time.
+    A learner reading every second leaves the index out: it only needs its own run's records, and each
+    read is a DHT search that every other peer's DHT process answers."""
     run_future = dht.get(run_key(local.run_id), latest=True, return_future=True)
-    index_future = dht.get(INDEX_KEY, latest=True, return_future=True)
-    run_result, index_result = run_future.result(), index_future.result()
+    index_future = dht.get(INDEX_KEY, latest=True, return_future=True) if index else None
+    run_result = run_future.result()
+    index_result = index_future.result() if index_future is not None else None
     now = get_dht_time()
     rejected: list[str] = []
     run_entries = _entries(run_result, PeerRecord.from_wire, rejected)
