@@ -399,6 +399,8 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
                                        str(procs.tmp / "boot.id"), "--config", p.config, *sets])
         peers = procs.wait_for(f"{tag}-boot", PEERS_RE, START_SLACK_S).group(1)
         names = [f"{tag}-l{i}" for i in range(p.hosts)]
+        for name in names:  # learners append to their events files: an earlier run's must not mix in
+            (logs / f"{name}.jsonl").unlink(missing_ok=True)
         for i, name in enumerate(names):
             evals = ["--eval-every", f"{p.eval_every_s:g}", "--eval-batches", str(EVAL_ALL)] if i == 0 else []
             procs.start(name, i, [*cli, "join", "--initial-peers", peers, "--host", wan.address(i), "--config",
@@ -534,6 +536,9 @@ def render_md(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+COLORS = {"dp": "tab:blue", "blocking": "tab:orange", "decoupled": "tab:green"}
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -548,12 +553,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
             continue
         tt = [(x, m["time_to_target_s"]) for x, m in pts if m.get("time_to_target_s")]
         if tt:
-            ax1.plot(*zip(*tt), marker="o", label=method + (" (projected)" if method == "dp" else ""))
+            ax1.plot(*zip(*tt), marker="o", color=COLORS[method], label=method + (" (projected)" if method == "dp" else ""))
         if method != "dp":
             sp = [(r["rate_mbit"], r["speedups"].get(method, {}).get("time_to_target")) for r in rates]
             sp = [(x, y) for x, y in sp if y]
             if sp:
-                ax2.plot(*zip(*sp), marker="o", label=method)
+                ax2.plot(*zip(*sp), marker="o", color=COLORS[method], label=method)
     bound = [(r["rate_mbit"], r["speedups"].get("ideal_bound")) for r in rates]
     bound = [(x, y) for x, y in bound if y]
     if bound:
