@@ -302,11 +302,11 @@ def reference_at(ref: dict[str, Any] | None, tokens: int) -> dict[str, Any] | No
     if tokens > points[-1][0] * 1.1:
         return {"path": ref["path"], "tokens": tokens, "eval_loss": None, "command": ref.get("command"),
                 "why": f"the reference stops at {points[-1][0]:,.0f} tokens"}
-    loss = points[-1][1]
-    for (t0, l0), (t1, l1) in zip(points, points[1:]):
-        if t0 <= tokens <= t1:
-            loss = l0 + (l1 - l0) * (tokens - t0) / (t1 - t0) if t1 > t0 else l1
-            break
+    from p2p_diloco.curves import value_at
+
+    loss = value_at(points, tokens)
+    if loss is None:  # past the last point, within 10% of it
+        loss = points[-1][1]
     return {"path": ref["path"], "tokens": tokens, "eval_loss": loss, "command": ref.get("command"),
             "reference_tokens": int(points[-1][0]), "reference_final_eval_loss": points[-1][1]}
 
