@@ -30,7 +30,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import threading
 import time
 import tomllib
@@ -42,7 +41,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from p2p_diloco import data, faults, fragments, outer
+from p2p_diloco import data, faults, fragments, outer, priority
 from p2p_diloco.averaging import (
     Contribution, Download, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
     is_ahead, relative_distance, state_payload,
@@ -286,10 +285,12 @@ class Learner:
     # -------------------------------------------------------------- the loop
 
     def run(self, stop: threading.Event) -> dict[str, Any]:
+        if self.opts.wait_peers <= 1:
+            self.look_before_training()
         self._status_thread.start()
         self.wait_for_peers(stop)
-        if self.opts.train_nice > 0:
-            os.nice(self.opts.train_nice)  # this thread only (Linux); raising niceness needs no privilege
+        if self.opts.train_nice > 0:  # this thread (Linux), and our session's autogroup if we lead it
+            logger.info("%s", priority.lower_training_priority(self.opts.train_nice))
         if self.opts.eval_every_s > 0:
             self._eval_thread.start()
         start_anchors = self.anchor_snapshot()  # evaluated at the end: no eval delays the first round
@@ -684,11 +685,46 @@ class Learner:
 
     # -------------------------------------------------------------- background: record + swarm view
 
-    def _status_loop(self) -> None:
-        """Publish our record and read the others' every ``status_period_s`` (DHT calls never block the loop)."""
+    def look_before_training(self) -> None:
+        """Joining a running swarm: read it now, before the first step, and start downloading the fragments
+        we are behind on (they arrive while our first steps run) and adopt its sync clock, instead of
+        waiting for the status thread's first period. A failed read changes nothing: the status thread
+        reads again."""
+        t0 = time.monotonic()
+        others = self._read_view()
+        if others is None:
+            return
+        if self.auto_clock:
+            self._adopt_clock()
+        self.catch_up()
+        fetching = [s.index for s in self.slots if s.inflight is not None]
+        logger.info("looked at the swarm before training (%.2f s): %d other learners, sync clock %s, fetching "
+                    "fragments %s", time.monotonic() - t0, len(others),
+                    f"{self.clock.period_s:.2f} s" if self.clock else "not known yet", fetching or "none")
+
+    def _read_view(self) -> list[Any] | None:
+        """Read the swarm once and update our view of the other live learners (their anchors, states, how
+        many); returns their records, or None if the read failed (logged whole; the last view is kept)."""
         from p2p_diloco.records import PeerRecord
         from p2p_diloco.swarm import read_swarm
 
+        try:
+            snapshot = read_swarm(self.joined.dht, self.local, index=False)
+        except Exception:  # a DHT hiccup: keep the last view, try again next period
+            logger.exception("reading the swarm failed")
+            return None
+        others = [v.record for v in snapshot.live()
+                  if isinstance(v.record, PeerRecord) and v.peer_id != self.joined.peer_id
+                  and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == len(self.slots)]
+        self.peer_anchors = [list(zip(r.fragment_versions, r.anchor_hashes)) for r in others
+                             if len(r.anchor_hashes) == len(r.fragment_versions)]
+        self.peer_states = [r.state for r in others]
+        self.live_learners = 1 + len(others)
+        self.swarm_reads += 1
+        return others
+
+    def _status_loop(self) -> None:
+        """Publish our record and read the others' every ``status_period_s`` (DHT calls never block the loop)."""
         publisher = self.joined.publisher
         seen: list[tuple[float, int]] = [(time.monotonic(), 0)]  # (time, tokens) over the last SPEED_WINDOW_S
         was_training = False
@@ -716,19 +752,9 @@ class Learner:
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
-            try:
-                snapshot = read_swarm(self.joined.dht, self.local, index=False)
-            except Exception:  # a DHT hiccup: keep the last view, log it whole, try again next period
-                logger.exception("reading the swarm failed")
+            others = self._read_view()
+            if others is None:
                 continue
-            others = [v.record for v in snapshot.live()
-                      if isinstance(v.record, PeerRecord) and v.peer_id != self.joined.peer_id
-                      and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == len(self.slots)]
-            self.peer_anchors = [list(zip(r.fragment_versions, r.anchor_hashes)) for r in others
-                                 if len(r.anchor_hashes) == len(r.fragment_versions)]
-            self.peer_states = [r.state for r in others]
-            self.live_learners = 1 + len(others)
-            self.swarm_reads += 1
             if self.auto_clock and self.training:
                 self._tend_clock(step_time_s, others)
 
@@ -753,25 +779,32 @@ class Learner:
             return 0.0
         return (time.monotonic() - self.t_start) / steps
 
-    def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
-        """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
-        id among the training learners), derive the period from everyone's step time and publish it when
-        it is off (or missing), and keep it alive in the DHT."""
-        from p2p_diloco.clock import (
-            RETUNE_EVERY_PERIODS, clock_leader, derive_period, needs_retune, publish_clock, read_clock, retune,
-        )
-        from p2p_diloco.swarm import owner_subkey
+    def _adopt_clock(self) -> bool:
+        """Adopt the newest sync clock published for the run, if newer than ours; False if the read failed
+        (logged whole: we keep the clock we have and try again next period)."""
+        from p2p_diloco.clock import read_clock
 
-        run_id = self.local.run_id
         try:
-            published = read_clock(self.joined.dht, run_id)
-        except Exception:  # a DHT hiccup: keep the clock we have, log it whole, try again next period
+            published = read_clock(self.joined.dht, self.local.run_id)
+        except Exception:
             logger.exception("reading the sync clock failed")
-            return
+            return False
         if published is not None and published.newer_than(self.clock):
             if self.clock is None or published.period_s != self.clock.period_s:
                 logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
             self.clock = published
+        return True
+
+    def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
+        """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
+        id among the training learners), derive the period from everyone's step time and publish it when
+        it is off (or missing), and keep it alive in the DHT."""
+        from p2p_diloco.clock import RETUNE_EVERY_PERIODS, clock_leader, derive_period, needs_retune, publish_clock, retune
+        from p2p_diloco.swarm import owner_subkey
+
+        run_id = self.local.run_id
+        if not self._adopt_clock():
+            return
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
         if clock_leader([self.joined.peer_id, *(r.peer_id for r in training)]) != self.joined.peer_id:
             return

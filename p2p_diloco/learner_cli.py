@@ -122,7 +122,9 @@ def add_parsers(subparsers: Any) -> None:
                         "benchmarks; the default never waits)")
     p.add_argument("--train-nice", dest="train_nice", type=int, default=5, metavar="N",
                    help="lower the training thread's CPU priority by N once it trains (default: 5), so that this "
-                        "peer's networking and a newcomer starting on the same machine are not starved; 0: no change")
+                        "peer's networking and a newcomer starting on the same machine are not starved; also our "
+                        "session's autogroup's when this process leads its session (as under p2p-diloco swarm); "
+                        "0: no change")
     p.add_argument("--eval-every", dest="eval_every_s", type=float, default=0.0, metavar="SECONDS",
                    help="evaluate the global model on --eval-batches held-out batches this often while training, "
                         "as 'eval' events in --events (default: 0, only at the start and the end)")

@@ -1,0 +1,63 @@
+"""CPU priority of a training learner: below its own networking, and below a newcomer starting beside it.
+
+A learner's training thread lowers its nice value once it trains (``join --train-nice``), so that its
+DHT, ``p2pd`` and averager processes -- and a learner starting up on the same machine -- are not
+starved. A thread's nice value only ranks it against threads of its own *autogroup*, though: with
+Linux's autogroup scheduling (``kernel.sched_autogroup_enabled``, on by default on many systems and on
+our CI machines), every session gets an equal share of the CPU whatever its threads' nice values. A
+newcomer started beside three training learners, each in its own session as ``p2p-diloco swarm`` and
+the benchmarks start them, then gets a quarter of the CPU however low the others' priority is: on 2
+cores its start-up took 2-3x as long as on an idle machine.
+
+So a learner that leads its own session also lowers its session's autogroup priority. One that does
+not (started from a user's shell) leaves the autogroup alone: it is shared with the shell and
+whatever else runs in that terminal.
+
+Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+AUTOGROUP_PATH = Path("/proc/self/autogroup")
+_AUTOGROUP_RE = re.compile(r"^/autogroup-\d+ nice (-?\d+)\s*$")
+MAX_NICE = 19
+
+
+def parse_autogroup_nice(text: str) -> int | None:
+    """The nice value in ``/proc/self/autogroup``'s text (``/autogroup-4597 nice 0``), or None if it is
+    not in that form."""
+    m = _AUTOGROUP_RE.match(text.strip())
+    return int(m.group(1)) if m else None
+
+
+def raised_nice(current: int, by: int) -> int:
+    """``current`` lowered in priority by ``by`` (a higher nice value), at most :data:`MAX_NICE`."""
+    return min(MAX_NICE, current + max(0, by))
+
+
+def lower_training_priority(by: int, autogroup: Path = AUTOGROUP_PATH) -> str:
+    """Raise the calling thread's nice value by ``by`` (``os.nice``: on Linux, this thread only) and, if this
+    process leads its own session, its session's autogroup nice value too (see the module docstring).
+
+    Raising nice values needs no privilege. Returns what was changed, one line for the log; a failure to
+    change the autogroup (no autogroup support, a read-only /proc) is said there, not raised: training
+    goes on at the thread's lower priority.
+    """
+    if by <= 0:
+        return "CPU priority unchanged (--train-nice 0)"
+    thread_nice = os.nice(by)
+    if os.getsid(0) != os.getpid():
+        return f"training thread at nice {thread_nice}; session autogroup left alone (not our own session)"
+    try:
+        current = parse_autogroup_nice(autogroup.read_text())
+        if current is None:
+            return f"training thread at nice {thread_nice}; autogroup unchanged ({autogroup}: unexpected format)"
+        target = raised_nice(current, by)
+        autogroup.write_text(f"{target}\n")
+    except OSError as e:
+        return f"training thread at nice {thread_nice}; autogroup unchanged ({type(e).__name__}: {e})"
+    return f"training thread at nice {thread_nice}; our session's autogroup at nice {target}"
