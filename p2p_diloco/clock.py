@@ -11,9 +11,9 @@ records. A derived clock is chosen by one learner -- the live learner with the s
 and published in the DHT under :func:`clock_key`; everyone adopts the newest published clock
 (highest ``epoch``). The leader re-derives it as the swarm changes and publishes a new one only when
 the period is off by more than :data:`RETUNE_TOLERANCE`, at most every :data:`RETUNE_EVERY_PERIODS`
-periods; a new clock (:func:`retune`) keeps the rhythm: its first boundary is the old clock's next
-boundary that is still far enough ahead for everyone to have read the new clock, so a retune
-never costs a round. If the leader leaves, the next smallest peer id takes over, starting from the
+periods; a new clock (:func:`retune`) starts at the old clock's next boundary (of any fragment) that
+is still far enough ahead for everyone to have read it, so a retune delays the next round by at most
+one fragment spacing plus a few seconds. If the leader leaves, the next smallest peer id takes over, starting from the
 clock already in the DHT.
 
 Everything here is pure except :func:`read_clock` / :func:`publish_clock` (a hivemind DHT).
@@ -79,10 +79,12 @@ class SyncClock:
         that has seen the same clocks adopts the same one."""
         return other is None or (self.epoch, self.origin, self.period_s) > (other.epoch, other.origin, other.period_s)
 
-    def next_boundary(self, t: float) -> float:
-        """Fragment 0's first boundary at or after ``t``."""
-        k = max(1, math.ceil((t - self.origin) / self.period_s))
-        return self.origin + k * self.period_s
+    def next_any_boundary(self, t: float, num_fragments: int) -> float:
+        """The first boundary of any fragment at or after ``t``."""
+        def first_at_or_after(f: int) -> float:
+            shift = self.origin + f / num_fragments * self.period_s
+            return shift + max(1, math.ceil((t - shift) / self.period_s)) * self.period_s
+        return min(first_at_or_after(f) for f in range(num_fragments))
 
     def to_wire(self) -> dict[str, float | int]:
         return {"period_s": float(self.period_s), "origin": float(self.origin), "epoch": int(self.epoch)}
@@ -98,13 +100,16 @@ class SyncClock:
         return cls(float(value["period_s"]), float(value["origin"]), value["epoch"])
 
 
-def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: float) -> SyncClock:
-    """The clock that replaces ``current`` with ``period_s``: its first boundary is the old clock's next
-    fragment-0 boundary at least ``margin_s`` ahead (no round lost, everyone has read it by then); a
-    first clock starts ``margin_s`` from now."""
+def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: float, num_fragments: int) -> SyncClock:
+    """The clock that replaces ``current`` with ``period_s``. Its first boundary (fragment 0's; the others
+    follow at the new spacing) is the old clock's next boundary of *any* fragment at least ``margin_s``
+    ahead, by when everyone has read the new clock; the new clock has no boundary before it. So a retune
+    delays the swarm's next round by at most one old fragment spacing (``period / F``) plus ``margin_s``.
+    (Aligning on the old clock's next fragment-0 boundary instead paused every round for up to a whole
+    old period: 40 s in a chaos run.) A first clock starts ``margin_s`` from now."""
     if current is None:
         return SyncClock(period_s, now_s + margin_s, 0)
-    first = current.next_boundary(now_s + margin_s)
+    first = current.next_any_boundary(now_s + margin_s, num_fragments)
     return SyncClock(period_s, max(0.0, first - period_s), current.epoch + 1)
 
 

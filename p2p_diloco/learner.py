@@ -817,7 +817,7 @@ class Learner:
         clock = self.clock
         settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s
         if period is not None and settled and needs_retune(clock, period):
-            clock = retune(clock, period, now, CLOCK_START_MARGIN_S)
+            clock = retune(clock, period, now, CLOCK_START_MARGIN_S, len(self.slots))
             self._clock_retuned_at = wall
             logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
                         "%.1f", period, self.cfg.outer.sync_every, period / self.cfg.outer.sync_every, len(times),

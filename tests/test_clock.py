@@ -54,15 +54,30 @@ def test_leader_and_newest_clock_are_the_same_for_everyone() -> None:
     assert newest_clock([a, b, retuned]) == SyncClock(5.0, 50.0, 1)
 
 
-def test_a_retune_keeps_the_rhythm() -> None:
-    first = retune(None, 30.0, now_s=1000.0, margin_s=3.0)
-    assert first == SyncClock(30.0, 1003.0, 0)
-    # at 1040 the next fragment-0 boundary is 1063 (1033 has passed); the new clock's first boundary is there
-    second = retune(first, 20.0, now_s=1040.0, margin_s=3.0)
-    assert second.epoch == 1 and second.period_s == 20.0 and second.next_boundary(1040.0) == 1063.0
-    assert second.due(1062.9, 1063.0, 2) == [0] and second.due(1063.0, 1073.0, 2) == [1]
-    # too close to the next boundary for everyone to read the new clock in time: the one after
-    assert retune(first, 20.0, now_s=1061.0, margin_s=3.0).next_boundary(1061.0) == 1093.0
+def test_a_retune_starts_at_the_next_boundary_of_any_fragment() -> None:
+    first = retune(None, 30.0, now_s=1000.0, margin_s=3.0, num_fragments=2)
+    assert first == SyncClock(30.0, 1003.0, 0)  # fragment 0 due at 1033, 1063, ...; fragment 1 at 1048, 1078, ...
+    # at 1040 the old clock's next boundary (3 s ahead or later) is fragment 1's at 1048: the new clock starts there
+    second = retune(first, 20.0, now_s=1040.0, margin_s=3.0, num_fragments=2)
+    assert second.epoch == 1 and second.period_s == 20.0 and second.next_any_boundary(1040.0, 2) == 1048.0
+    assert second.due(1040.0, 1047.9, 2) == [] and second.due(1047.9, 1048.0, 2) == [0]
+    assert second.due(1048.0, 1058.0, 2) == [1] and second.due(1058.0, 1068.0, 2) == [0]
+    # too close to 1048 for everyone to read the new clock in time: the old clock's next one, 1063
+    assert retune(first, 20.0, now_s=1046.0, margin_s=3.0, num_fragments=2).next_any_boundary(1046.0, 2) == 1063.0
+
+
+@pytest.mark.parametrize("old_period, new_period", [(38.78, 28.92), (20.0, 40.0), (10.0, 10.5)])
+def test_a_retune_pauses_rounds_at_most_one_fragment_spacing_plus_the_margin(old_period: float, new_period: float) -> None:
+    fragments, margin = 4, 3.0
+    old = SyncClock(old_period, 1000.0, 2)
+    for i in range(400):
+        now = 1100.0 + i * 0.37
+        new = retune(old, new_period, now, margin, fragments)
+        first = new.next_any_boundary(now, fragments)
+        assert new.epoch == 3 and new.period_s == new_period
+        assert now + margin <= first <= now + margin + old_period / fragments + 1e-9, now
+        assert new.due(now, first - 1e-6, fragments) == [], now  # nothing due before everyone has read it
+        assert new.due(first - 1e-6, first, fragments) == [0], now
 
 
 @pytest.mark.parametrize("value, reason", [
