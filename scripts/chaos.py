@@ -35,6 +35,12 @@ Reported (definitions; the pure functions below compute them and are unit-tested
   2-core machine the survivors step faster while a learner is down (more CPU each), which pushes
   goodput up: read it with that in mind. Also per learner. Beside it, the **work share**: committed
   tokens / tokens processed (inner steps x tokens per step), which leaves the down time out.
+* **goodput in learner-time** = (allocated learner-time - time down, starting up or stopped) / allocated
+  learner-time x the work share (:func:`learner_time_goodput`): the issue's "share of allocated
+  learner-time whose work reached the model" read literally. It needs no throughput from another run,
+  so neither the survivors' windfall of CPU nor the machine's speed drifting between the chaos run and
+  the baseline moves it (on this shared machine the baseline's speed differed by 7% between two runs
+  of the same schedule, and the token goodput with it).
 * **longest inner-loop stall** of a survivor: the largest ``max_stall_s`` (longest single wait of
   the inner loop between two steps, from each learner's final summary) over the incarnations that
   printed one, leaving out a SIGSTOPped incarnation whose stall is at least as long as one of its
@@ -293,6 +299,17 @@ def time_away(incarnations: Sequence[dict[str, Any]], window_s: float, learners:
             "ceiling": 1.0 - away / allocated if allocated > 0 else None}
 
 
+def learner_time_goodput(ceiling: float | None, work_share: float | None) -> float | None:
+    """Goodput in learner-time: the share of the allocated learner-time spent training (``ceiling`` of
+    :func:`time_away`: not down, starting up or stopped) times the share of the work done in it that reached
+    the model (``work_share``: committed / processed tokens). Unlike the token goodput it does not divide by
+    a throughput measured in another run, so the survivors' extra CPU while one learner is down and the
+    machine's speed drifting between the two runs do not move it; None if either is unknown."""
+    if ceiling is None or work_share is None:
+        return None
+    return ceiling * work_share
+
+
 def survivor_stall(incarnations: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The longest inner-loop stall (``max_stall_s`` of the final summaries): over the survivors, i.e.
     leaving out a SIGSTOPped incarnation whose stall is at least as long as one of its stops (then the
@@ -396,8 +413,11 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
         }
     processed = sum(p["tokens_processed"] for p in per_learner.values())
     away = time_away(incs, float(payload["duration_s"]), len(learners))
+    work_share = good["committed_tokens"] / processed if good and processed else None
+    time_good = learner_time_goodput(away["ceiling"], work_share)
     verdicts = {
         "goodput": None if not good or good["goodput"] is None else good["goodput"] >= TARGET_GOODPUT,
+        "learner_time_goodput": None if time_good is None else time_good >= TARGET_GOODPUT,
         "stall": None if stall["survivors_max_s"] is None else stall["survivors_max_s"] <= TARGET_STALL_S,
         "eval": None if gap is None else gap <= TARGET_EVAL_GAP,
     }
@@ -417,7 +437,8 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
         "tokens_chaos": processed,
         "time_away": away,
         "share_of_ceiling": good["goodput"] / away["ceiling"] if good and good["goodput"] and away["ceiling"] else None,
-        "work_share": good["committed_tokens"] / processed if good and processed else None,
+        "work_share": work_share,
+        "learner_time_goodput": time_good,
         "tokens_baseline": sum(f["tokens"] for f in base_finals.values()) if base_finals else None,
         "verdicts": verdicts,
     }
@@ -827,6 +848,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "|---|---|---|---|",
         f"| goodput (committed tokens / allocated learner-time at no-chaos tokens/s) | "
         f"{_pct(good['goodput'] if good else None)} | >= {100 * TARGET_GOODPUT:.0f}% | {_verdict(v['goodput'])} |",
+        f"| goodput in learner-time (allocated learner-time spent training x share of its work that reached the model) | "
+        f"{_pct(a.get('learner_time_goodput'))} | >= {100 * TARGET_GOODPUT:.0f}% | {_verdict(v.get('learner_time_goodput'))} |",
         f"| longest inner-loop stall of a survivor | {_secs(stall['survivors_max_s'])}"
         + (f" ({stall['survivors_max_at']})" if stall["survivors_max_at"] else "")
         + f" | <= {TARGET_STALL_S:g} s | {_verdict(v['stall'])} |",

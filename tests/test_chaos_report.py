@@ -164,7 +164,11 @@ def test_report_from_a_small_payload(tmp_path: Path) -> None:
     assert a["goodput"]["goodput"] == pytest.approx(1100 / 1800)
     assert a["stall"]["survivors_max_s"] == 0.3
     assert a["eval_gap"] == pytest.approx(1.8 / 1.75 - 1)
-    assert a["verdicts"] == {"goodput": False, "stall": True, "eval": True}
+    # learner-time: 35 of 200 learner-s away (l0 stopped 10 s; l1 down 15 s, starting up 10 s), times the work share
+    assert a["time_away"]["ceiling"] == pytest.approx(1 - 35 / 200)
+    assert a["learner_time_goodput"] == pytest.approx((1 - 35 / 200) * a["work_share"])
+    assert a["verdicts"] == {"goodput": False, "learner_time_goodput": a["learner_time_goodput"] >= 0.85,
+                             "stall": True, "eval": True}
     assert a["per_learner"]["l1"]["kills"] == 1 and a["per_learner"]["l0"]["stops"] == 1
     md = (tmp_path / "chaos.md").read_text()
     assert "61.1%" in md and "FAIL" in md and "1 x round exceeded N s" in md
@@ -190,6 +194,11 @@ def test_resumed_incarnation_counts_its_steps_from_the_checkpoint(tmp_path: Path
     resumed = Child(["faults armed: none", "resumed from /tmp/x/ckpt-l1/ckpt-00000120: step 120, model ab12, v [3]"])
     assert chaos._resumed_step(resumed) == 120
     assert chaos._resumed_step(Child(["learner l1: shard 1/4"])) is None
+
+
+def test_learner_time_goodput_is_the_time_spent_training_times_the_work_share() -> None:
+    assert chaos.learner_time_goodput(0.89, 0.96) == pytest.approx(0.8544)
+    assert chaos.learner_time_goodput(None, 0.96) is None and chaos.learner_time_goodput(0.89, None) is None
 
 
 def test_time_away_splits_down_start_up_and_stops_inside_the_window() -> None:
