@@ -38,10 +38,11 @@ def test_incompatible_or_keyless_learners_are_refused(tmp_path: Path) -> None:
             assert not any(line.startswith("learner ") for _, line in proc.stdout), proc.output()
             print(f"\n{proc.name}: refused {proc.stderr[-1][0] - proc.started_at:.1f} s after start: {errors[0]}")
 
+        member.wait_for(r"round f\d v0 discarded", timeout_s=90, stream="stderr")  # alone: its rounds find no group
         member.send(signal.SIGTERM)  # graceful leave: the loop stops, a final line, a tombstone
         summary = final_summary(member, timeout_s=60)
         assert member.wait_exit(30) == 0, member.output()
         member.wait_for(r"^left run tiny \(SIGTERM\); tombstone published")
         # alone, it trained on and its rounds found no group (discarded, never applied alone)
-        assert summary["steps"] > 100 and sum(summary["committed"]) == 0, summary
+        assert summary["steps"] > 0 and sum(summary["committed"]) == 0 and sum(summary["discarded"]) >= 1, summary
         assert summary["versions"] == [0, 0] and summary["blocked_share"] < 0.05, summary
