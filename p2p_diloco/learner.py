@@ -354,11 +354,6 @@ class Learner:
             logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
                         "next round", slot.index, self.step)
             return
-        best = self._best_peer_rank(slot)
-        if is_ahead(best, slot.rank):  # no group forms at our version: fetch (catch_up) instead of a doomed round
-            logger.info("fragment %d due at step %d but a peer is ahead (v%d %s, we are at v%d); its progress waits "
-                        "for the next round", slot.index, self.step, best[0], best[1], slot.version)
-            return
         if slot.inflight is not None:
             slot.busy_skips += 1
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the next "
@@ -462,7 +457,8 @@ class Learner:
         version with a winning anchor (a fork; see :func:`~p2p_diloco.averaging.anchor_order`)."""
         now = time.monotonic()
         for slot in self.slots:
-            best = self._best_peer_rank(slot)
+            best = max((v[slot.index] for v in self.peer_anchors if len(v) > slot.index),
+                       key=lambda r: anchor_order(*r), default=slot.rank)
             if slot.inflight is not None or not is_ahead(best, slot.rank) or now - slot.last_fetch_try < 2.0:
                 continue
             slot.last_fetch_try = now
@@ -471,12 +467,6 @@ class Learner:
                         slot.anchor_hash, best[0], best[1], what)
             slot.inflight = self.averaging[slot.index].fetch_state(slot.rank)
             slot.inflight_kind = "fetch"
-
-    def _best_peer_rank(self, slot: FragmentSlot) -> tuple[int, str]:
-        """The most advanced (version, anchor hash) of this fragment among the live learners' records (ours if
-        none is known)."""
-        return max((v[slot.index] for v in self.peer_anchors if len(v) > slot.index),
-                   key=lambda r: anchor_order(*r), default=slot.rank)
 
     def apply_fetched(self, slot: FragmentSlot, download: Download) -> None:
         """Rebase our progress onto a downloaded anchor: ``theta <- new + (theta - old)``. At equal versions
