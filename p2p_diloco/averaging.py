@@ -159,6 +159,14 @@ def is_ahead(theirs: tuple[int, str], ours: tuple[int, str]) -> bool:
     return anchor_order(*theirs) > anchor_order(*ours)
 
 
+def round_is_doomed(ours: tuple[int, str], peers: Sequence[tuple[int, str]]) -> bool:
+    """Would a round at ``ours`` = (version, anchor hash) find nobody? Groups meet only at one version and
+    anchor (:func:`version_group_bits`): a round is doomed when a live peer is ahead of us and none is
+    where we are. A learner behind then downloads instead (its progress waits for the next round), rather
+    than hold the fragment through a round that ends only at its matchmaking deadline."""
+    return any(is_ahead(p, ours) for p in peers) and not any(p == ours for p in peers)
+
+
 def sharing_priority(version: int, anchor: str) -> float:
     """hivemind state-sharing priority that follows :func:`anchor_order` (donors are tried highest first):
     the version plus a fraction in [0, 1) that is larger for smaller hashes."""

@@ -44,7 +44,7 @@ import torch
 from p2p_diloco import data, faults, fragments, outer, priority
 from p2p_diloco.averaging import (
     Contribution, Download, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
-    is_ahead, relative_distance, state_payload,
+    is_ahead, relative_distance, round_is_doomed, state_payload,
 )
 from p2p_diloco.checkpoint import save_checkpoint, tensors_digest
 from p2p_diloco.clock import SyncClock
@@ -187,6 +187,8 @@ class FragmentSlot:
     consensus_distance: float = 0.0
     """``||ours - winner|| / ||winner||`` at the last fork we healed (0.0: none yet)."""
     busy_skips: int = 0
+    behind_skips: int = 0
+    """Due rounds not started because a live peer was ahead and none at our version (see round_is_doomed)."""
     restored: bool = False
     """Progress restored from a checkpoint and not yet in a round we committed: rounds that committed after
     the checkpoint (before the crash) may already hold part of it, so it is not rebased (see apply_fetched)."""
@@ -354,6 +356,13 @@ class Learner:
             logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
                         "next round", slot.index, self.step)
             return
+        if slot.inflight is None and round_is_doomed(slot.rank, self._peer_ranks(slot)):
+            slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
+            best = self._best_peer_rank(slot)
+            logger.info("fragment %d due at step %d but no live peer is at our v%d and one is at v%d (%s): no group "
+                        "can form; its progress waits for the next round", slot.index, self.step, slot.version,
+                        best[0], best[1])
+            return
         if slot.inflight is not None:
             slot.busy_skips += 1
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the next "
@@ -457,8 +466,7 @@ class Learner:
         version with a winning anchor (a fork; see :func:`~p2p_diloco.averaging.anchor_order`)."""
         now = time.monotonic()
         for slot in self.slots:
-            best = max((v[slot.index] for v in self.peer_anchors if len(v) > slot.index),
-                       key=lambda r: anchor_order(*r), default=slot.rank)
+            best = self._best_peer_rank(slot)
             if slot.inflight is not None or not is_ahead(best, slot.rank) or now - slot.last_fetch_try < 2.0:
                 continue
             slot.last_fetch_try = now
@@ -467,6 +475,15 @@ class Learner:
                         slot.anchor_hash, best[0], best[1], what)
             slot.inflight = self.averaging[slot.index].fetch_state(slot.rank)
             slot.inflight_kind = "fetch"
+
+    def _peer_ranks(self, slot: FragmentSlot) -> list[tuple[int, str]]:
+        """This fragment's (version, anchor hash) in the other live learners' records."""
+        return [v[slot.index] for v in self.peer_anchors if len(v) > slot.index]
+
+    def _best_peer_rank(self, slot: FragmentSlot) -> tuple[int, str]:
+        """The most advanced (version, anchor hash) of this fragment among the live learners' records (ours if
+        none is known)."""
+        return max(self._peer_ranks(slot), key=lambda r: anchor_order(*r), default=slot.rank)
 
     def apply_fetched(self, slot: FragmentSlot, download: Download) -> None:
         """Rebase our progress onto a downloaded anchor: ``theta <- new + (theta - old)``. At equal versions
@@ -663,6 +680,7 @@ class Learner:
             "resynced": [s.resynced for s in self.slots], "forks_healed": [s.forks_healed for s in self.slots],
             "consensus_distance": [s.consensus_distance for s in self.slots],
             "busy_skips": [s.busy_skips for s in self.slots],
+            "behind_skips": [s.behind_skips for s in self.slots],
             "eval_loss_start": eval_start, "eval_loss_end": eval_end,
             "train_s": round(train_s, 3), "stepping_s": round(self.stepping_s, 3), "blocked_s": round(self.blocked_s, 4),
             "max_stall_s": round(self.max_stall_s, 4),
