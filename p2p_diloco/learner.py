@@ -288,7 +288,7 @@ class Learner:
 
     def run(self, stop: threading.Event) -> dict[str, Any]:
         if self.opts.wait_peers <= 1:
-            self.look_before_training()
+            self.look_before_training(stop)
         self._status_thread.start()
         self.wait_for_peers(stop)
         if self.opts.train_nice > 0:  # this thread (Linux), and our session's autogroup if we lead it
@@ -703,11 +703,13 @@ class Learner:
 
     # -------------------------------------------------------------- background: record + swarm view
 
-    def look_before_training(self) -> None:
-        """Joining a running swarm: read it now, before the first step, and start downloading the fragments
-        we are behind on (they arrive while our first steps run) and adopt its sync clock, instead of
-        waiting for the status thread's first period. A failed read changes nothing: the status thread
-        reads again."""
+    def look_before_training(self, stop: threading.Event) -> None:
+        """Joining a running swarm: read it now, before the first step, adopt its sync clock and download
+        the fragments we are behind on, instead of waiting for the status thread's first period; then
+        train from the swarm's anchors. The downloads are waited for (at most ``averaging.state_timeout_s``;
+        those still running then land during training): a first step beside them took 3-6 s on a busy
+        machine instead of 0.5 s and slowed them down, and its progress from our random start would only
+        be rebased. A failed read changes nothing: the status thread reads again."""
         t0 = time.monotonic()
         others = self._read_view()
         if others is None:
@@ -715,10 +717,21 @@ class Learner:
         if self.auto_clock:
             self._adopt_clock()
         self.catch_up()
-        fetching = [s.index for s in self.slots if s.inflight is not None]
+        fetching = [s for s in self.slots if s.inflight is not None]
         logger.info("looked at the swarm before training (%.2f s): %d other learners, sync clock %s, fetching "
                     "fragments %s", time.monotonic() - t0, len(others),
-                    f"{self.clock.period_s:.2f} s" if self.clock else "not known yet", fetching or "none")
+                    f"{self.clock.period_s:.2f} s" if self.clock else "not known yet",
+                    [s.index for s in fetching] or "none")
+        if not fetching:
+            return
+        t1 = time.monotonic()
+        deadline = t1 + self.cfg.averaging.state_timeout_s
+        pending = [s.inflight for s in fetching if s.inflight is not None]
+        while pending and not stop.is_set() and time.monotonic() < deadline:
+            pending = list(wait_futures(pending, timeout=min(ROUND_POLL_S, max(0.0, deadline - time.monotonic()))).not_done)
+        self.collect(min_age_steps=0)
+        logger.info("downloads before the first step: %.2f s, fragments at versions %s%s", time.monotonic() - t1,
+                    [s.version for s in self.slots], f"; {len(pending)} still running" if pending else "")
 
     def _read_view(self) -> list[Any] | None:
         """Read the swarm once and update our view of the other live learners (their anchors, states, how

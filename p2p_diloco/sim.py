@@ -44,7 +44,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from p2p_diloco import compression, data, fragments, outer
-from p2p_diloco.inner import build_optimizer, train_step
+from p2p_diloco.inner import AdamW, build_optimizer, train_step
 from p2p_diloco.config import Config
 from p2p_diloco.model import build_model
 
@@ -159,7 +159,7 @@ class _Learner:
         self.since_steps = [0] * cfg.outer.fragments
         self.error_feedback = compression.ErrorFeedback(cfg.outer.codec) if cfg.outer.error_feedback else None
 
-    def _new_optimizer(self) -> torch.optim.Optimizer:
+    def _new_optimizer(self) -> AdamW:
         return build_optimizer(self.model, self.cfg.inner)
 
     def reset_from(self, anchor: dict[str, torch.Tensor]) -> None:
