@@ -64,6 +64,9 @@ CLOCK_REPUBLISH_S = 60.0
 """The clock leader re-stores the current clock this often (it expires after ``clock.CLOCK_TTL_S``)."""
 SPEED_WINDOW_S = 10.0
 """Published tokens/s are measured over this much recent wall time (one status period is too noisy)."""
+JOIN_VIEW_FRESH_S = 3.0
+"""A newcomer acts on the swarm view it read when joining if it is at most this old (a read under load
+takes 0.5-0.8 s), else it reads again."""
 ROUND_POLL_S = 0.25
 """Blocking mode: how often a wait for a round checks for a stop signal."""
 QUICK_EVAL_BATCHES = 2
@@ -711,7 +714,9 @@ class Learner:
         machine instead of 0.5 s and slowed them down, and its progress from our random start would only
         be rebased. A failed read changes nothing: the status thread reads again."""
         t0 = time.monotonic()
-        others = self._read_view()
+        joined = getattr(self.joined, "snapshot", None)  # what we saw when joining, if it is recent
+        fresh = joined is not None and self._dht_time() - joined.now < JOIN_VIEW_FRESH_S
+        others = self._read_view(joined if fresh else None)
         if others is None:
             return
         if self.auto_clock:
@@ -733,17 +738,19 @@ class Learner:
         logger.info("downloads before the first step: %.2f s, fragments at versions %s%s", time.monotonic() - t1,
                     [s.version for s in self.slots], f"; {len(pending)} still running" if pending else "")
 
-    def _read_view(self) -> list[Any] | None:
-        """Read the swarm once and update our view of the other live learners (their anchors, states, how
-        many); returns their records, or None if the read failed (logged whole; the last view is kept)."""
+    def _read_view(self, snapshot: Any = None) -> list[Any] | None:
+        """Read the swarm once (or take ``snapshot``, a fresh read) and update our view of the other live
+        learners (their anchors, states, how many); returns their records, or None if the read failed
+        (logged whole; the last view is kept)."""
         from p2p_diloco.records import PeerRecord
         from p2p_diloco.swarm import read_swarm
 
-        try:
-            snapshot = read_swarm(self.joined.dht, self.local, index=False)
-        except Exception:  # a DHT hiccup: keep the last view, try again next period
-            logger.exception("reading the swarm failed")
-            return None
+        if snapshot is None:
+            try:
+                snapshot = read_swarm(self.joined.dht, self.local, index=False)
+            except Exception:  # a DHT hiccup: keep the last view, try again next period
+                logger.exception("reading the swarm failed")
+                return None
         others = [v.record for v in snapshot.live()
                   if isinstance(v.record, PeerRecord) and v.peer_id != self.joined.peer_id
                   and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == len(self.slots)]
