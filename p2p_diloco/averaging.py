@@ -100,6 +100,27 @@ from p2p_diloco.rejects import PeerDataError, Reason, log_rejection, reason_of
 
 logger = logging.getLogger(__name__)
 
+NO_GROUP_MESSAGE = "Averaging step failed: could not find a group"
+"""hivemind's error when a round's matchmaking ended alone: for us an outcome, not a fault."""
+
+
+class NoGroupIsNotAnError(logging.Filter):
+    """Drops hivemind's ERROR + traceback for a round that found no group (a lone learner, a learner one
+    version behind): the learner logs that round in one line, as discarded with this reason. Every other
+    averaging failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.getMessage() == NO_GROUP_MESSAGE)
+
+
+def quiet_expected_failures() -> None:
+    """Install :class:`NoGroupIsNotAnError` on hivemind's averager logger, once; the averager processes
+    forked afterwards inherit it."""
+    hv = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(f, NoGroupIsNotAnError) for f in hv.filters):
+        hv.addFilter(NoGroupIsNotAnError())
+
+
 CANCEL_POLL_S = 0.25
 """How often a waiting round checks whether the learner is leaving."""
 HIVEMIND_FRAMING_BYTES = 9
@@ -892,6 +913,7 @@ class FragmentAveraging:
         """``start=False``: the averager process is started by :meth:`start_background` (several at once)."""
         from p2p_diloco.swarm import owner_peer_id, owner_subkey
 
+        quiet_expected_failures()  # before our averager process is forked
         a = cfg.averaging
         self.cfg, self.fragment, self.names, self.dht = cfg, fragment, tuple(names), dht
         self.prefix = averager_prefix(cfg.run.run_id, fragment)
