@@ -284,6 +284,8 @@ class Learner:
         self._clock_published_at = self._clock_retuned_at = -math.inf
         self.training = False
         self.first_contribution_s: float | None = None
+        self.last_sync_time = 0.0
+        """DHT time of our last committed round (0.0: none yet); published, ``status`` shows its age."""
         self.resumed_from_step: int | None = None
         self._checkpointer = Checkpointer(self) if opts.checkpoint_dir is not None else None
 
@@ -446,6 +448,7 @@ class Learner:
             slot.since_steps -= slot.sent_steps
             slot.committed += 1
             slot.restored = False
+            self.last_sync_time = self._dht_time()
             self.averaging[slot.index].set_anchor(*slot.rank)
             if self.first_contribution_s is None:
                 self.first_contribution_s = time.monotonic() - self.opts.started_at
@@ -692,6 +695,7 @@ class Learner:
             "bytes_sent": sent, "bytes_received": received, "window_s": round(self.window_s, 3),
             "schedule": self.cfg.averaging.schedule, "sync_period_s": self.clock.period_s if self.clock else None,
             "first_contribution_s": None if self.first_contribution_s is None else round(self.first_contribution_s, 3),
+            "last_sync_time": self.last_sync_time,
             "resumed_from_step": self.resumed_from_step,
         }
 
@@ -783,7 +787,8 @@ class Learner:
             publisher.update(inner_step=self.step, tokens=self.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
                              fragment_versions=tuple(s.version for s in self.slots),
                              anchor_hashes=tuple(s.anchor_hash for s in self.slots),
-                             consensus_distance=tuple(s.consensus_distance for s in self.slots), bytes_sent=sent,
+                             consensus_distance=tuple(s.consensus_distance for s in self.slots),
+                             last_sync_time=self.last_sync_time, bytes_sent=sent,
                              bytes_received=received, loss=self._finite_loss())
             record = publisher.record
             key = (record.state, record.fragment_versions, record.anchor_hashes)

@@ -82,6 +82,9 @@ def test_three_learners_average_every_fragment(tmp_path: Path) -> None:
               f"utilization {100 * s['utilization']:.1f}%; {s['bytes_sent']} B out")
         print_discards(tmp_path / f"{n}.jsonl")
         assert all(c >= 3 for c in s["committed"]), s
+        # what `status` shows as "last sync": the DHT time of its last committed round
+        last = max(e["time"] for e in events(tmp_path / f"{n}.jsonl") if e["event"] == "round" and e["outcome"] == "committed")
+        assert 0 <= last - s["last_sync_time"] < 1.0, (last, s["last_sync_time"])
         assert s["eval_loss_end"] < s["eval_loss_start"] - 0.5, s
         assert s["blocked_share"] < 0.05, s
     # every learner ends at the same versions with bit-identical anchors
