@@ -361,17 +361,17 @@ class Learner:
             logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
                         "next round", slot.index, self.step)
             return
-        if slot.inflight is None and round_is_doomed(slot.rank, self._peer_ranks(slot)):
+        if slot.inflight is not None:
+            slot.busy_skips += 1
+            logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the next "
+                        "round", slot.index, self.step, slot.inflight_kind)
+            return
+        if round_is_doomed(slot.rank, self._peer_ranks(slot)):
             slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
             best = self._best_peer_rank(slot)
             logger.info("fragment %d due at step %d but no live peer is at our v%d and one is at v%d (%s): no group "
                         "can form; its progress waits for the next round", slot.index, self.step, slot.version,
                         best[0], best[1])
-            return
-        if slot.inflight is not None:
-            slot.busy_skips += 1
-            logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the next "
-                        "round", slot.index, self.step, slot.inflight_kind)
             return
         o, a = self.cfg.outer, self.cfg.averaging
         with torch.no_grad():
@@ -718,9 +718,8 @@ class Learner:
         machine instead of 0.5 s and slowed them down, and its progress from our random start would only
         be rebased. A failed read changes nothing: the status thread reads again."""
         t0 = time.monotonic()
-        joined = getattr(self.joined, "snapshot", None)  # what we saw when joining, if it is recent
-        fresh = joined is not None and self._dht_time() - joined.now < JOIN_VIEW_FRESH_S
-        others = self._read_view(joined if fresh else None)
+        joined = self.joined.snapshot  # what we saw when joining, if it is recent
+        others = self._read_view(joined if self._dht_time() - joined.now < JOIN_VIEW_FRESH_S else None)
         if others is None:
             return
         if self.auto_clock:
