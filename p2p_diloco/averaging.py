@@ -862,13 +862,15 @@ class RoundOutcome:
     bytes_sent: int = 0
     bytes_received: int = 0
     duration_s: float = 0.0
+    finished_at: float = float("nan")
+    """When the round ended (committed or not), on this process's ``time.monotonic()`` clock."""
     arrival_spread_s: float = float("nan")
     window_s: float = 0.0
     merged: dict[str, torch.Tensor] | None = None
 
     def event(self) -> dict[str, Any]:
         """The JSONL record of this round (no tensors)."""
-        d = {k: v for k, v in asdict(self).items() if k != "merged"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("merged", "finished_at")}  # finished_at: this process only
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
@@ -964,7 +966,8 @@ class FragmentAveraging:
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
 
         def failed(reason: str, **extra: Any) -> RoundOutcome:
-            return RoundOutcome(**base, committed=False, reason=reason, duration_s=time.monotonic() - t0,
+            now = time.monotonic()
+            return RoundOutcome(**base, committed=False, reason=reason, duration_s=now - t0, finished_at=now,
                                 bytes_sent=self.averager.bytes_sent.value - sent0,
                                 bytes_received=self.averager.bytes_received.value - received0, **extra)
 
@@ -1022,8 +1025,9 @@ class FragmentAveraging:
             return failed(verdict.reason, **extra)
         merged = outer.decode_merged(averaged, [m.norms for m in metas], list(weights), self.cfg.outer.merge,
                                      self.robust)
+        now = time.monotonic()
         return RoundOutcome(**base, committed=True, reason="ok", own_share=c.meta.weight / sum(weights),
-                            duration_s=time.monotonic() - t0, bytes_sent=self.averager.bytes_sent.value - sent0,
+                            duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
                             bytes_received=self.averager.bytes_received.value - received0, merged=merged, **extra)
 
     def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> Decision:

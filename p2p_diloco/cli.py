@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from p2p_diloco import __version__
 from p2p_diloco.config import ConfigError, config_hash, load_config, render
+from p2p_diloco.lazyimports import defer_unused_imports
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
+    defer_unused_imports()  # before any command imports hivemind: scipy.optimize loads only if ever used
     try:
         return handler(args)
     except ConfigError as e:

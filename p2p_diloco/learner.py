@@ -145,9 +145,9 @@ class LearnerOptions:
     """Wait for every round handed off before the next inner step (synchronous, OpenDiLoCo-style DiLoCo:
     a baseline for the benchmarks; the decoupled default never waits)."""
     train_nice: int = 5
-    """Niceness added to the training thread once it trains (Linux: per thread), so that the swarm's
-    communication (the DHT and averager processes) and a newcomer starting on the same machine are not
-    starved by inner steps; 0 leaves it as it is."""
+    """Niceness added to the training thread once it has joined (its first committed round; Linux: per
+    thread), so that the swarm's communication (the DHT and averager processes) and a newcomer starting on
+    the same machine are not starved by inner steps; 0 leaves it as it is."""
     eval_every_s: float = 0.0
     """Seconds between quick held-out evaluations of the anchors while training (``eval`` events; 0: none)."""
     eval_batches: int = QUICK_EVAL_BATCHES
@@ -284,6 +284,7 @@ class Learner:
         self._clock_published_at = self._clock_retuned_at = -math.inf
         self.training = False
         self.first_contribution_s: float | None = None
+        self._priority_lowered = False
         self.last_sync_time = 0.0
         """DHT time of our last committed round (0.0: none yet); published, ``status`` shows its age."""
         self.resumed_from_step: int | None = None
@@ -296,8 +297,6 @@ class Learner:
             self.look_before_training(stop)
         self._status_thread.start()
         self.wait_for_peers(stop)
-        if self.opts.train_nice > 0:  # this thread (Linux), and our session's autogroup if we lead it
-            logger.info("%s", priority.lower_training_priority(self.opts.train_nice))
         if self.opts.eval_every_s > 0:
             self._eval_thread.start()
         start_anchors = self.anchor_snapshot()  # evaluated at the end: no eval delays the first round
@@ -319,6 +318,7 @@ class Learner:
                     self.hand_off(self.slots[f])
                 if self.opts.blocking:
                     self.wait_rounds(stop)
+            self._settle_priority()
         train_s = time.monotonic() - self.t_start
         self.training = False  # the clock is tended by learners that train
         self.finish(stop)
@@ -345,6 +345,18 @@ class Learner:
             time.sleep(pace - natural)  # a slower machine, emulated
         self.stepping_s += time.monotonic() - t0
         return loss
+
+    def _settle_priority(self) -> None:
+        """Lower the training thread's priority (and our session's autogroup's, if we lead it) once we have
+        joined: at our first contribution, or :data:`~p2p_diloco.priority.JOINING_MAX_S` into training.
+        Until then we are the newcomer, and the learners beside us already make room for us."""
+        if self._priority_lowered or self.opts.train_nice <= 0:
+            return
+        if priority.joining_done(self.first_contribution_s is not None, time.monotonic() - self.t_start):
+            self._priority_lowered = True
+            when = "after our first contribution" if self.first_contribution_s is not None else \
+                f"{priority.JOINING_MAX_S:.0f} s into training without a contribution"
+            logger.info("%s (%s)", priority.lower_training_priority(self.opts.train_nice), when)
 
     def due_fragments(self) -> list[int]:
         """Fragments due now: at the swarm clock's boundaries (none until a derived clock is known), or by
@@ -450,8 +462,9 @@ class Learner:
             slot.restored = False
             self.last_sync_time = self._dht_time()
             self.averaging[slot.index].set_anchor(*slot.rank)
-            if self.first_contribution_s is None:
-                self.first_contribution_s = time.monotonic() - self.opts.started_at
+            if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
+                ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
+                self.first_contribution_s = ended - self.opts.started_at
                 self._event({"event": "first_contribution", "fragment": slot.index,
                              "seconds_since_start": round(self.first_contribution_s, 3)})
                 logger.info("first contribution: fragment %d committed %.1f s after this learner started",

@@ -121,7 +121,8 @@ def add_parsers(subparsers: Any) -> None:
                    help="wait for each round before the next inner step (synchronous DiLoCo, a baseline for "
                         "benchmarks; the default never waits)")
     p.add_argument("--train-nice", dest="train_nice", type=int, default=5, metavar="N",
-                   help="lower the training thread's CPU priority by N once it trains (default: 5), so that this "
+                   help="lower the training thread's CPU priority by N once it has joined (its first committed round, "
+                        "or 30 s into training) (default: 5), so that this "
                         "peer's networking and a newcomer starting on the same machine are not starved; also our "
                         "session's autogroup's when this process leads its session (as under p2p-diloco swarm); "
                         "0: no change")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.priority import AUTOGROUP_PATH, lower_training_priority, parse_autogroup_nice, raised_nice
+from p2p_diloco.priority import (JOINING_MAX_S, AUTOGROUP_PATH, joining_done, lower_training_priority, parse_autogroup_nice,
+                                 raised_nice)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 60.0
@@ -30,6 +31,16 @@ def test_raised_nice_is_capped_and_never_lowers() -> None:
     assert raised_nice(17, 5) == 19
     assert raised_nice(3, 0) == 3
     assert raised_nice(3, -4) == 3  # raising a priority is not what this is for
+
+
+def test_priority_drops_at_the_first_contribution_or_after_the_limit() -> None:
+    """A newcomer keeps its priority until its first committed round; one that never contributes (alone,
+    or failing its rounds) lowers it after JOINING_MAX_S of training anyway."""
+    assert not joining_done(False, 0.0)
+    assert not joining_done(False, JOINING_MAX_S - 0.1)
+    assert joining_done(True, 0.5)
+    assert joining_done(False, JOINING_MAX_S)
+    assert joining_done(False, 5.0, limit_s=4.0) and not joining_done(False, 3.0, limit_s=4.0)
 
 
 def test_zero_changes_nothing(tmp_path: Path) -> None:
