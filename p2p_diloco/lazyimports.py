@@ -41,11 +41,8 @@ class DeferredModule(types.ModuleType):
 
 def load_deferred(name: str) -> types.ModuleType:
     """The real module ``name``, imported now if a stand-in is in its place."""
-    current = sys.modules.get(name)
-    if isinstance(current, DeferredModule):
-        del sys.modules[name]
-        real = importlib.import_module(name)  # the import system also sets it on the parent package
-        return real
+    if isinstance(sys.modules.get(name), DeferredModule):
+        del sys.modules[name]  # so that the import below loads it; it also sets it on the parent package
     return importlib.import_module(name)
 
 

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.priority import JOINING_MAX_S
 from p2p_diloco.swarm_cli import _StopOnSignal, _add_config_args, _add_network_args, _out, _setup_logging, joined_run
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def add_parsers(subparsers: Any) -> None:
                         "benchmarks; the default never waits)")
     p.add_argument("--train-nice", dest="train_nice", type=int, default=5, metavar="N",
                    help="lower the training thread's CPU priority by N once it has joined (its first committed round, "
-                        "or 30 s into training) (default: 5), so that this "
+                        f"or {JOINING_MAX_S:.0f} s into training) (default: 5), so that this "
                         "peer's networking and a newcomer starting on the same machine are not starved; also our "
                         "session's autogroup's when this process leads its session (as under p2p-diloco swarm); "
                         "0: no change")
