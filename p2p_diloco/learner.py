@@ -145,9 +145,10 @@ class LearnerOptions:
     """Wait for every round handed off before the next inner step (synchronous, OpenDiLoCo-style DiLoCo:
     a baseline for the benchmarks; the decoupled default never waits)."""
     train_nice: int = 5
-    """Niceness added to the training thread once it has joined (its first committed round; Linux: per
-    thread), so that the swarm's communication (the DHT and averager processes) and a newcomer starting on
-    the same machine are not starved by inner steps; 0 leaves it as it is."""
+    """Niceness added to the training thread once it trains (Linux: per thread), so that the swarm's
+    communication (the DHT and averager processes) is not starved by inner steps, and to our session's
+    autogroup once we have joined (our first committed round), so that a newcomer starting on the same
+    machine is not; 0 leaves both as they are."""
     eval_every_s: float = 0.0
     """Seconds between quick held-out evaluations of the anchors while training (``eval`` events; 0: none)."""
     eval_batches: int = QUICK_EVAL_BATCHES
@@ -297,6 +298,8 @@ class Learner:
             self.look_before_training(stop)
         self._status_thread.start()
         self.wait_for_peers(stop)
+        if self.opts.train_nice > 0:  # this thread (Linux); our session's autogroup once we have joined
+            logger.info("%s", priority.lower_thread_priority(self.opts.train_nice))
         if self.opts.eval_every_s > 0:
             self._eval_thread.start()
         start_anchors = self.anchor_snapshot()  # evaluated at the end: no eval delays the first round
@@ -347,16 +350,16 @@ class Learner:
         return loss
 
     def _settle_priority(self) -> None:
-        """Lower the training thread's priority (and our session's autogroup's, if we lead it) once we have
-        joined: at our first contribution, or :data:`~p2p_diloco.priority.JOINING_MAX_S` into training.
-        Until then we are the newcomer, and the learners beside us already make room for us."""
+        """Lower our session's autogroup priority (if we lead our session) once we have joined: at our first
+        contribution, or :data:`~p2p_diloco.priority.JOINING_MAX_S` into training. Until then we are the
+        newcomer, and the learners beside us already make room for us."""
         if self._priority_lowered or self.opts.train_nice <= 0:
             return
         if priority.joining_done(self.first_contribution_s is not None, time.monotonic() - self.t_start):
             self._priority_lowered = True
             when = "after our first contribution" if self.first_contribution_s is not None else \
                 f"{priority.JOINING_MAX_S:.0f} s into training without a contribution"
-            logger.info("%s (%s)", priority.lower_training_priority(self.opts.train_nice), when)
+            logger.info("%s (%s)", priority.lower_session_priority(self.opts.train_nice), when)
 
     def due_fragments(self) -> list[int]:
         """Fragments due now: at the swarm clock's boundaries (none until a derived clock is known), or by

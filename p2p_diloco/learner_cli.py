@@ -122,10 +122,10 @@ def add_parsers(subparsers: Any) -> None:
                    help="wait for each round before the next inner step (synchronous DiLoCo, a baseline for "
                         "benchmarks; the default never waits)")
     p.add_argument("--train-nice", dest="train_nice", type=int, default=5, metavar="N",
-                   help="lower the training thread's CPU priority by N once it has joined (its first committed round, "
-                        f"or {JOINING_MAX_S:.0f} s into training) (default: 5), so that this "
-                        "peer's networking and a newcomer starting on the same machine are not starved; also our "
-                        "session's autogroup's when this process leads its session (as under p2p-diloco swarm); "
+                   help="lower the training thread's CPU priority by N once it trains (default: 5), so that this "
+                        "peer's networking is not starved; also our session's autogroup's, when this process leads "
+                        "its session (as under p2p-diloco swarm), once it has joined (its first committed round, "
+                        f"or {JOINING_MAX_S:.0f} s into training), so that a newcomer on the same machine is not; "
                         "0: no change")
     p.add_argument("--eval-every", dest="eval_every_s", type=float, default=0.0, metavar="SECONDS",
                    help="evaluate the global model on --eval-batches held-out batches this often while training, "

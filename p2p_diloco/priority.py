@@ -13,11 +13,16 @@ So a learner that leads its own session also lowers its session's autogroup prio
 not (started from a user's shell) leaves the autogroup alone: it is shared with the shell and
 whatever else runs in that terminal.
 
-*When* it lowers them is :func:`joining_done`: not when training starts, but at the learner's first
-committed round (or :data:`JOINING_MAX_S` into training, whichever comes first). Until then it is the
-newcomer: on 2 cores beside three lowered learners its first inner steps took 1.2-3.7 s of wall time
-for 0.5-0.7 s of CPU, and a fragment boundary passing during that first step left it past the
-others' matchmaking window, so its first round found no group and it waited for the next boundary.
+The two happen at different times. The training thread's nice value goes up when training starts
+(:func:`lower_thread_priority`): from then on the session's own averager and DHT processes come
+first within the session. The session's autogroup goes down only once the learner has joined
+(:func:`lower_session_priority`, when :func:`joining_done`: its first committed round, or
+:data:`JOINING_MAX_S` into training). Until then it is the newcomer: on 2 cores beside three lowered
+learners its first inner steps took 1.2-3.7 s of wall time for 0.5-0.7 s of CPU, and a fragment
+boundary passing during that first step left it past the others' matchmaking window, so its first
+round found no group and it waited for the next boundary. (Keeping the thread at its full priority
+too, until the first contribution, made the swarm's first rounds fail more often on a loaded machine:
+the training thread then competed on equal terms with its own averager processes.)
 
 Only the standard library is imported here.
 """
@@ -54,25 +59,30 @@ def raised_nice(current: int, by: int) -> int:
     return min(MAX_NICE, current + max(0, by))
 
 
-def lower_training_priority(by: int, autogroup: Path = AUTOGROUP_PATH) -> str:
-    """Raise the calling thread's nice value by ``by`` (``os.nice``: on Linux, this thread only) and, if this
-    process leads its own session, its session's autogroup nice value too (see the module docstring).
-
-    Raising nice values needs no privilege. Returns what was changed, one line for the log; a failure to
-    change the autogroup (no autogroup support, a read-only /proc) is said there, not raised: training
-    goes on at the thread's lower priority.
-    """
+def lower_thread_priority(by: int) -> str:
+    """Raise the calling thread's nice value by ``by`` (``os.nice``: on Linux, this thread only), so that
+    it yields to its own process's networking and the averager and DHT processes of its session.
+    Needs no privilege. Returns what was changed, one line for the log."""
     if by <= 0:
-        return "CPU priority unchanged (--train-nice 0)"
-    thread_nice = os.nice(by)
+        return "training thread's CPU priority unchanged (--train-nice 0)"
+    return f"training thread at nice {os.nice(by)}"
+
+
+def lower_session_priority(by: int, autogroup: Path = AUTOGROUP_PATH) -> str:
+    """If this process leads its own session, raise its session's autogroup nice value by ``by``, so that
+    the whole session yields to other sessions -- a newcomer starting beside us (see the module
+    docstring). Returns what was changed, one line for the log; a failure to change the autogroup (no
+    autogroup support, a read-only /proc) is said there, not raised."""
+    if by <= 0:
+        return "session autogroup unchanged (--train-nice 0)"
     if os.getsid(0) != os.getpid():
-        return f"training thread at nice {thread_nice}; session autogroup left alone (not our own session)"
+        return "session autogroup left alone (not our own session)"
     try:
         current = parse_autogroup_nice(autogroup.read_text())
         if current is None:
-            return f"training thread at nice {thread_nice}; autogroup unchanged ({autogroup}: unexpected format)"
+            return f"autogroup unchanged ({autogroup}: unexpected format)"
         target = raised_nice(current, by)
         autogroup.write_text(f"{target}\n")
     except OSError as e:
-        return f"training thread at nice {thread_nice}; autogroup unchanged ({type(e).__name__}: {e})"
-    return f"training thread at nice {thread_nice}; our session's autogroup at nice {target}"
+        return f"autogroup unchanged ({type(e).__name__}: {e})"
+    return f"our session's autogroup at nice {target}"

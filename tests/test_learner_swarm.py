@@ -198,11 +198,13 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
     assert sum(s["committed"]) >= 1, s
     assert {e["fragment"] for e in resyncs} == {0, 1} and all(e["version"] == 0 for e in resyncs[:2])
     assert len({tuple(f["anchor_hashes"]) for f in finals.values()}) == 1, finals
-    # a newcomer keeps its CPU priority until its first contribution, and lowers it then
+    # a newcomer lowers its training thread's priority when it starts training, and its session's only at its
+    # first contribution
     err = [line for _, line in late.stderr]
+    thread = next(i for i, line in enumerate(err) if "training thread at nice" in line)
     first = next(i for i, line in enumerate(err) if "first contribution:" in line)
-    lowered = next(i for i, line in enumerate(err) if "training thread at nice" in line)
-    assert first < lowered and "(after our first contribution)" in err[lowered], err[first:lowered + 1]
+    session = next(i for i, line in enumerate(err) if "autogroup" in line)
+    assert thread < first < session and "(after our first contribution)" in err[session], err[thread:session + 1]
     contributed = [e for e in events(tmp_path / "late.jsonl") if e["event"] == "first_contribution"]
     assert len(contributed) == 1 and 0 < contributed[0]["seconds_since_start"] < 25 + 60, contributed
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.priority import (JOINING_MAX_S, AUTOGROUP_PATH, joining_done, lower_training_priority, parse_autogroup_nice,
-                                 raised_nice)
+from p2p_diloco.priority import (AUTOGROUP_PATH, JOINING_MAX_S, joining_done, lower_session_priority,
+                                 lower_thread_priority, parse_autogroup_nice, raised_nice)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 60.0
@@ -46,7 +46,8 @@ def test_priority_drops_at_the_first_contribution_or_after_the_limit() -> None:
 def test_zero_changes_nothing(tmp_path: Path) -> None:
     fake = tmp_path / "autogroup"
     fake.write_text("/autogroup-1 nice 0\n")
-    assert "unchanged" in lower_training_priority(0, autogroup=fake)
+    assert "unchanged" in lower_thread_priority(0)
+    assert "unchanged" in lower_session_priority(0, autogroup=fake)
     assert fake.read_text() == "/autogroup-1 nice 0\n"
 
 
@@ -54,9 +55,9 @@ CHILD = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from p2p_diloco.priority import AUTOGROUP_PATH, lower_training_priority, parse_autogroup_nice
+from p2p_diloco.priority import AUTOGROUP_PATH, lower_session_priority, lower_thread_priority, parse_autogroup_nice
 before, thread_before = parse_autogroup_nice(AUTOGROUP_PATH.read_text()), os.nice(0)
-line = lower_training_priority(4)
+line = lower_thread_priority(4) + "; " + lower_session_priority(4)
 print(before, thread_before, os.nice(0), parse_autogroup_nice(AUTOGROUP_PATH.read_text()), line, sep="|")
 """
 
