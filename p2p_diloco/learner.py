@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 
 START_MARGIN_S = 2.0
 """How far ahead a learner proposes the common start (covers DHT propagation of the proposals)."""
-CLOCK_START_MARGIN_S = 3.0
-"""A newly derived sync clock starts this far in the future (everyone reads it within a status period or two)."""
+CLOCK_START_MARGIN_S = 2.0
+"""A newly derived sync clock starts this far beyond the leader's ``view_period_s`` in the future: the
+followers read the clock with the swarm, once per view period, and the read itself takes time."""
 CLOCK_WARMUP_STEPS = 3
 """The clock leader derives a period only after this many of its own steps (step times are measured)."""
 CLOCK_REPUBLISH_S = 60.0
@@ -134,7 +135,10 @@ class LearnerOptions:
     linger_s: float = 20.0
     """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
     status_period_s: float = 1.0
-    """How often the background thread reads the swarm (and publishes our record when :func:`publish_due`)."""
+    """How often the background thread wakes: it publishes our record when :func:`publish_due` and reads
+    the swarm when :func:`view_due`."""
+    view_period_s: float = 3.0
+    """While training: seconds between reads of the swarm and of the sync clock (:func:`view_due`)."""
     serve_s: float = 0.0
     """After the linger, stay this long (record alive, state shared) for newcomers to download from us."""
     checkpoint_dir: Path | None = None
@@ -163,6 +167,15 @@ def publish_due(now: float, last_at: float, refresh_s: float, key: tuple[Any, ..
     the record's TTL) for its counters. Publishing is two DHT stores, each replicated: every status period
     (1 s) it cost each learner's DHT process about 7% of a core on a 2-core machine."""
     return key != last_key or now - last_at >= refresh_s
+
+
+def view_due(now: float, last_at: float, period_s: float, training: bool) -> bool:
+    """Whether the status thread reads the swarm (and the sync clock) now. Training, once per ``period_s``:
+    each read is a DHT search that every node holding the run's records answers with all of them (on a
+    4-peer emulated WAN, reads every second were a third of all bytes sent, more than the pseudo-gradients).
+    Not training (waiting for peers, lingering until they agree, leaving), at every status tick: those
+    waits end on what the view says."""
+    return not training or now - last_at >= period_s
 
 
 # ---------------------------------------------------------------- per-fragment state
@@ -787,6 +800,7 @@ class Learner:
         was_training = False
         refresh_s = publisher.period_s  # a third of the record's TTL, as a heartbeat
         published: tuple[float, tuple[Any, ...] | None] = (-math.inf, None)  # (when, what peers act on)
+        viewed_at = -math.inf
         while not self._stop_status.wait(self.opts.status_period_s):
             now = time.monotonic()
             if self.training and not was_training:  # waiting for peers is no step time
@@ -810,6 +824,9 @@ class Learner:
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
+            if not view_due(now, viewed_at, self.opts.view_period_s, self.training):
+                continue
+            viewed_at = now
             others = self._read_view()
             if others is None:
                 continue
@@ -875,7 +892,7 @@ class Learner:
         clock = self.clock
         settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s
         if period is not None and settled and needs_retune(clock, period):
-            clock = retune(clock, period, now, CLOCK_START_MARGIN_S, len(self.slots))
+            clock = retune(clock, period, now, CLOCK_START_MARGIN_S + self.opts.view_period_s, len(self.slots))
             self._clock_retuned_at = wall
             logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
                         "%.1f", period, self.cfg.outer.sync_every, period / self.cfg.outer.sync_every, len(times),

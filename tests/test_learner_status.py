@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from p2p_diloco.learner import publish_due
+from p2p_diloco.learner import publish_due, view_due
 
 KEY = ("training", (3, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -24,3 +24,14 @@ def test_what_peers_act_on_goes_out_at_once() -> None:
     leaving = ("leaving", KEY[1], KEY[2])
     assert publish_due(100.5, 100.0, 3.3, moved_on, KEY)
     assert publish_due(100.5, 100.0, 3.3, leaving, KEY)
+
+
+def test_view_is_read_every_period_while_training() -> None:
+    assert view_due(0.0, -math.inf, 3.0, training=True)
+    assert not view_due(102.9, 100.0, 3.0, training=True)
+    assert view_due(103.0, 100.0, 3.0, training=True)
+
+
+def test_view_is_read_at_every_tick_when_not_training() -> None:
+    # waiting for peers and lingering until they agree end on what the view says
+    assert view_due(100.1, 100.0, 3.0, training=False)
