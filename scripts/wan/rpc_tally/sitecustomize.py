@@ -1,0 +1,120 @@
+"""Diagnostic: tally the bytes of every hivemind RPC by DHT key, in every process of a run.
+
+Put this folder on ``PYTHONPATH`` and name an output folder in ``RPC_TALLY_OUT``; every Python process
+started with that environment (learners, and their forked DHT and averager processes) then writes
+``<pid>.json`` there every 3 s: for each ``call:<rpc> <get|store> <key>`` (a unary call, request and
+response bytes, labelled with the DHT keys of the ``get_many``/``store_many`` it belongs to; hashes and
+versions in keys folded) and ``stream_send`` (every message sent on a stream: all-reduce parts and state
+downloads), ``[calls, bytes sent, bytes received]``. ``summarize.py`` adds them up. It wraps private
+hivemind 1.1.12 methods, so it is a measuring tool for benchmarks, never imported by p2p_diloco.
+
+    sudo RPC_TALLY_OUT=/tmp/tally PYTHONPATH=scripts/wan/rpc_tally \\
+        .venv/bin/python scripts/wan/bench_wan.py --rates 200 --methods decoupled --max-time 90 ...
+    python scripts/wan/rpc_tally/summarize.py /tmp/tally
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import re
+import sys
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+OUT = os.environ.get("RPC_TALLY_OUT")
+DUMP_EVERY_S = 3.0
+_label: contextvars.ContextVar[str] = contextvars.ContextVar("rpc_tally_label", default="?")
+_counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])  # name -> [calls, sent, received]
+_pid: list[int | None] = [None]
+
+
+def _tally(name: str, sent: int, received: int) -> None:
+    if _pid[0] != os.getpid():  # first tally in this process (a fork starts with its parent's counts)
+        _pid[0] = os.getpid()
+        _counts.clear()
+        threading.Thread(target=_dump_forever, daemon=True).start()
+    c = _counts[name]
+    c[0] += 1
+    c[1] += sent
+    c[2] += received
+
+
+def _dump_forever() -> None:
+    pid = os.getpid()
+    while True:
+        time.sleep(DUMP_EVERY_S)
+        tmp = f"{OUT}/{pid}.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"argv": sys.argv[:3], "counts": dict(_counts)}, f)
+        os.replace(tmp, f"{OUT}/{pid}.json")
+
+
+def _fold(key: Any) -> str:
+    return re.sub(r"[0-9a-f]{8,}", "H", re.sub(r"_v\d+", "_vN", str(key)))
+
+
+def _patch_p2p(module: ModuleType) -> None:
+    P2P = module.P2P
+    send_protobuf = P2P.send_protobuf
+
+    async def call_unary(self: Any, peer_id: Any, handle_name: str, input: Any, output_type: Any) -> Any:
+        data = input.SerializeToString()
+        response = await self._client.call_unary_handler(peer_id, handle_name, data)
+        _tally(f"call:{handle_name.split('.')[-1]} {_label.get()}", len(data), len(response))
+        return output_type.FromString(response)
+
+    async def send(protobuf: Any, writer: Any) -> None:
+        _tally("stream_send", protobuf.ByteSize(), 0)
+        await send_protobuf(protobuf, writer)
+
+    P2P._call_unary_protobuf_handler = call_unary
+    P2P.send_protobuf = staticmethod(send)
+
+
+def _patch_node(module: ModuleType) -> None:
+    Node = module.DHTNode
+
+    def labelled(method: Any, verb: str) -> Any:
+        async def wrapper(self: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+            token = _label.set(f"{verb} " + ",".join(sorted({_fold(k) for k in keys})))
+            try:
+                return await method(self, keys, *args, **kwargs)
+            finally:
+                _label.reset(token)
+        return wrapper
+
+    Node.get_many = labelled(Node.get_many, "get")
+    Node.store_many = labelled(Node.store_many, "store")
+
+
+_PATCHES = {"hivemind.p2p.p2p_daemon": _patch_p2p, "hivemind.dht.node": _patch_node}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patch = _PATCHES.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+if OUT:
+    os.makedirs(OUT, exist_ok=True)
+    sys.meta_path.insert(0, _Finder())
