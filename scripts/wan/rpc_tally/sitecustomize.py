@@ -61,20 +61,19 @@ def _fold(key: Any) -> str:
 
 
 def _patch_p2p(module: ModuleType) -> None:
-    P2P = module.P2P
-    send_protobuf = P2P.send_protobuf
+    Client, P2P = module.p2pclient.Client, module.P2P  # every unary call's serialized request and response
+    call_unary_handler, send_protobuf = Client.call_unary_handler, P2P.send_protobuf  # pass through the client
 
-    async def call_unary(self: Any, peer_id: Any, handle_name: str, input: Any, output_type: Any) -> Any:
-        data = input.SerializeToString()
-        response = await self._client.call_unary_handler(peer_id, handle_name, data)
-        _tally(f"call:{handle_name.split('.')[-1]} {_label.get()}", len(data), len(response))
-        return output_type.FromString(response)
+    async def call_unary(self: Any, peer_id: Any, proto: str, data: bytes) -> bytes:
+        response: bytes = await call_unary_handler(self, peer_id, proto, data)
+        _tally(f"call:{proto.split('.')[-1]} {_label.get()}", len(data), len(response))
+        return response
 
     async def send(protobuf: Any, writer: Any) -> None:
         _tally("stream_send", protobuf.ByteSize(), 0)
         await send_protobuf(protobuf, writer)
 
-    P2P._call_unary_protobuf_handler = call_unary
+    Client.call_unary_handler = call_unary
     P2P.send_protobuf = staticmethod(send)
 
 

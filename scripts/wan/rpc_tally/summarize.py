@@ -64,9 +64,10 @@ def compare(runs: list[tuple[str, Path]], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bytes.json").write_text(json.dumps(result, indent=1))
     labels = [label for label, _ in runs]
+    purposes_all = [p for p, _ in PURPOSES] + [OTHER]
     lines = ["| purpose | " + " | ".join(f"{lb}: MB | {lb}: calls" for lb in labels) + " |",
              "|---|" + "---|---|" * len(labels)]
-    for purpose in [p for p, _ in PURPOSES] + [OTHER]:
+    for purpose in purposes_all:
         cells = []
         for lb in labels:
             r = result["runs"][lb]
@@ -82,7 +83,6 @@ def compare(runs: list[tuple[str, Path]], out: Path) -> dict[str, Any]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    purposes_all = [p for p, _ in PURPOSES] + [OTHER]
     bottoms = [0.0] * len(labels)
     for purpose in purposes_all:
         heights = [result["runs"][lb]["purposes"][purpose]["bytes"] / 1e6 for lb in labels]
