@@ -10,8 +10,10 @@ Imports only the standard library and py-multiaddr (no torch, no hivemind).
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import socket
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -129,10 +131,17 @@ def parse_peer_address(text: str, *, require_peer_id: bool = True, flag: str = "
 
 
 def parse_initial_peers(values: Iterable[str], flag: str = "--initial-peers") -> tuple[PeerAddress, ...]:
-    """Parse repeated and/or comma- or space-separated ``--initial-peers`` values; duplicates are dropped."""
+    """Parse repeated and/or comma- or space-separated ``--initial-peers`` values; duplicates are dropped.
+
+    A value with no address in it (``--initial-peers ""``, an unset shell variable) is refused: the peer
+    would start a swarm of its own and train alone while the user believes it joined one."""
     seen: dict[str, PeerAddress] = {}
     for value in values:
-        for item in value.replace(",", " ").split():
+        items = value.replace(",", " ").split()
+        if not items:
+            raise AddressError(f"{flag} {value!r}: no address given; pass the multiaddr a running peer printed, "
+                               "e.g. /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID")
+        for item in items:
             addr = parse_peer_address(item, flag=flag)
             seen.setdefault(addr.text, addr)
     return tuple(seen.values())
@@ -144,6 +153,30 @@ def parse_announce_address(text: str, flag: str = "--announce") -> str:
     if addr.peer_id is not None:
         raise AddressError(f"{flag} {text!r}: leave out the '/p2p/…' part; the peer id is added automatically")
     return addr.text
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a fixed ``--port`` that something on this machine already listens on.
+
+    libp2p's daemon binds with SO_REUSEPORT, so a second peer on a taken port starts without an error
+    and both listen on it, each getting some of the connections. We bind a plain socket (SO_REUSEADDR
+    only: a port left in TIME_WAIT by a peer that just stopped is free) and close it again; a peer that
+    takes the port between this check and the daemon's start is not caught.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise AddressError(f"--port {port}: {host}:{port} is already in use (another peer?); pick another "
+                                   "port or 0 for any free port") from None
+            if e.errno == errno.EACCES:
+                raise AddressError(f"--port {port}: permission denied on {host}:{port} (ports below 1024 need root); "
+                                   "pick another port or 0 for any free port") from None
+            raise AddressError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror}); give an address "
+                               "of this machine") from None
 
 
 def host_multiaddr(host: str, port: int, flag: str = "--host") -> str:

@@ -77,7 +77,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import msgpack
@@ -93,7 +93,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco import faults, outer
+from p2p_diloco import faults, outer, procguard
 from p2p_diloco.compression import decode_part, get_codec
 from p2p_diloco.config import AveragingConfig, Config, config_hash
 from p2p_diloco.rejects import PeerDataError, Reason, log_rejection, reason_of
@@ -870,7 +870,9 @@ class RoundOutcome:
 
     def event(self) -> dict[str, Any]:
         """The JSONL record of this round (no tensors)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("merged", "finished_at")}  # finished_at: this process only
+        # not asdict(): it deep-copied the merged tensors (a whole fragment) on the training thread only to drop
+        # them; finished_at is on this process's clock only
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("merged", "finished_at")}
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
@@ -945,7 +947,8 @@ class FragmentAveraging:
 
     def start_background(self) -> None:
         """Start the averager process without waiting for it (then :meth:`wait_ready`)."""
-        self.averager.run_in_background(await_ready=False)
+        with procguard.handlers_kept():  # hivemind sets SIGINT to SIG_IGN here, in our process
+            self.averager.run_in_background(await_ready=False)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the averager process serves requests; raises what made it fail to start."""
@@ -1082,8 +1085,7 @@ class FragmentAveraging:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.averager.is_alive():
-            self.averager.shutdown()
+        procguard.stop_process(self.averager, f"averager of fragment {self.fragment}")
 
 
 def state_payload(fragment: int, version: int, anchor: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor],

@@ -4,7 +4,9 @@ Layout under a root directory::
 
     root/ckpt-00000120/tensors.safetensors   every tensor, contiguous, on CPU (safetensors format)
     root/ckpt-00000120/manifest.json         caller's meta + format, step, created, tensors_sha256,
-                                             tensor_names (sorted), bytes (size of the tensors file)
+                                             tensor_names (sorted), bytes (size of the tensors file);
+                                             a learner's meta holds its run config under ``config``
+                                             (:func:`portable_config`), which ``p2p-diloco export`` reads
     root/.tmp-ckpt-<step>-<pid>/             a save in progress, or left behind by a kill -9
 
 Atomicity: a save writes both files into a temp folder, fsyncs each file and the folder, renames
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from p2p_diloco.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,23 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def portable_config(cfg: Config) -> dict[str, Any]:
+    """The run config as plain JSON data for a manifest's ``config``, self-contained so that a checkpoint
+    rebuilds its model on a machine without the run's local files: an hf model's ``model.hf_config`` is the
+    resolved transformers architecture inline (a table, whatever file it came from) and ``model.init_from``
+    is dropped (every weight is in the checkpoint). The model it builds is the run's; its
+    :func:`~p2p_diloco.config.config_hash` differs from the run's only where ``init_from`` was set. The data are
+    pinned (:func:`~p2p_diloco.config.pin_data`: dataset fingerprint, tokenizer hash), so the hash needs no data."""
+    from p2p_diloco.config import pin_data
+
+    data = pin_data(cfg).to_dict()
+    if cfg.model.kind == "hf":
+        from p2p_diloco import hfmodel
+
+        data["model"] = {**data["model"], "hf_config": hfmodel.architecture(cfg.model), "init_from": ""}
+    return json.loads(json.dumps(data))  # tuples become lists: what a manifest reads back
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -76,7 +97,9 @@ def save_checkpoint(
     *,
     _before_rename: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Atomically write ``root/ckpt-<step:08d>``, then prune to the ``keep`` newest and remove stale temps.
+    """Atomically write ``root/ckpt-<step:08d>``, then prune to the ``keep`` newest valid ones (corrupt ones
+    are deleted: a loader skips them anyway) and remove stale temps. An existing checkpoint of the same
+    step is replaced only if it is corrupt (after ``--resume`` fell back past it).
 
     On any error the temp folder is removed, earlier checkpoints are untouched and the error propagates.
     ``_before_rename`` (tests only) is called with the temp folder once its files are durable.
@@ -99,7 +122,13 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{step:08d}"
     if final.exists():
-        raise ValueError(f"checkpoint {final} already exists; steps are saved once")
+        try:
+            _verified(final, load=False)
+        except ValueError as e:  # nothing valid is lost: loaders skip it
+            log.warning("replacing corrupt checkpoint %s: %s", final, e)
+            shutil.rmtree(final)
+        else:
+            raise ValueError(f"checkpoint {final} already exists; steps are saved once")
     # Clone: contiguous, detached, on CPU, never sharing storage with the caller (or with each other,
     # which safetensors refuses).
     cpu = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
@@ -177,8 +206,9 @@ def load_checkpoint(path: Path, expect: dict[str, Any] | None = None) -> Checkpo
     return ckpt
 
 
-def _verified(folder: Path) -> Checkpoint:
-    """Read and verify one checkpoint folder; ``ValueError`` naming the folder and the fault."""
+def _verified(folder: Path, load: bool = True) -> Checkpoint:
+    """Read and verify one checkpoint folder; ``ValueError`` naming the folder and the fault. Without
+    ``load`` the tensors are hashed but not loaded (``tensors`` is empty)."""
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -196,6 +226,8 @@ def _verified(folder: Path) -> Checkpoint:
         raise ValueError(f"checkpoint {folder}: {TENSORS_FILE} unreadable: {e}") from e
     if digest != manifest["tensors_sha256"]:
         raise ValueError(f"checkpoint {folder}: {TENSORS_FILE} sha256 mismatch (corrupt or truncated)")
+    if not load:
+        return Checkpoint(path=folder, manifest=manifest, tensors={})
     tensors = load_file(str(folder / TENSORS_FILE), device="cpu")
     if sorted(tensors) != manifest["tensor_names"]:
         raise ValueError(f"checkpoint {folder}: tensor names differ from the manifest's")
@@ -203,12 +235,30 @@ def _verified(folder: Path) -> Checkpoint:
 
 
 def _prune(root: Path, keep: int, just_saved: Path) -> None:
-    """Delete complete checkpoints beyond ``keep`` (never ``just_saved``) and temps of dead processes.
+    """Keep the ``keep`` newest checkpoints that verify (``just_saved`` always counts as one); delete the
+    ones that do not verify and everything older than the kept ones, and temps of dead processes.
 
-    Housekeeping after a successful save: a failure here is logged, not raised, because the new
-    checkpoint is complete and durable and the caller must not think the save failed.
+    By step, not by validity, a corrupt newer checkpoint (one ``--resume`` fell back past) would be kept
+    and the valid ones deleted. Newest first, each is verified until ``keep`` valid ones are found: one
+    hash of the previous checkpoint per save in the usual case. Housekeeping after a successful save: a
+    failure here is logged, not raised, because the new checkpoint is complete and durable and the caller
+    must not think the save failed.
     """
-    doomed = [p for p in list_checkpoints(root)[keep:] if p != just_saved]
+    doomed: list[Path] = []
+    valid = 0
+    for p in list_checkpoints(root):
+        if p == just_saved:
+            valid += 1
+        elif valid >= keep:
+            doomed.append(p)
+        else:
+            try:
+                _verified(p, load=False)
+            except ValueError as e:
+                log.warning("deleting corrupt checkpoint %s: %s", p, e)
+                doomed.append(p)
+            else:
+                valid += 1
     for p in root.iterdir():
         m = _TMP_RE.fullmatch(p.name)
         if m and p.is_dir() and not _pid_alive(int(m.group(2))):

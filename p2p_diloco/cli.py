@@ -35,10 +35,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from p2p_diloco import sim  # heavy: torch
+    from p2p_diloco.devices import check_precision, machine_device
 
+    device = machine_device(args.device)  # --device cuda on a machine without one: one line, nothing run
     cfg = load_config(args.config, args.overrides)
-    result = sim.run_from_config(cfg, mode=args.mode, data_path=args.data, progress=not args.quiet)
+    check_precision(cfg.inner.precision, device)
+    from p2p_diloco import sim  # heavy: torch
+    result = sim.run_from_config(cfg, mode=args.mode, data_path=args.data, progress=not args.quiet, device=device)
     summary = result.summary()
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -51,6 +54,25 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.mode == "diloco":
         print(f"rounds: {summary['rounds']} ({summary['empty_rounds']} with nobody due); "
               f"bytes sent {summary['bytes_sent'] / 1e6:.2f} MB = {saved:.0f}x fewer than fp32 data-parallel")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2p_diloco import export  # heavy: torch (and transformers for an hf model)
+
+    config = load_config(args.config, args.overrides) if args.config or args.overrides else None
+    label = f"--config {args.config}" if args.config else "--set"
+    done = export.export(Path(args.checkpoint), Path(args.out), config=config, config_label=label, force=args.force)
+    if args.json:
+        print(json.dumps({"out": str(done.out), "files": list(done.files), **done.info}, indent=2))
+        return 0
+    info = done.info
+    print(f"exported the global model of {info['checkpoint']} (step {info['step']}, run {info['run_id']}, "
+          f"anchors {' '.join(info['anchor_hashes'] or [])}) to {done.out}")
+    print(f"{info['model']}, {info['parameters']:,} parameters; tokenizer: {info['tokenizer']}")
+    print(f"files: {', '.join(done.files)}")
     return 0
 
 
@@ -68,12 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     p.set_defaults(handler=cmd_config)
 
+    from p2p_diloco import learner_cli  # stdlib-only at import, like swarm_cli
+
     p = sub.add_parser("sim", help="simulate K learners in one process (no network) and report eval loss")
     _add_config_args(p)
     p.add_argument("--mode", default="diloco", choices=["diloco", "data-parallel", "single"],
                    help="diloco: the configured algorithm; data-parallel: the reference with K x batch; "
                    "single: one learner alone")
     p.add_argument("--data", metavar="PATH", help="text file or folder (overrides data.path)")
+    learner_cli.add_device_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--json", action="store_true", help="print the full result (with the eval-loss curve) as JSON")
     p.set_defaults(handler=cmd_sim)
@@ -81,10 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     from p2p_diloco import swarm_cli  # stdlib-only at import: --help stays fast
 
     swarm_cli.add_parsers(sub)
-    from p2p_diloco import learner_cli  # stdlib-only at import, like swarm_cli
     learner_cli.add_parsers(sub)
     from p2p_diloco import swarm_run  # stdlib-only at import, like swarm_cli
     swarm_run.add_parsers(sub)
+
+    export_help = ("write the global model (the anchors) of a learner checkpoint as a Hugging Face folder "
+                   "(model.kind = \"hf\": AutoModelForCausalLM.from_pretrained loads it) or, for the byte GPT, "
+                   "model.safetensors + config.json (p2p_diloco.export.load_byte_gpt loads it)")
+    p = sub.add_parser("export", help=export_help, description=export_help)
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a --checkpoint-dir (its newest checkpoint that verifies) or one ckpt-* folder")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write; must be new or empty unless --force")
+    _add_config_args(p)
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty --out, replacing files of the same names")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    p.epilog = ("The model is rebuilt from the config the checkpoint records; --config (with --set) is needed only "
+                "for checkpoints that predate that, and must then have the checkpoint's config hash. When given "
+                "otherwise, it must describe the same model.")
+    p.set_defaults(handler=cmd_export)
     return parser
 
 

@@ -19,7 +19,9 @@ download it receives).
 Actions: ``kill`` -- SIGKILL of the learner's main process (its DHT, averagers and ``p2pd`` die with
 it: :mod:`p2p_diloco.procguard`), exactly what ``kill -9`` does; ``stall`` -- the process that hit
 the point sleeps ``seconds`` (an averager that stalls hangs with its connections open, as if it
-were stopped by SIGSTOP).
+were stopped by SIGSTOP); ``raise`` -- the process that hit the point raises :class:`FaultInjected`
+(at ``inner-step`` or ``before-send``: the learner fails as on a bug, after joining, and must still
+publish its tombstone).
 
 Before it acts, a fault writes ``FAULT fired: <spec> (hit N, pid P)`` to stderr, flushed, so a test
 can check that it fired even when the process dies of it. The armed faults live in this module's
@@ -39,8 +41,12 @@ from dataclasses import dataclass
 
 T = TypeVar("T")
 POINTS = ("inner-step", "before-send", "while-sending", "while-reducing", "serving-state", "fetching-state")
-ACTIONS = ("kill", "stall")
+ACTIONS = ("kill", "stall", "raise")
 DEFAULT_STALL_S = 30.0
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a ``raise`` fault."""
 
 
 @dataclass(frozen=True)
@@ -139,5 +145,7 @@ def _fire(fault: Fault, count: int) -> None:
     if fault.action == "kill":
         os.kill(_main_pid or os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)  # an averager process: do not outlive the main one by a moment
+    elif fault.action == "raise":
+        raise FaultInjected(f"fault {fault.spec} (hit {count})")
     else:
         time.sleep(fault.seconds)

@@ -74,6 +74,8 @@ def load_or_create_identity(path: str | Path) -> Identity:
     from hivemind.proto import crypto_pb2
 
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"identity file {path}: a folder, not a key file")
     if not path.exists():
         try:
             _write_new_key(path)
@@ -113,11 +115,13 @@ def peer_id_from_public_key(ssh_public_key: bytes) -> str:
 # ---------------------------------------------------------------- swarm secret (private swarms)
 
 
-def write_swarm_key(path: str | Path) -> str:
-    """Write a new random swarm secret (hex, mode 0600); refuse to overwrite. Returns its fingerprint."""
+def write_swarm_key(path: str | Path, flag: str = "--out") -> str:
+    """Write a new random swarm secret (hex, mode 0600); refuse to overwrite, and refuse a folder that does
+    not exist (a typo in the path would otherwise create a tree of folders). Returns its fingerprint."""
     path = Path(path).expanduser()
     secret = secrets.token_bytes(SWARM_KEY_BYTES)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {path.parent} does not exist; create it first or choose another path")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -131,9 +135,16 @@ def read_swarm_key(path: str | Path) -> bytes:
     """Read a swarm secret written by :func:`write_swarm_key` (one line of hex)."""
     path = Path(path).expanduser()
     try:
-        text = path.read_text().strip()
+        text = path.read_text(encoding="ascii").strip()
     except FileNotFoundError:
         raise ValueError(f"--swarm-key {path}: file not found (create one with: p2p-diloco keygen --out {path})") from None
+    except IsADirectoryError:
+        raise ValueError(f"--swarm-key {path}: a folder, not a swarm key file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--swarm-key {path}: not a swarm key (binary; expected one line of hex written by "
+                         "p2p-diloco keygen)") from None
+    except OSError as e:
+        raise ValueError(f"--swarm-key {path}: cannot read it ({e.strerror})") from None
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise ValueError(f"--swarm-key {path}: readable by others (mode {mode:04o}); run: chmod 600 {path}")

@@ -32,6 +32,17 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 """Bootstrap start: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""
 FINAL_RE = re.compile(r"^final (\{.*\})$")
+NO_STEP_LIMIT = 1_000_000_000
+"""Inner steps that no learner reaches: the step cap of a learner whose time budget alone ends its training
+(a time-budgeted benchmark must not end early on a fast machine because the step cap came first). Used as
+``join --steps`` (the LR schedule keeps ``inner.total_steps``) or as ``inner.total_steps`` itself (then the
+warm-up + cosine of a ``--max-time`` learner runs over its time only: :func:`p2p_diloco.inner.schedule_step`)."""
+
+
+def unlimited_steps(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with ``inner.total_steps`` = :data:`NO_STEP_LIMIT` put first, so that an explicit
+    ``inner.total_steps`` among them still wins: for learners with ``--max-time`` whose LR runs over time."""
+    return [f"inner.total_steps={NO_STEP_LIMIT}", *overrides]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -57,6 +68,8 @@ class Child:
                                       stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
                                       start_new_session=True)
         self.started_at = time.monotonic()
+        self.final_at: float | None = None
+        """When (``time.monotonic()``) its ``final`` line arrived: which learners finished together."""
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,), name=f"read-{name}", daemon=True)
@@ -65,6 +78,8 @@ class Child:
     def _read(self, stream: IO[str]) -> None:
         for line in stream:
             with self._cond:
+                if self.final_at is None and FINAL_RE.match(line.rstrip("\n")):
+                    self.final_at = time.monotonic()
                 self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
         with self._cond:

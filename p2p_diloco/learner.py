@@ -1,11 +1,12 @@
-"""The learner unit: inner AdamW steps on its own shard, fragments averaged in the background.
+"""The learner unit: inner AdamW steps on its own data stream, fragments averaged in the background.
 
 Decoupled DiLoCo (arXiv 2604.21428) without its syncer. The loop below reads top to bottom:
 
-1. one inner AdamW step on this learner's shard (padded to the profile's speed);
+1. one inner AdamW step on this learner's data stream (the whole training split in its own order, or an
+   explicit shard; padded to the profile's speed);
 2. which fragments are due: at instants of the swarm's DHT clock (:mod:`p2p_diloco.clock`; its
    period fixed, or derived from the learners' step times and published by one of them), or by
-   our own step count;
+   our own step count (numbered like the swarm's when we join one that is training);
 3. hand each due fragment's encoded pseudo-gradient ``anchor - theta`` to its averager -- a
    background round, never waited for;
 4. apply what came back: a committed round moves the anchor by the outer Nesterov step and is
@@ -27,7 +28,6 @@ JSON line (anchor hashes, eval loss of the anchors before and after, rounds, blo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import threading
@@ -46,9 +46,11 @@ from p2p_diloco.averaging import (
     Contribution, Download, FragmentAveraging, RoundMeta, RoundOutcome, adapt_window, anchor_hash, anchor_order,
     is_ahead, relative_distance, round_is_doomed, state_payload,
 )
-from p2p_diloco.checkpoint import save_checkpoint, tensors_digest
+from p2p_diloco.checkpoint import portable_config, save_checkpoint, tensors_digest
 from p2p_diloco.clock import SyncClock
+from p2p_diloco.metrics import MetricsSpec, open_event_log
 from p2p_diloco.config import Config, config_hash
+from p2p_diloco.devices import load_into, state_to_device, state_to_host, to_host
 from p2p_diloco.model import build_model
 from p2p_diloco.inner import build_optimizer, schedule_step, train_step
 
@@ -101,17 +103,33 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         p = Path(path)
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ValueError(f"{p}: profile not found") from None
+        except IsADirectoryError:
+            raise ValueError(f"{p}: a folder, not a profile file") from None
+        except OSError as e:
+            raise ValueError(f"{p}: cannot read the profile ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{p}: not a text file (a profile is TOML)") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{p}: not valid TOML ({e})") from None
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = set(raw) - set(known)
         if unknown:
             raise ValueError(f"{p}: unknown profile key(s) {sorted(unknown)} (known: {sorted(known)})")
-        return cls(**{k: (float(v) if k in ("slowdown", "min_step_s") and isinstance(v, int) else v)
-                      for k, v in raw.items()})
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            kind, what = {"str": (str, "a string"), "float": (float, "a number"), "int": (int, "an integer")}[str(known[key])]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{p}: {key} must be {what}, got {value!r}")
+            values[key] = value
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -119,19 +137,31 @@ class LearnerOptions:
     """Per-learner choices that are not part of the run's config (they do not change its hash)."""
 
     name: str
-    shard: int
+    shard: int | None
+    """An explicit data shard (``--shard``), or None: random windows of the whole training split in this
+    learner's own order (:func:`p2p_diloco.data.stream_seed`)."""
     num_shards: int
+    """Shards the training split is dealt into (1 without an explicit shard)."""
     max_steps: int
     """Inner steps this learner runs (the LR schedule still spans ``inner.total_steps``)."""
     max_time_s: float = 0.0
-    """Stop training after this many seconds (0 = no limit)."""
+    """Stop training this many seconds after ``started_at`` (0 = no limit): the wait for peers and the
+    start-up count too, so that a learner is done when its user expects it."""
+    incarnation: int = 0
+    """This start of the learner (wall time in ns): with the peer id, it seeds our data stream, so a peer
+    restarted with the same identity does not see the same batches again."""
     lr_by_time: bool = False
     """With ``max_time_s``: the LR's cosine ends when the time does, if that comes before its steps
     (:func:`p2p_diloco.inner.schedule_step`)."""
     events_path: Path | None = None
+    metrics: tuple[MetricsSpec, ...] = ()
+    """Metric sinks fed from the same events as ``events_path`` (``--metrics tensorboard:DIR``)."""
     wait_peers: int = 0
     """Wait until this many learners (us included) are live before the first step."""
     wait_peers_timeout_s: float = 120.0
+    """Give up waiting for ``wait_peers`` (an error) after this many seconds, unless ``max_time_s`` ends first."""
+    wait_peers_report_s: float = 10.0
+    """While waiting for peers, log how many are live this often."""
     linger_s: float = 20.0
     """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
     status_period_s: float = 1.0
@@ -159,6 +189,25 @@ class LearnerOptions:
     """Held-out batches per evaluation while training (the first ones of the eval set; at most all of it)."""
     started_at: float = field(default_factory=time.monotonic)
     """When the learner process started (monotonic): time to first contribution is measured from here."""
+    device: str = "cpu"
+    """Where the model and the inner optimizer live (``--device``, resolved: ``cpu`` or ``cuda:N``); anchors,
+    outer momentum and the outer step stay fp32 on the CPU whatever it is (:mod:`p2p_diloco.devices`)."""
+
+
+def wait_verdict(now: float, waited_from: float, started_at: float, max_time_s: float, timeout_s: float) -> str:
+    """While waiting for peers (``--wait-peers``): ``"wait"``; ``"max-time"`` once ``max_time_s`` (counted
+    from the learner's start ``started_at``; 0: no limit) has run out, so the learner leaves without
+    training; ``"timeout"`` once the wait itself has lasted ``timeout_s`` (an error). Monotonic seconds."""
+    if max_time_s > 0 and now - started_at >= max_time_s:
+        return "max-time"
+    if now - waited_from >= timeout_s:
+        return "timeout"
+    return "wait"
+
+
+def waiting_line(live: int, needed: int, waited_s: float) -> str:
+    """The progress line logged while waiting for peers."""
+    return f"waiting for peers: {live} of {needed} live ({waited_s:.0f} s)"
 
 
 def publish_due(now: float, last_at: float, refresh_s: float, key: tuple[Any, ...], last_key: tuple[Any, ...] | None) -> bool:
@@ -176,6 +225,20 @@ def view_due(now: float, last_at: float, period_s: float, training: bool) -> boo
     Not training (waiting for peers, lingering until they agree, leaving), at every status tick: those
     waits end on what the view says."""
     return not training or now - last_at >= period_s
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse config options the networked learner does not implement (checked before joining)."""
+    for key, value in (("outer.error_feedback", cfg.outer.error_feedback), ("outer.final_average", cfg.outer.final_average)):
+        if value:  # the simulator has them; silently ignoring them would make the runs differ
+            raise ValueError(f"{key} = true is not supported by the networked learner yet (simulator only)")
+
+
+def load_splits(cfg: Config, num_shards: int) -> data.TrainingData:
+    """The training data (the byte corpus cut into the held-out split and ``num_shards`` training shards, or a
+    streamed dataset), with every check that needs the data (missing, empty, binary, too small, a fingerprint
+    or tokenizer other than the run's) done here, before a learner joins (:func:`data.load_training_data`)."""
+    return data.load_training_data(cfg, num_shards)
 
 
 # ---------------------------------------------------------------- per-fragment state
@@ -229,29 +292,29 @@ class Learner:
     """One learner unit on a joined swarm (see the module docstring for the loop)."""
 
     def __init__(self, cfg: Config, profile: Profile, opts: LearnerOptions, joined: Any, local: Any,
-                 membership: Any = None) -> None:
-        for key, value in (("outer.error_feedback", cfg.outer.error_feedback), ("outer.final_average", cfg.outer.final_average)):
-            if value:  # the simulator has them; silently ignoring them would make the runs differ
-                raise ValueError(f"{key} = true is not supported by the networked learner yet (simulator only)")
+                 membership: Any = None, splits: data.TrainingData | None = None) -> None:
+        check_supported(cfg)
         torch.set_num_threads(profile.threads or 1)
         t_init = time.monotonic()
         self.cfg, self.profile, self.opts, self.joined, self.local = cfg, profile, opts, joined, local
         i, o = cfg.inner, cfg.outer
-        corpus = data.load_corpus(cfg.data)
-        splits = data.split_corpus(corpus, opts.num_shards, cfg.data.eval_fraction)
-        self._shard_tokens = splits.shards[opts.shard]
-        self.batches = data.batches(self._shard_tokens, i.batch_size, cfg.model.block_size,
-                                    seed=cfg.run.seed * 1000 + opts.shard)
+        if splits is None:  # the CLI loads them before joining: bad data never reaches the swarm
+            splits = load_splits(cfg, opts.num_shards)
+        self._data = splits
+        self._stream_seed = self._data_seed(0)
+        self.batches = splits.train_batches(opts.shard, i.batch_size, cfg.model.block_size, self._stream_seed)
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size,
                                           cfg.model.block_size)
-        self.model = build_model(cfg.model, cfg.run.seed)
+        # built on the CPU under the run's seed (the same first anchor on every peer), then moved
+        self.device = torch.device(opts.device)
+        self.model = build_model(cfg.model, cfg.run.seed).to(self.device)
         self.params = dict(self.model.named_parameters())
-        self.opt = build_optimizer(self.model, i)
+        self.opt = build_optimizer(self.model, i, self.device)
         sizes = {n: p.numel() for n, p in self.params.items()}
         self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
         self.slots: list[FragmentSlot] = []
-        for frag in fragments.make_fragments(sizes, o.fragments):
-            anchor = {n: self.params[n].detach().clone() for n in frag.names}
+        for frag in fragments.make_fragments(sizes, o.fragments, fragments.block_map(self.model)):
+            anchor = to_host(self.params, frag.names)
             self.slots.append(FragmentSlot(frag.index, frag.names, anchor, anchor_hash=anchor_hash(anchor)))
         shapes = {n: p.shape for n, p in self.params.items()}
         t_averagers = time.monotonic()
@@ -283,10 +346,15 @@ class Learner:
         self.t_start = time.monotonic()
         self.peer_anchors: list[list[tuple[int, str]]] = []  # (version, anchor hash) per fragment, other live learners
         self.peer_states: list[str] = []
+        self.peer_steps: list[tuple[int, float, float]] = []
+        """(inner step, DHT time published, step time) of the other live learners that train."""
+        self.schedule_offset = 0
+        """Step schedule: added to our step count to number our steps like the swarm we joined
+        (:meth:`_align_schedule`); 0 for learners that start together."""
         self.swarm_reads = 0
         """Successful reads of the swarm by the status thread (0: we do not know yet whether we are behind)."""
         self.live_learners = 1
-        self._events = opts.events_path.open("a") if opts.events_path else None
+        self._events = open_event_log(opts.events_path, opts.metrics)  # None: neither --events nor --metrics
         self._events_lock = threading.Lock()  # the status and checkpoint threads log events too
         self._stop_status = threading.Event()
         self._status_thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
@@ -322,34 +390,45 @@ class Learner:
         self.start_step, self.start_tokens = self.step, self.tokens  # not 0 after --resume
         self.training = True
         self._last_clock = self._dht_time()  # boundaries passed while waiting for peers are not due
+        if self.cfg.averaging.schedule == "steps":
+            self._align_schedule()
         while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time():
-            faults.hit("inner-step")
-            self.loss = self.inner_step()
-            if self._checkpointer is not None:
-                self._checkpointer.maybe_save()
-            with self.blocked():
-                self.collect(min_age_steps=self.cfg.outer.overlap)
-                self.catch_up()  # a fragment we are behind on is downloaded and sits out its due round
-                for f in self.due_fragments():
-                    self.hand_off(self.slots[f])
-                if self.opts.blocking:
-                    self.wait_rounds(stop)
-            self._settle_priority()
+            self.train_once(stop)
         train_s = time.monotonic() - self.t_start
+        if self.step == self.start_step and self._out_of_time():
+            logger.warning("never trained: --max-time %g s ran out %.1f s after start, before the first step",
+                           self.opts.max_time_s, self.t_start - self.opts.started_at)
         self.training = False  # the clock is tended by learners that train
         self.finish(stop)
         if self._checkpointer is not None:
             self._checkpointer.save(final=True)
         return self.summary(self.evaluate(start_anchors), self.evaluate(self.anchor_snapshot()), train_s)
 
+    def train_once(self, stop: threading.Event) -> None:
+        """One turn of the loop: an inner step, then the fragments' bookkeeping (``scripts/bench_overhead.py``
+        times exactly this against a plain PyTorch loop)."""
+        faults.hit("inner-step")
+        self.loss = self.inner_step()
+        if self._checkpointer is not None:
+            self._checkpointer.maybe_save()
+        with self.blocked():
+            self.collect(min_age_steps=self.cfg.outer.overlap)
+            self.catch_up()  # a fragment we are behind on is downloaded and sits out its due round
+            for f in self.due_fragments():
+                self.hand_off(self.slots[f])
+            if self.opts.blocking:
+                self.wait_rounds(stop)
+        self._settle_priority()
+
     def inner_step(self) -> float:
-        """One AdamW step on our shard, padded to the profile's pace."""
+        """One AdamW step on our data stream, padded to the profile's pace."""
         t0 = time.monotonic()
         x, y = next(self.batches)
         i = self.cfg.inner
-        budget_s = self.opts.max_time_s if self.opts.lr_by_time else 0.0
+        # the cosine ends when --max-time does: the training share of it, which began at t_start
+        budget_s = max(1e-3, self.opts.max_time_s - (self.t_start - self.opts.started_at)) if self.opts.lr_by_time else 0.0
         at = schedule_step(self.step, i.total_steps, i.warmup_steps, t0 - self.t_start, budget_s)
-        loss = train_step(self.model, self.opt, (x, y), at, i.total_steps, i)
+        loss = train_step(self.model, self.opt, (x, y), at, i.total_steps, i, self.device)
         self.step += 1
         self.tokens += x.numel()
         for s in self.slots:
@@ -378,10 +457,22 @@ class Learner:
         """Fragments due now: at the swarm clock's boundaries (none until a derived clock is known), or by
         our step count (``averaging.schedule = "steps"``)."""
         if self.cfg.averaging.schedule == "steps":
-            return self.schedule.due(self.step)
+            return self.schedule.due(self.step + self.schedule_offset)
         now = self._dht_time()
         clock, self._last_clock, previous = self.clock, now, self._last_clock
         return clock.due(previous, now, len(self.slots)) if clock is not None else []
+
+    def _align_schedule(self) -> None:
+        """Step schedule, as training starts: number our steps like the swarm that is training already
+        (:func:`~p2p_diloco.fragments.swarm_step`, from the last view: the one read before training, or the
+        status thread's while waiting for peers), so that our fragments fall due with theirs. A newcomer that
+        counted from its own first step met nobody when its due steps fell a few seconds after the others'."""
+        at = fragments.swarm_step(self.peer_steps, self._dht_time())
+        if at is None:
+            return
+        self.schedule_offset = at - self.step
+        logger.info("step schedule: the swarm is at step %d; our fragments fall due with its steps (offset %+d)",
+                    at, self.schedule_offset)
 
     def hand_off(self, slot: FragmentSlot) -> None:
         """Start a background round with this fragment's pseudo-gradient (never waits for it)."""
@@ -402,13 +493,13 @@ class Learner:
                         best[0], best[1])
             return
         o, a = self.cfg.outer, self.cfg.averaging
-        with torch.no_grad():
-            delta = {n: slot.anchor[n] - self.params[n].detach() for n in slot.names}
+        with torch.no_grad():  # on the CPU, in fp32, on every peer alike
+            delta = {n: slot.anchor[n] - theta for n, theta in to_host(self.params, slot.names).items()}
         problem = outer.local_problem(delta, slot.anchor, o.max_delta_ratio)
         if problem is not None:  # never sent: drop it and restart this fragment from its anchor, fresh AdamW moments
             with slot.lock, torch.no_grad():
+                load_into(self.params, slot.anchor)
                 for n in slot.names:
-                    self.params[n].copy_(slot.anchor[n])
                     self.opt.state.pop(self.params[n], None)
             slot.since_tokens = slot.since_steps = 0
             self._event({"event": "local_drop", "fragment": slot.index, "version": slot.version, "step": self.step,
@@ -470,7 +561,9 @@ class Learner:
             assert outcome.merged is not None
             with slot.lock, torch.no_grad():
                 outer.nesterov_step(slot.anchor, outcome.merged, slot.state, o.lr, o.momentum)
-                outer.alpha_mix({n: self.params[n] for n in slot.names}, slot.anchor, o.alpha)
+                mixed = to_host(self.params, slot.names)  # mixed on the CPU, then loaded onto our device
+                outer.alpha_mix(mixed, slot.anchor, o.alpha)
+                load_into(self.params, mixed)
                 slot.anchor_hash = anchor_hash(slot.anchor)
             slot.since_tokens -= slot.sent_tokens  # what went out is in the anchor now
             slot.since_steps -= slot.sent_steps
@@ -538,12 +631,13 @@ class Learner:
             if fork:
                 slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
             if reset:  # the swarm moved on since our checkpoint: start this fragment from its anchor
-                for n in slot.names:
-                    self.params[n].copy_(fetched.anchor[n])
+                load_into(self.params, {n: fetched.anchor[n] for n in slot.names})
                 slot.since_tokens = slot.since_steps = 0
                 slot.restored = False
             else:
-                outer.rebase({n: self.params[n] for n in slot.names}, slot.anchor, fetched.anchor)
+                rebased = to_host(self.params, slot.names)
+                outer.rebase(rebased, slot.anchor, fetched.anchor)
+                load_into(self.params, rebased)
             old, old_hash = slot.version, slot.anchor_hash
             slot.anchor = fetched.anchor
             slot.state = outer.OuterState(momentum=fetched.momentum, version=fetched.version)
@@ -567,12 +661,12 @@ class Learner:
         """Everything a resumed learner needs, as flat tensors (copies) and JSON metadata: the weights,
         AdamW's state, every fragment's anchor and outer momentum, versions, progress and step."""
         tensors: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for n, p in self.params.items():
-                tensors[f"model/{n}"] = p.detach().clone()
-                for k, v in self.opt.state.get(p, {}).items():
+        with torch.no_grad():  # host copies: a checkpoint is the same file whatever device wrote it
+            for n, theta in to_host(self.params).items():
+                tensors[f"model/{n}"] = theta
+                for k, v in state_to_host(self.opt.state.get(self.params[n], {})).items():
                     if isinstance(v, torch.Tensor):
-                        tensors[f"adam/{n}/{k}"] = v.detach().clone()
+                        tensors[f"adam/{n}/{k}"] = v
             for slot in self.slots:
                 with slot.lock:
                     for n in slot.names:
@@ -586,12 +680,13 @@ class Learner:
             "anchor_hashes": [s.anchor_hash for s in self.slots],
             "since_tokens": [s.since_tokens for s in self.slots], "since_steps": [s.since_steps for s in self.slots],
             "model_digest": self._model_digest(),
+            "config": portable_config(self.cfg),  # what `p2p-diloco export` rebuilds the model from
         }
         return tensors, meta
 
     def _model_digest(self) -> str:
         """:func:`~p2p_diloco.checkpoint.tensors_digest` of the weights, as a checkpoint's manifest records it."""
-        return tensors_digest({f"model/{n}": p.detach() for n, p in self.params.items()})
+        return tensors_digest({f"model/{n}": theta for n, theta in to_host(self.params).items()})
 
     def restore(self, ckpt: Any) -> str:
         """Resume from a verified checkpoint (:func:`~p2p_diloco.checkpoint.load_checkpoint`, already checked
@@ -603,11 +698,11 @@ class Learner:
             raise ValueError(f"checkpoint {ckpt.path}: not this model's (missing {missing[:3]}, "
                              f"{len(m.get('versions', ()))} fragments vs {len(self.slots)})")
         with torch.no_grad():
+            load_into(self.params, {n: t[f"model/{n}"] for n in self.params})
             for n, p in self.params.items():
-                p.copy_(t[f"model/{n}"])
                 adam = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"adam/{n}/")}
                 if adam:
-                    self.opt.state[p] = adam
+                    self.opt.state[p] = state_to_device(adam, self.device)
             for slot in self.slots:
                 with slot.lock:
                     slot.anchor = {n: t[f"anchor/{n}"].clone() for n in slot.names}
@@ -628,8 +723,9 @@ class Learner:
         self.step, self.tokens = int(m["inner_step"]), int(m["tokens"])
         self.resumed_from_step = self.step
         # the data stream goes on with fresh batches, not the ones the first run already saw
-        self.batches = data.batches(self._shard_tokens, self.cfg.inner.batch_size, self.cfg.model.block_size,
-                                    seed=self.cfg.run.seed * 1000 + self.opts.shard + 7919 * (self.step + 1))
+        self._stream_seed = self._data_seed(self.step)
+        self.batches = self._data.train_batches(self.opts.shard, self.cfg.inner.batch_size, self.cfg.model.block_size,
+                                                self._stream_seed)
         return digest
 
     # -------------------------------------------------------------- the end
@@ -696,13 +792,15 @@ class Learner:
         return out
 
     def evaluate(self, weights: Mapping[str, torch.Tensor], batches: list[Any] | None = None) -> float:
-        """Held-out eval loss of a model with these weights (on ``batches``, default the whole eval set)."""
-        model = build_model(self.cfg.model, self.cfg.run.seed)
+        """Held-out eval loss of a model with these weights (on ``batches``, default the whole eval set), on our
+        device, in fp32 whatever ``inner.precision`` (the loss of the anchors themselves)."""
+        model = build_model(self.cfg.model, self.cfg.run.seed).to(self.device)
+        load_into(dict(model.named_parameters()), weights)
+        chosen = self.eval_set if batches is None else batches
+        if self.device.type != "cpu":
+            chosen = [(x.to(self.device), y.to(self.device)) for x, y in chosen]
         with torch.no_grad():
-            params = dict(model.named_parameters())
-            for n, t in weights.items():
-                params[n].copy_(t)
-        return data.evaluate(model, self.eval_set if batches is None else batches)
+            return data.evaluate(model, chosen)
 
     def summary(self, eval_start: float, eval_end: float, train_s: float) -> dict[str, Any]:
         sent = sum(a.bytes_total()[0] for a in self.averaging)
@@ -731,11 +829,10 @@ class Learner:
     def _event(self, record: dict[str, Any]) -> None:
         if self._events is None:
             return
-        record = {"name": self.opts.name, "step": self.step, "time": self._dht_time(), "loss": self._finite_loss(),
-                  **record}
+        record = {"name": self.opts.name, "step": self.step, "tokens": self.tokens, "time": self._dht_time(),
+                  "loss": self._finite_loss(), **record}
         with self._events_lock:
-            self._events.write(json.dumps(record) + "\n")
-            self._events.flush()
+            self._events.write(record)  # the --events JSONL and every --metrics sink
 
     # -------------------------------------------------------------- background: record + swarm view
 
@@ -789,6 +886,7 @@ class Learner:
         self.peer_anchors = [list(zip(r.fragment_versions, r.anchor_hashes)) for r in others
                              if len(r.anchor_hashes) == len(r.fragment_versions)]
         self.peer_states = [r.state for r in others]
+        self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in ("training", "averaging")]
         self.live_learners = 1 + len(others)
         self.swarm_reads += 1
         return others
@@ -917,14 +1015,28 @@ class Learner:
         n = self.opts.wait_peers
         if n <= 1:
             return
-        deadline = time.monotonic() + self.opts.wait_peers_timeout_s
+        waited_from = last_report = time.monotonic()
 
-        def check_deadline(what: str) -> None:
-            if stop.is_set() or time.monotonic() > deadline:
+        def keep_waiting(what: str) -> bool:
+            """False: stop waiting and train no step (a signal, or --max-time ran out); raises on the timeout."""
+            nonlocal last_report
+            now = time.monotonic()
+            verdict = wait_verdict(now, waited_from, self.opts.started_at, self.opts.max_time_s,
+                                   self.opts.wait_peers_timeout_s)
+            if verdict == "timeout":
                 raise ValueError(f"{what} within {self.opts.wait_peers_timeout_s:.0f} s (--wait-peers {n})")
+            if verdict == "max-time":
+                logger.warning("--max-time %g s ran out while waiting for peers (%s); leaving without training",
+                               self.opts.max_time_s, what)
+                return False
+            if now - last_report >= self.opts.wait_peers_report_s:
+                last_report = now
+                logger.info("%s", waiting_line(self.live_learners, n, now - waited_from))
+            return not stop.is_set()
 
         while self.live_learners < n:
-            check_deadline(f"only {self.live_learners} of {n} learners came up")
+            if not keep_waiting(f"only {self.live_learners} of {n} learners came up"):
+                return
             time.sleep(0.1)
         key = f"{self.local.run_id}_start_barrier"
         now = self._dht_time()
@@ -941,12 +1053,29 @@ class Learner:
             start = start_instant(proposals, n)
             if start is not None:
                 break
-            check_deadline(f"only {len(proposals)} of {n} learners proposed a start")
+            if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start"):
+                return
             time.sleep(0.1)
         wait_s = start - self._dht_time()
         logger.info("%d learners ready; starting together in %.2f s", n, wait_s)
         if wait_s > 0:
             stop.wait(wait_s)
+
+    def _data_seed(self, step: int) -> int:
+        """Seed of our batches from ``step`` on: our own stream of the whole training split (distinct per
+        peer, incarnation and resume), or an explicit shard's reproducible order."""
+        if self.opts.shard is None:
+            return data.stream_seed(self.cfg.run.seed, self.joined.peer_id, self.opts.incarnation, step)
+        return data.shard_seed(self.cfg.run.seed, self.opts.shard, step)
+
+    @property
+    def data_stream(self) -> str:
+        """What we train on, for the start line: ``stream 3f9a12c0 (whole training set, 7.2 MB)`` or
+        ``shard 1/3 (2.4 MB)``."""
+        size = self._data.train_size(self.opts.shard)
+        if self.opts.shard is None:
+            return f"stream {data.stream_name(self._stream_seed)} (whole training set, {size})"
+        return f"shard {self.opts.shard}/{self.opts.num_shards} ({size})"
 
     def _set_state(self, state: str) -> None:
         self.joined.publisher.update(state=state)
@@ -958,7 +1087,8 @@ class Learner:
         return provide
 
     def _out_of_time(self) -> bool:
-        return self.opts.max_time_s > 0 and time.monotonic() - self.t_start > self.opts.max_time_s
+        """``--max-time`` is counted from the learner's start: waiting for peers and starting up use it too."""
+        return self.opts.max_time_s > 0 and time.monotonic() - self.opts.started_at > self.opts.max_time_s
 
     @staticmethod
     def _dht_time() -> float:
@@ -968,7 +1098,8 @@ class Learner:
 
     def close(self) -> None:
         self._stop_status.set()
-        self._status_thread.join(timeout=5)
+        if self._status_thread.is_alive():  # not started if run() failed early: close() must not hide that error
+            self._status_thread.join(timeout=5)
         if self._eval_thread.is_alive():  # an evaluation in progress ends within seconds
             self._eval_thread.join(timeout=60)
         for a in self.averaging:

@@ -1,8 +1,9 @@
 """A small byte-level GPT (nanoGPT-style): vocabulary 256, so no tokenizer and nothing to download.
 
 With the default config (4 blocks, width 128, context 128) it has about 0.86M parameters and
-trains on one CPU thread. Any ``nn.Module`` whose repeated blocks live in a ``blocks`` list can be
-fragmented the same way (see :mod:`p2p_diloco.fragments`).
+trains on one CPU thread. ``[model] kind = "hf"`` builds a transformers causal LM instead
+(:mod:`p2p_diloco.hfmodel`); :func:`build_model` and :func:`lm_loss` serve both, and fragments come from
+the model's structure (:func:`p2p_diloco.fragments.block_map`).
 """
 
 from __future__ import annotations
@@ -91,11 +92,51 @@ class ByteGPT(nn.Module):
         return logits, loss
 
 
-def build_model(cfg: ModelConfig, seed: int) -> ByteGPT:
-    """The same seed gives the same initial weights on every peer (they must share the first anchor)."""
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The model of ``cfg.kind``; the same seed gives the same initial weights on every peer (they must share
+    the first anchor). An hf model comes from :mod:`p2p_diloco.hfmodel` (transformers is imported only then)."""
+    if cfg.kind == "hf":
+        from p2p_diloco import hfmodel
+
+        return hfmodel.build(cfg, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return ByteGPT(cfg)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats per token) of ``model`` reading ``x`` against targets ``y``.
+
+    Our batches come already shifted (``y[:, t] = x[:, t + 1]``), so an HF causal LM is asked for logits
+    only: its ``labels=`` would shift again. The one loss of the inner step, evaluation and the simulator.
+    """
+    if isinstance(_unwrapped(model), ByteGPT):
+        _, loss = model(x, y)  # through the wrapper, if any: DDP syncs gradients in its forward/backward
+        if loss is None:
+            raise ValueError("the model returned no loss for a batch with targets")
+        return loss
+    logits = model(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel / DataParallel or ``torch.compile`` wrapper."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def vocab_size(cfg: ModelConfig) -> int:
+    """Token ids the model reads: 256 bytes for byte-gpt, the config's ``vocab_size`` for hf."""
+    if cfg.kind == "hf":
+        from p2p_diloco import hfmodel
+
+        return hfmodel.check(cfg).vocab_size
+    return VOCAB_SIZE
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -11,7 +11,13 @@ Layout in the DHT (documented in ``status --help`` too):
 * ``INDEX_KEY`` = ``"p2p-diloco_runs"``: the same owners, with a small :class:`IndexEntry` each
   (run id, protocol, config hash, name, state). It lets ``status`` list every run in a DHT and
   show peers of *other* runs as foreign (their full records live under their own run key, which
-  a node of our run cannot validate because DHT keys are hashed).
+  a node of our run cannot validate because DHT keys are hashed). A ``bootstrap`` peer publishes an
+  entry in state ``bootstrap`` there too: it announces its run (so that a joiner without a config
+  finds it before any learner exists) but is never a member (no record under the run key).
+* ``config_key(run_id)`` = ``"p2p-diloco.run.<run_id>_config"``: the same owners, each with a
+  :class:`RunConfigRecord` (the resolved config as canonical JSON, at most :data:`MAX_CONFIG_CHARS`
+  characters, and its hash), stored for ``CONFIG_TTL_FACTOR x ttl_s``: how a joiner without
+  ``--config`` gets the run's config (:mod:`p2p_diloco.runconfig` verifies its hash).
 
 Every node validates both keys with ``SchemaValidator`` (the pydantic.v1 models below; strict
 types, bounded sizes, no NaN) behind ``RSASignatureValidator`` (only the key's owner may write its
@@ -24,7 +30,7 @@ import logging
 import math
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, Literal, Mapping, Optional
 
 from pydantic.v1 import BaseModel, Extra, ValidationError, confloat, conint, conlist, constr, validator
@@ -36,6 +42,9 @@ logger = logging.getLogger(__name__)
 STATES = ("joining", "idle", "training", "averaging", "syncing", "leaving", "left")
 """``idle``: a member that publishes but does not train (the ``heartbeat`` stand-in, monitors);
 ``left``: the tombstone of a graceful leave."""
+ANNOUNCE_STATE = "bootstrap"
+"""The state of a bootstrap peer's index entry: it announces a run and is never one of its members."""
+INDEX_STATES = STATES + (ANNOUNCE_STATE,)
 
 RUN_KEY_PREFIX = "p2p-diloco.run."
 INDEX_PREFIX = "p2p-diloco"
@@ -49,6 +58,8 @@ MAX_ADDRESS_CHARS = 256
 MAX_FRAGMENTS = 1024
 MAX_INT = 2**63 - 1
 """Largest integer a record may hold (msgpack's int64; larger ones are refused as oversize)."""
+MAX_CONFIG_CHARS = 16384
+"""Largest config text a config record may hold (a resolved config is about 1,100 characters)."""
 
 
 def run_key_prefix(run_id: str) -> str:
@@ -58,6 +69,11 @@ def run_key_prefix(run_id: str) -> str:
 def run_key(run_id: str) -> str:
     """The DHT key of a run's peer records (SchemaValidator field ``peers`` under ``run_key_prefix``)."""
     return f"{run_key_prefix(run_id)}_peers"
+
+
+def config_key(run_id: str) -> str:
+    """The DHT key of a run's config records (SchemaValidator field ``config`` under ``run_key_prefix``)."""
+    return f"{run_key_prefix(run_id)}_config"
 
 
 # ---------------------------------------------------------------- the record (pure data)
@@ -154,6 +170,39 @@ class IndexEntry:
         """Parse a stored value, strictly (raises :class:`~p2p_diloco.rejects.PeerDataError`)."""
         return cls(**_parse(IndexEntryModel, value, "index entry").dict())
 
+    @property
+    def announces(self) -> bool:
+        """A bootstrap peer's entry: it makes its run visible but is no member of it."""
+        return self.state == ANNOUNCE_STATE
+
+
+@dataclass(frozen=True)
+class RunConfigRecord:
+    """A run's resolved config as one peer publishes it under :func:`config_key`."""
+
+    run_id: str
+    config_hash: str
+    """The hash the publisher computed (:func:`p2p_diloco.config.config_hash`); a reader recomputes it."""
+    protocol_version: int
+    software_version: str
+    peer_id: str
+    """Base58 peer id of the publisher; must match the owner key (checked when read)."""
+    config: str
+    """The config as canonical JSON (``json.dumps(cfg.to_dict(), sort_keys=True)``), at most
+    :data:`MAX_CONFIG_CHARS` characters."""
+    time: float = 0.0
+    """DHT time of publication."""
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["time"] = float(d["time"])
+        return d
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "RunConfigRecord":
+        """Parse a stored value, strictly (raises :class:`~p2p_diloco.rejects.PeerDataError`)."""
+        return cls(**_parse(RunConfigModel, value, "config record").dict())
+
 
 _OVERSIZE_ERRORS = frozenset({"value_error.any_str.max_length", "value_error.list.max_items",
                               "value_error.number.not_le"})
@@ -219,6 +268,12 @@ def _check_state(value: str) -> str:
     return value
 
 
+def _check_index_state(value: str) -> str:
+    if value not in INDEX_STATES:
+        raise ValueError(f"state must be one of {', '.join(INDEX_STATES)}")
+    return value
+
+
 class PeerRecordModel(BaseModel):
     run_id: _Name
     protocol_version: _NonNegInt
@@ -259,7 +314,20 @@ class IndexEntryModel(BaseModel):
     state: constr(strict=True, max_length=16)
     time: _NonNegFloat
 
-    _state = validator("state", allow_reuse=True)(_check_state)
+    _state = validator("state", allow_reuse=True)(_check_index_state)
+
+    class Config:
+        extra = Extra.forbid
+
+
+class RunConfigModel(BaseModel):
+    run_id: _Name
+    config_hash: constr(strict=True, max_length=64)
+    protocol_version: _NonNegInt
+    software_version: constr(strict=True, max_length=32)
+    peer_id: constr(strict=True, max_length=128)
+    config: constr(strict=True, max_length=MAX_CONFIG_CHARS)
+    time: _NonNegFloat
 
     class Config:
         extra = Extra.forbid
@@ -267,14 +335,16 @@ class IndexEntryModel(BaseModel):
 
 class RunPeersSchema(BaseModel):
     peers: Dict[OwnerKey, PeerRecordModel]
+    config: Dict[OwnerKey, RunConfigModel]
 
 
 class RunIndexSchema(BaseModel):
     runs: Dict[OwnerKey, IndexEntryModel]
 
 
-def peer_schemas(run_id: str) -> list[Any]:
-    """The record validators every node of ``run_id`` installs (imports hivemind)."""
+def peer_schemas(run_id: str | None) -> list[Any]:
+    """The record validators every node of ``run_id`` installs (imports hivemind); ``None`` (a node that
+    does not know its run yet: ``status``, ``doctor``) installs only the run index's."""
     from hivemind.dht.schema import SchemaValidator
 
     class StrictSchemaValidator(SchemaValidator):
@@ -288,10 +358,10 @@ def peer_schemas(run_id: str) -> list[Any]:
                 logger.debug("refused a DHT record that hivemind's schema validator could not inspect: %r", e)
                 return False
 
-    return [
-        StrictSchemaValidator(RunPeersSchema, allow_extra_keys=True, prefix=run_key_prefix(run_id)),
-        StrictSchemaValidator(RunIndexSchema, allow_extra_keys=True, prefix=INDEX_PREFIX),
-    ]
+    index = StrictSchemaValidator(RunIndexSchema, allow_extra_keys=True, prefix=INDEX_PREFIX)
+    if run_id is None:
+        return [index]
+    return [StrictSchemaValidator(RunPeersSchema, allow_extra_keys=True, prefix=run_key_prefix(run_id)), index]
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -363,8 +433,9 @@ def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: Lo
     """Classify (record, expiration time) pairs at DHT time ``now``.
 
     expired: its expiration passed (a DHT cache may still hold it); foreign: incompatible with
-    ``local`` (whatever its state); left: a tombstone; live: everything else. One view per peer
-    id: the newest record wins (a peer that restarted with a new subkey keeps one row).
+    ``local`` (whatever its state), except that an observer without a config hash (nobody live to
+    adopt one from) sees a tombstone of its run as left; left: a tombstone; live: everything else.
+    One view per peer id: the newest record wins (a peer that restarted with a new subkey keeps one row).
     """
     newest: dict[str, tuple[PeerRecord | IndexEntry, float]] = {}
     for record, expiration in entries:
@@ -374,9 +445,10 @@ def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: Lo
     views = []
     for record, expiration in newest.values():
         ok, reason = is_compatible(record, local)
+        observed_leave = record.state == "left" and record.run_id == local.run_id and not local.config_hash
         if expiration < now:
             views.append(PeerView(record, expiration, "expired", f"expired {now - expiration:.1f} s ago"))
-        elif not ok:
+        elif not ok and not observed_leave:
             views.append(PeerView(record, expiration, "foreign", reason))
         elif record.state == "left":
             views.append(PeerView(record, expiration, "left", f"left at {record.time:.1f}"))
@@ -387,9 +459,11 @@ def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: Lo
 
 
 def merge_index(views: list[PeerView], index_views: list[PeerView]) -> list[PeerView]:
-    """Add peers known only from the index (other runs, or records not yet visible) to ``views``."""
+    """Add peers known only from the index (other runs, or records not yet visible) to ``views``.
+    A bootstrap's announcement is no peer of any run: it is left out."""
     known = {v.peer_id for v in views}
-    extra = [v for v in index_views if v.peer_id not in known and v.status in ("foreign",)]
+    extra = [v for v in index_views if v.peer_id not in known and v.status in ("foreign",)
+             and v.record.state != ANNOUNCE_STATE]
     return sorted(views + extra, key=lambda v: (v.status != "live", v.record.name, v.peer_id))
 
 
@@ -445,26 +519,31 @@ class SwarmSummary:
     """(name, peer id, DHT time of leaving), newest first."""
     foreign: tuple[tuple[str, str, str], ...]
     """(name, peer id, reason)."""
+    trainers: int = 0
+    """Live peers that train (every state but ``idle``): fragment agreement and consensus are taken over
+    these, so a ``heartbeat`` member or a monitor never holds consensus back."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
-    """Swarm-level figures from classified views (pure)."""
+    """Swarm-level figures from classified views (pure). Members in state ``idle`` (they publish but train
+    no fragment) count as live but not in the fragment figures or the consensus."""
     views = list(views)
     live = [v.record for v in views if v.status == "live" and isinstance(v.record, PeerRecord)]
-    n_frag = max((len(r.fragment_versions) for r in live), default=0)
+    trainers = [r for r in live if r.state != "idle"]
+    n_frag = max((len(r.fragment_versions) for r in trainers), default=0)
     frags = []
     for f in range(n_frag):
-        counts = Counter(r.fragment_versions[f] for r in live if len(r.fragment_versions) > f)
+        counts = Counter(r.fragment_versions[f] for r in trainers if len(r.fragment_versions) > f)
         top, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-        anchors = {r.anchor_hashes[f] for r in live if len(r.fragment_versions) > f and r.fragment_versions[f] == top
-                   and len(r.anchor_hashes) > f}
-        distance = max((r.consensus_distance[f] for r in live if len(r.consensus_distance) > f), default=0.0)
+        anchors = {r.anchor_hashes[f] for r in trainers if len(r.fragment_versions) > f
+                   and r.fragment_versions[f] == top and len(r.anchor_hashes) > f}
+        distance = max((r.consensus_distance[f] for r in trainers if len(r.consensus_distance) > f), default=0.0)
         frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing,
                                        len(anchors), distance))
-    consensus = all(fc.agreeing == len(live) and fc.anchors <= 1 for fc in frags)
+    consensus = all(fc.agreeing == len(trainers) and fc.anchors <= 1 for fc in frags)
     left = sorted(((v.record.name, v.peer_id, v.record.time) for v in views if v.status == "left"),
                   key=lambda t: -t[2])
     foreign = tuple((v.record.name, v.peer_id, v.reason) for v in views if v.status == "foreign")
@@ -478,6 +557,7 @@ def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
         states=dict(Counter(r.state for r in live)),
         left=tuple(left),
         foreign=foreign,
+        trainers=len(trainers),
     )
 
 
@@ -485,3 +565,114 @@ def tombstone(record: PeerRecord, now: float) -> PeerRecord:
     """The record a peer stores when it leaves gracefully."""
     return replace(record, state="left", time=now, tokens_per_s=0.0)
 
+
+
+def config_mismatch(views: Iterable[PeerView], local: LocalRun) -> str:
+    """For an observer that brought its own config: "" if the run's peers (departed ones aside) mostly
+    publish our config hash, or none is there; else one line saying that we look with another config."""
+    records = [v.record for v in views if v.status in ("live", "foreign") and isinstance(v.record, PeerRecord)]
+    theirs = adopt_majority(replace(local, config_hash=""), records).config_hash
+    if not local.config_hash or not theirs or theirs == local.config_hash:
+        return ""
+    return (f"your config's hash {local.config_hash} differs from the run's {theirs}: you are looking with another "
+            f"config (leave --config/--set out to use the run's own, or pass the ones its peers use)")
+
+
+# ---------------------------------------------------------------- runs in a DHT (which run is there?)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One run as the index shows it at one moment."""
+
+    run_id: str
+    live: int = 0
+    """Members with a live entry (bootstraps aside)."""
+    announced: int = 0
+    """Bootstrap peers that announce the run (never members)."""
+    left: int = 0
+    """Members whose tombstone is still there."""
+    config_hashes: dict[str, int] = field(default_factory=dict)
+    """Live members per config hash they publish."""
+    announced_hashes: dict[str, int] = field(default_factory=dict)
+    """Bootstraps per config hash they announce."""
+
+    @property
+    def visible(self) -> bool:
+        """Someone is there: a live member or a bootstrap."""
+        return self.live > 0 or self.announced > 0
+
+    @property
+    def config_hash(self) -> str:
+        """The hash the run's peers announce: the live members' majority, else the bootstraps' ("" if none)."""
+        counts = self.config_hashes or self.announced_hashes
+        return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0] if counts else ""
+
+    def describe(self) -> str:
+        """``a (3 live)``, ``b (0 live, announced by a bootstrap)``, ``c (0 live, 2 left)``."""
+        parts = [f"{self.live} live"]
+        if self.announced:
+            parts.append("announced by a bootstrap" if self.announced == 1 else f"announced by {self.announced} bootstraps")
+        if self.left:
+            parts.append(f"{self.left} left")
+        return f"{self.run_id} ({', '.join(parts)})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "config_hash": self.config_hash}
+
+
+def runs_in_index(entries: Iterable[tuple[IndexEntry, float]], now: float) -> list[RunInfo]:
+    """Every run the index shows at DHT time ``now`` (expired entries aside; one entry per peer id, the
+    newest), the live ones first (most live members first), then the announced ones, then by run id."""
+    newest: dict[str, IndexEntry] = {}
+    for entry, expiration in entries:
+        if expiration >= now and (entry.peer_id not in newest or entry.time > newest[entry.peer_id].time):
+            newest[entry.peer_id] = entry
+    by_run: dict[str, list[IndexEntry]] = {}
+    for entry in newest.values():
+        by_run.setdefault(entry.run_id, []).append(entry)
+    runs = []
+    for run_id, members in by_run.items():
+        live = [e for e in members if e.state not in ("left", ANNOUNCE_STATE)]
+        announcing = [e for e in members if e.state == ANNOUNCE_STATE]
+        runs.append(RunInfo(run_id, live=len(live), announced=len(announcing),
+                            left=sum(e.state == "left" for e in members),
+                            config_hashes=dict(Counter(e.config_hash for e in live)),
+                            announced_hashes=dict(Counter(e.config_hash for e in announcing))))
+    return sorted(runs, key=lambda r: (-r.live, -r.announced, r.run_id))
+
+
+def primary_run(runs: Iterable[RunInfo]) -> RunInfo | None:
+    """The run a look without a run id describes: the live one with the most live members, else an
+    announced one, else one with departed peers only (its tombstones say who left); ties: the smallest
+    run id. None if the index is empty."""
+    ordered = sorted(runs, key=lambda r: (-r.live, -r.announced, -r.left, r.run_id))
+    return ordered[0] if ordered else None
+
+
+def pick_run(runs: Iterable[RunInfo], run_id: str | None = None) -> RunInfo:
+    """The run a peer without a config joins (``run_id``: the one asked for with ``--run-id``).
+
+    The only run with live members; failing that, the only one a bootstrap announces. Several such
+    runs, none, or an asked-for run that is not there: a ``ValueError`` with one line that lists the
+    runs and says what to pass.
+    """
+    runs = sorted(runs, key=lambda r: (-r.live, -r.announced, r.run_id))
+    visible = [r for r in runs if r.visible]
+    listing = ", ".join(r.describe() for r in visible) or "none"
+    if run_id is not None:
+        for r in runs:
+            if r.run_id == run_id:
+                return r
+        raise ValueError(f"--run-id {run_id}: no such run in this DHT (runs in this DHT: {listing}); "
+                         f"pick one of them, or pass --config FILE to start a run")
+    live = [r for r in visible if r.live]
+    candidates = live or visible
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        gone = [r.describe() for r in runs]
+        seen = f" (only departed peers of: {', '.join(gone)})" if gone else ""
+        raise ValueError(f"no run in this DHT: no live peer and no bootstrap announces one{seen}; "
+                         f"pass --config FILE (the run's config) to start or join one")
+    raise ValueError(f"runs in this DHT: {listing}; pick one with --run-id ID or --config FILE")

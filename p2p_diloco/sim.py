@@ -44,7 +44,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from p2p_diloco import compression, data, fragments, outer
-from p2p_diloco.inner import AdamW, build_optimizer, train_step
+from p2p_diloco.devices import load_into, to_host
+from p2p_diloco.inner import CPU, InnerOptimizer, build_optimizer, train_step
 from p2p_diloco.config import Config
 from p2p_diloco.model import build_model
 
@@ -138,18 +139,19 @@ class SimResult:
 
 
 class _Learner:
-    """One simulated learner unit: its replica, inner AdamW and data stream."""
+    """One simulated learner unit: its replica and inner AdamW (on ``device``), and its data stream."""
 
-    def __init__(self, idx: int, cfg: Config, stream: torch.Tensor, speed: float, total_steps: int) -> None:
+    def __init__(self, idx: int, cfg: Config, splits: data.TrainingData, speed: float, total_steps: int,
+                 device: torch.device = CPU) -> None:
         self.idx = idx
         self.cfg = cfg
-        self.stream = stream
         self.speed = speed
         self.total_steps = total_steps
-        self.model = build_model(cfg.model, cfg.run.seed)
+        self.device = device
+        self.model = build_model(cfg.model, cfg.run.seed).to(device)
         self.params = dict(self.model.named_parameters())
-        self.batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = data.batches(
-            stream, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
+        self.batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = splits.train_batches(
+            idx, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
         self.opt = self._new_optimizer()
         self.alive = True
         self.credit = 0.0
@@ -159,14 +161,12 @@ class _Learner:
         self.since_steps = [0] * cfg.outer.fragments
         self.error_feedback = compression.ErrorFeedback(cfg.outer.codec) if cfg.outer.error_feedback else None
 
-    def _new_optimizer(self) -> AdamW:
-        return build_optimizer(self.model, self.cfg.inner)
+    def _new_optimizer(self) -> InnerOptimizer:
+        return build_optimizer(self.model, self.cfg.inner, self.device)
 
     def reset_from(self, anchor: dict[str, torch.Tensor]) -> None:
         """(Re)join: take the current anchors, a fresh inner optimizer, no unsynced progress."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(anchor[name])
+        load_into(self.params, {name: anchor[name] for name in self.params})
         self.opt = self._new_optimizer()
         self.since_tokens = [0] * len(self.since_tokens)
         self.since_steps = [0] * len(self.since_steps)
@@ -181,7 +181,7 @@ class _Learner:
 
     def step(self) -> None:
         x, y = next(self.batches)
-        train_step(self.model, self.opt, (x, y), self.steps, self.total_steps, self.cfg.inner)
+        train_step(self.model, self.opt, (x, y), self.steps, self.total_steps, self.cfg.inner, self.device)
         self.steps += 1
         n = x.numel()
         self.tokens += n
@@ -201,12 +201,14 @@ def _butterfly_bytes(numel: int, group: int, codec: str, n_tensors: int, radial:
 class Simulator:
     """K learners and the shared anchors; :meth:`run` trains to the token budget and evaluates."""
 
-    def __init__(self, cfg: Config, splits: data.Splits, events: Sequence[Event] = (), eval_points: int = 10,
-                 stop_after_ticks: int = 0, attack: Attack | None = None) -> None:
+    def __init__(self, cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
+                 stop_after_ticks: int = 0, attack: Attack | None = None, device: torch.device = CPU) -> None:
         """``stop_after_ticks`` > 0 ends the run early (the LR schedule still spans ``inner.total_steps``):
         what a time-limited networked run does, for comparisons at equal tokens. ``attack``: one learner
-        poisons every contribution it sends."""
+        poisons every contribution it sends. ``device``: where the learners' replicas and inner optimizers
+        live; the anchors, outer states and merges stay fp32 on the CPU, as in a networked learner."""
         self.cfg = cfg
+        self.device = device
         o, k = cfg.outer, cfg.sim.learners
         speeds = list(cfg.sim.speeds) or [1.0] * k
         # equal tokens whatever the speeds: run until K * total_steps inner steps are done in all
@@ -215,11 +217,13 @@ class Simulator:
         self.global_model = build_model(cfg.model, cfg.run.seed)
         self.anchor = {n: p.detach() for n, p in self.global_model.named_parameters()}
         sizes = {n: p.numel() for n, p in self.anchor.items()}
-        self.fragments = fragments.make_fragments(sizes, o.fragments)
+        self.fragments = fragments.make_fragments(sizes, o.fragments, fragments.block_map(self.global_model))
         self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
         self.outer_states = [outer.OuterState() for _ in self.fragments]
-        self.learners = [_Learner(i, cfg, splits.shards[i], speeds[i], max(1, round(self.schedule_ticks * speeds[i])))
-                         for i in range(k)]
+        self.learners = [_Learner(i, cfg, splits, speeds[i], max(1, round(self.schedule_ticks * speeds[i])),
+                                  device) for i in range(k)]
+        # the anchors are evaluated where the learners compute (a copy of the global model there, fp32)
+        self.eval_model = self.global_model if device.type == "cpu" else build_model(cfg.model, cfg.run.seed).to(device)
         self.events = sorted(events, key=lambda e: e.tick)
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
         self.eval_every = max(1, self.ticks // eval_points)
@@ -239,7 +243,7 @@ class Simulator:
         fragment re-anchored (weights <- anchor, fresh AdamW moments for them, no unsynced progress)."""
         names = self.fragments[f].names
         with torch.no_grad():
-            delta = {n: self.anchor[n] - m.params[n].detach() for n in names}
+            delta = {n: self.anchor[n] - theta for n, theta in to_host(m.params, names).items()}
             anchor = {n: self.anchor[n] for n in names}
             problem = outer.local_problem(delta, anchor, self.cfg.outer.max_delta_ratio)
             if problem is None:
@@ -247,8 +251,8 @@ class Simulator:
                 self.result.max_delta_ratio = max(self.result.max_delta_ratio, ratio)
                 return True
             log.debug("learner %d fragment %d: %s; dropped, fragment re-anchored", m.idx, f, problem)  # counted
+            load_into(m.params, anchor)
             for n in names:
-                m.params[n].copy_(self.anchor[n])
                 m.opt.state.pop(m.params[n], None)
         m.since_tokens[f] = 0
         m.since_steps[f] = 0
@@ -263,7 +267,7 @@ class Simulator:
         weights = [outer.contribution_weight(m.since_tokens[f], m.since_steps[f], o.weighting) for m in members]
         encoded = []
         for m in members:
-            delta = {n: self.anchor[n] - m.params[n].detach() for n in names}
+            delta = {n: self.anchor[n] - theta for n, theta in to_host(m.params, names).items()}
             sent, meta = outer.encode_contribution(delta, o.merge)
             if m.error_feedback is not None:
                 sent = {n: m.error_feedback.encode(n, t) for n, t in sent.items()}
@@ -328,11 +332,12 @@ class Simulator:
                 for m in self.learners:
                     if not m.alive:
                         continue
-                    local = {n: m.params[n] for n in names}
+                    local = to_host(m.params, names)  # on the CPU, then loaded onto the learner's device
                     if m.idx in member_ids:
                         outer.alpha_mix(local, frag_anchor, o.alpha)
                     else:
                         outer.rebase(local, old, frag_anchor)
+                    load_into(m.params, local)
 
     def _handle_events(self, tick: int) -> None:
         while self.events and self.events[0].tick <= tick:
@@ -348,7 +353,9 @@ class Simulator:
 
     def _evaluate(self) -> None:
         tokens = sum(m.tokens for m in self.learners)
-        loss = data.evaluate(self.global_model, self.eval_set)
+        if self.eval_model is not self.global_model:
+            load_into(dict(self.eval_model.named_parameters()), self.anchor)
+        loss = _evaluate_on(self.eval_model, self.eval_set, self.device)
         self.result.curve.append({"tokens": tokens, "eval_loss": loss})
 
     def run(self, progress: bool = False) -> SimResult:
@@ -390,31 +397,31 @@ def dp_fp32_bytes(tokens: int, cfg: Config, n_params: int, learners: int | None 
     return steps * 2 * (k - 1) * 4 * n_params
 
 
-def run_reference(cfg: Config, splits: data.Splits, mode: str, eval_points: int = 10, progress: bool = False) -> SimResult:
+def run_reference(cfg: Config, splits: data.TrainingData, mode: str, eval_points: int = 10, progress: bool = False,
+                  device: torch.device = CPU) -> SimResult:
     """``data-parallel``: one replica with K x batch on all shards; ``single``: one learner on shard 0."""
     if mode not in ("data-parallel", "single"):
         raise ValueError(f"unknown reference mode {mode!r}")
     t0 = time.monotonic()
     k, i = cfg.sim.learners, cfg.inner
     batch = i.batch_size * k if mode == "data-parallel" else i.batch_size
-    stream = splits.train if mode == "data-parallel" else splits.shards[0]
-    model = build_model(cfg.model, cfg.run.seed)
-    opt = build_optimizer(model, i)
+    model = build_model(cfg.model, cfg.run.seed).to(device)
+    opt = build_optimizer(model, i, device)
     # "single" sees exactly learner 0's batches, so DiLoCo with one learner, outer lr 1 and no
     # momentum reproduces it bit for bit (a test pins this)
     seed = cfg.run.seed * 1000 + (999 if mode == "data-parallel" else 0)
-    it = data.batches(stream, batch, cfg.model.block_size, seed=seed)
+    it = splits.train_batches(None if mode == "data-parallel" else 0, batch, cfg.model.block_size, seed=seed)
     eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
     result = SimResult(mode=mode, learners=k if mode == "data-parallel" else 1)
     every = max(1, i.total_steps // eval_points)
     tokens = 0
-    result.curve.append({"tokens": 0, "eval_loss": data.evaluate(model, eval_set)})
+    result.curve.append({"tokens": 0, "eval_loss": _evaluate_on(model, eval_set, device)})
     for step in range(i.total_steps):
         x, y = next(it)
-        train_step(model, opt, (x, y), step, i.total_steps, i)
+        train_step(model, opt, (x, y), step, i.total_steps, i, device)
         tokens += x.numel()
         if (step + 1) % every == 0 or step + 1 == i.total_steps:
-            result.curve.append({"tokens": tokens, "eval_loss": data.evaluate(model, eval_set)})
+            result.curve.append({"tokens": tokens, "eval_loss": _evaluate_on(model, eval_set, device)})
             if progress:
                 _progress(f"{mode} step {step + 1}/{i.total_steps} eval_loss {result.curve[-1]['eval_loss']:.3f}")
     result.final_eval_loss = result.curve[-1]["eval_loss"]
@@ -426,19 +433,28 @@ def run_reference(cfg: Config, splits: data.Splits, mode: str, eval_points: int 
     return result
 
 
-def run(cfg: Config, splits: data.Splits, mode: str = "diloco", events: Sequence[Event] = (),
-        eval_points: int = 10, progress: bool = False, attack: Attack | None = None) -> SimResult:
+def run(cfg: Config, splits: data.TrainingData, mode: str = "diloco", events: Sequence[Event] = (),
+        eval_points: int = 10, progress: bool = False, attack: Attack | None = None,
+        device: torch.device = CPU) -> SimResult:
     if mode == "diloco":
-        return Simulator(cfg, splits, events, eval_points, attack=attack).run(progress)
+        return Simulator(cfg, splits, events, eval_points, attack=attack, device=device).run(progress)
     if attack is not None:
         raise ValueError(f"an attack needs the diloco mode, not {mode!r}")
-    return run_reference(cfg, splits, mode, eval_points, progress)
+    return run_reference(cfg, splits, mode, eval_points, progress, device)
 
 
-def run_from_config(cfg: Config, mode: str = "diloco", data_path: str | None = None, progress: bool = False) -> SimResult:
-    corpus = data.load_corpus(cfg.data, data_path)
-    splits = data.split_corpus(corpus, cfg.sim.learners, cfg.data.eval_fraction)
-    return run(cfg, splits, mode, progress=progress)
+def run_from_config(cfg: Config, mode: str = "diloco", data_path: str | None = None, progress: bool = False,
+                    device: torch.device = CPU) -> SimResult:
+    splits = data.load_training_data(cfg, cfg.sim.learners, data_path)
+    return run(cfg, splits, mode, progress=progress, device=device)
+
+
+def _evaluate_on(model: torch.nn.Module, eval_set: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """:func:`p2p_diloco.data.evaluate` on ``device`` (the CPU batches moved there), fp32, without autograd."""
+    if device.type != "cpu":
+        eval_set = [(x.to(device), y.to(device)) for x, y in eval_set]
+    with torch.no_grad():
+        return data.evaluate(model, eval_set)
 
 
 def _progress(line: str) -> None:

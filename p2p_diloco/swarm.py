@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -49,17 +49,20 @@ from p2p_diloco.identity import (  # noqa: F401  (swarm key file helpers re-expo
     write_swarm_key,
 )
 from p2p_diloco.records import (
+    ANNOUNCE_STATE,
     INDEX_KEY,
     IndexEntry,
     LocalRun,
     OWNER_MARKER_RE,
     PeerRecord,
     PeerView,
+    RunInfo,
     adopt_majority,
     classify,
     merge_index,
     peer_schemas,
     run_key,
+    runs_in_index,
     tombstone,
 )
 
@@ -274,10 +277,11 @@ def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
     return JoinError(f"could not join: {text} (tried {_tried(opts) or 'no initial peers'})")
 
 
-def start_dht(opts: SwarmOptions, run_id: str, *, private_key: RSAPrivateKey | None = None) -> DHT:
+def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: RSAPrivateKey | None = None) -> DHT:
     """Start this peer's DHT node and join ``opts.initial_peers``; raise :class:`JoinError` on failure.
 
-    Records of ``run_id`` and the run index are schema-checked and signature-checked by this node.
+    Records of ``run_id`` and the run index are schema-checked and signature-checked by this node
+    (``run_id`` None: a client that does not know its run yet checks the index only).
     ``private_key`` signs our records; it must be the identity's key (pass None to use it).
     """
     if private_key is None:
@@ -324,8 +328,12 @@ def start_dht(opts: SwarmOptions, run_id: str, *, private_key: RSAPrivateKey | N
 
 def _stop_quietly(dht: DHT) -> None:
     """Shut a DHT down after a failed start (its process may already have exited)."""
-    if dht.is_alive():
-        dht.shutdown()
+    stop_dht(dht)
+
+
+def stop_dht(dht: DHT) -> None:
+    """Shut our DHT process (and with it its ``p2pd``) down within bounded time (:func:`procguard.stop_process`)."""
+    procguard.stop_process(dht, "DHT process")
 
 
 def visible_addresses(dht: DHT) -> list[str]:
@@ -345,12 +353,24 @@ class SwarmSnapshot:
     views: tuple[PeerView, ...]
     """Records of our run, plus foreign peers known from the index."""
     runs: dict[str, int]
-    """Live peers per run id in this DHT (from the index)."""
+    """Live peers per run id in this DHT (from the index; bootstraps aside)."""
     rejected: tuple[str, ...] = ()
     """One line per record dropped while reading (bad owner, bad schema)."""
+    runs_detail: tuple[RunInfo, ...] = ()
+    """Every run in the index (live ones first), when the index was read."""
 
     def live(self) -> list[PeerView]:
         return [v for v in self.views if v.status == "live"]
+
+
+def read_entries(dht: DHT, key: str, parse: Callable[[Any], Any]) -> tuple[list[tuple[Any, float]], list[str]]:
+    """One read of ``key``: (record parsed by ``parse``, expiration time) per subkey whose owner published
+    it, and one line per dropped subkey (bad schema, record of another peer id than its owner key)."""
+    rejected: list[str] = []
+    entries = _entries(dht.get(key, latest=True), parse, rejected)
+    for line in rejected:
+        logger.warning("dropped a record under %s: %s", key, line)
+    return entries, rejected
 
 
 def _entries(result: Any, parse: Any, rejected: list[str]) -> list[tuple[Any, float]]:
@@ -384,14 +404,16 @@ def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
     run_entries = _entries(run_result, PeerRecord.from_wire, rejected)
     local = adopt_majority(local, (r for r, _ in run_entries))
     views = classify(run_entries, local, now)
-    index_views = classify(_entries(index_result, IndexEntry.from_wire, rejected), local, now)
+    index_entries = _entries(index_result, IndexEntry.from_wire, rejected)
+    index_views = classify(index_entries, local, now)
     runs: dict[str, int] = {}
     for v in index_views:
-        if v.status != "expired" and v.record.state != "left":
+        if v.status != "expired" and v.record.state not in ("left", ANNOUNCE_STATE):
             runs[v.record.run_id] = runs.get(v.record.run_id, 0) + 1
     for line in rejected:
         logger.warning("dropped a peer record: %s", line)
-    return SwarmSnapshot(now, local, tuple(merge_index(views, index_views)), runs, tuple(rejected))
+    return SwarmSnapshot(now, local, tuple(merge_index(views, index_views)), runs, tuple(rejected),
+                         tuple(runs_in_index(index_entries, now)) if index else ())
 
 
 def members_of(snapshot: SwarmSnapshot) -> frozenset[str]:
@@ -652,7 +674,7 @@ def dht_refusals(dht: DHT) -> int | None:
 
 __all__ = [
     "JoinError", "SwarmKeyError", "ClockSkewError", "SwarmOptions", "SwarmKeyAuthorizer", "write_swarm_key",
-    "read_swarm_key", "swarm_key_fingerprint", "start_dht", "visible_addresses", "read_swarm", "SwarmSnapshot", "Membership",
+    "read_swarm_key", "swarm_key_fingerprint", "start_dht", "visible_addresses", "read_swarm", "read_entries", "SwarmSnapshot", "Membership",
     "members_of", "RecordPublisher", "check_split", "SplitReport", "measure_clock_skew", "owner_subkey",
     "owner_peer_id", "tcp_probe", "explain_join_failure", "clock_skew_in", "skew_verdict", "dht_refusals",
 ]

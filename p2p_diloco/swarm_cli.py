@@ -5,8 +5,10 @@ the handlers, so ``p2p-diloco --help`` stays fast. Handlers return an exit code 
 ``ValueError`` (one line) for user errors, which ``cli.main`` prints and turns into exit code 2.
 
 DHT layout (see :mod:`p2p_diloco.records`): each run's records live under
-``p2p-diloco.run.<run_id>_peers``; the well-known key ``p2p-diloco_runs`` indexes every peer of
-every run, so ``status`` lists other runs sharing the DHT and shows their peers as foreign.
+``p2p-diloco.run.<run_id>_peers`` and its config under ``p2p-diloco.run.<run_id>_config``; the
+well-known key ``p2p-diloco_runs`` indexes every peer of every run (and bootstraps' announcements),
+so ``status`` lists other runs sharing the DHT and shows their peers as foreign, and a peer given no
+config finds the run that is there (:mod:`p2p_diloco.runconfig`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,8 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from p2p_diloco.procguard import stop_process  # stdlib only: --help stays fast
+
 if TYPE_CHECKING:
-    from p2p_diloco.records import LocalRun
+    from p2p_diloco.config import Config
+    from p2p_diloco.records import LocalRun, RunInfo
+    from p2p_diloco.runconfig import RunAnnouncer
     from p2p_diloco.swarm import SwarmOptions, SwarmSnapshot
 
 logger = logging.getLogger(__name__)
@@ -32,6 +39,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BOOTSTRAP_IDENTITY = "~/.p2p-diloco/bootstrap.id"
 DEFAULT_SWARM_KEY = "swarm.secret"
 DEFAULT_TTL_S = 30.0
+MIN_WATCH_INTERVAL_S = 0.5
+"""``status --watch --interval``: the shortest refresh period (seconds)."""
 
 
 # ---------------------------------------------------------------- arguments
@@ -41,6 +50,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="run config (TOML); its run id and hash identify the run")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config value, e.g. --set run.run_id=myrun (repeatable)")
+
+
+def _add_run_id_arg(p: argparse.ArgumentParser) -> None:
+    """``--run-id`` of a member (``join``, ``heartbeat``): which run of the DHT to fetch the config of."""
+    p.add_argument("--run-id", dest="run_id", metavar="ID",
+                   help="without --config: join this run of the DHT (its config is fetched from its peers); "
+                        "default: the only run that is live (or announced by a bootstrap) there")
 
 
 def _add_network_args(p: argparse.ArgumentParser, *, peers_required: bool, listen: bool) -> None:
@@ -103,7 +119,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _swarm_options(args: argparse.Namespace, *, client_mode: bool, default_identity: str | None = None) -> "SwarmOptions":
-    from p2p_diloco.addresses import host_multiaddr, parse_announce_address, parse_initial_peers
+    from p2p_diloco.addresses import check_port_free, host_multiaddr, parse_announce_address, parse_initial_peers
 
     initial = parse_initial_peers(args.initial_peers)  # before importing hivemind: bad input fails fast
     host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 0)
@@ -114,9 +130,14 @@ def _swarm_options(args: argparse.Namespace, *, client_mode: bool, default_ident
                          f"so that others know where to dial")
     if announce and port == 0:
         raise ValueError("--announce needs a fixed --port (the announced port must be the one we listen on)")
+    if port != 0:
+        check_port_free(host, port)  # libp2p would share a taken port silently (SO_REUSEPORT)
+    from p2p_diloco.identity import read_swarm_key
+
+    swarm_key = read_swarm_key(args.swarm_key) if args.swarm_key else None  # before an identity file is created
     _light_hivemind_import()
     from p2p_diloco.identity import load_or_create_identity
-    from p2p_diloco.swarm import SwarmOptions, read_swarm_key
+    from p2p_diloco.swarm import SwarmOptions
 
     identity_path = getattr(args, "identity", None) or default_identity
     identity = load_or_create_identity(identity_path) if identity_path else None
@@ -124,7 +145,7 @@ def _swarm_options(args: argparse.Namespace, *, client_mode: bool, default_ident
         raise ValueError(f"--join-timeout: must be > 0 s, got {args.join_timeout_s}")
     return SwarmOptions(
         initial_peers=initial, host=host, port=port, announce=announce, identity=identity,
-        client_mode=client_mode, swarm_key=read_swarm_key(args.swarm_key) if args.swarm_key else None,
+        client_mode=client_mode, swarm_key=swarm_key,
         join_timeout_s=args.join_timeout_s,
     )
 
@@ -151,8 +172,49 @@ def _local_run(args: argparse.Namespace, *, observer: bool = False) -> "LocalRun
     return local
 
 
+def resolve_config(args: argparse.Namespace) -> "Config":
+    """The config a member (``join``, ``heartbeat``) runs with.
+
+    ``--config FILE`` (and ``--set``): as given. Without it, the config of the run that is in the DHT:
+    a short client-mode look-up (a fresh key, any port) reads the run index, picks the run
+    (:func:`records.pick_run`, or ``--run-id``), fetches its config and keeps it only if it hashes to
+    what the run's peers announce (:mod:`p2p_diloco.runconfig`); ``--set`` applies on top (the join
+    check then compares the result with the live peers as usual). Never the built-in defaults: they
+    would be another run. Errors are one line (``ValueError``).
+    """
+    import dataclasses
+
+    from p2p_diloco.config import config_hash, load_config
+
+    run_id = getattr(args, "run_id", None)
+    if args.config:
+        cfg = load_config(args.config, args.overrides)
+        if run_id and run_id != cfg.run.run_id:
+            raise ValueError(f"--run-id {run_id!r} contradicts the config's run.run_id {cfg.run.run_id!r}; "
+                             f"give one of them")
+        return cfg
+    opts = _swarm_options(args, client_mode=True)
+    opts = dataclasses.replace(opts, identity=None, check_identity_free=False, port=0, announce=())
+    from p2p_diloco.records import pick_run
+    from p2p_diloco.runconfig import fetch_config, read_runs
+    from p2p_diloco.swarm import start_dht
+
+    dht = start_dht(opts, None)
+    try:
+        runs, _rejected = read_runs(dht)
+        run = pick_run(runs, run_id)
+        cfg, _record = fetch_config(dht, run, args.overrides)
+    finally:
+        stop_process(dht, "DHT process")
+    _out(f"config: fetched run {run.run_id} (hash {run.config_hash}) from the DHT"
+         + (f"; with --set: hash {config_hash(cfg)}" if args.overrides else ""))
+    return cfg
+
+
 class _StopOnSignal:
-    """SIGINT/SIGTERM set an event (graceful leave) instead of raising in the middle of a DHT call."""
+    """SIGINT/SIGTERM set an event (graceful leave) instead of raising in the middle of a DHT call; a
+    second one exits at once (``128 + signal``), without the leave: the helper processes die with us
+    (:mod:`p2p_diloco.procguard`) and our record expires after its TTL."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -163,8 +225,14 @@ class _StopOnSignal:
         return self
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.event.is_set():
+            # os.write, not print: a handler may run while the main thread is inside a print
+            os.write(2, f"p2p-diloco: {name} again: exiting now, without a graceful leave\n".encode())
+            os._exit(128 + signum)
+        self.signal_name = name
         self.event.set()
+        os.write(2, f"p2p-diloco: {name}: leaving gracefully ({name} again to exit at once)\n".encode())
 
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self._old.items():
@@ -182,12 +250,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     from p2p_diloco.config import load_config
 
-    run_id = load_config(args.config, args.overrides).run.run_id
+    cfg = load_config(args.config, args.overrides)
+    run_id = cfg.run.run_id
     opts = _swarm_options(args, client_mode=False, default_identity=DEFAULT_BOOTSTRAP_IDENTITY)
     from p2p_diloco.swarm import start_dht, swarm_key_fingerprint, visible_addresses
 
     with _StopOnSignal() as stop:
         dht = start_dht(opts, run_id, private_key=opts.identity.private_key() if opts.identity else None)
+        announcer = None
         try:
             maddrs = visible_addresses(dht)
             peers = ",".join(maddrs)
@@ -200,17 +270,63 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             for m in maddrs:
                 _out(f"listening: {m}")
             _out(f"initial peers: {peers}")
-            _out("join from another machine or terminal with:")
-            _out(f"  p2p-diloco join --initial-peers {peers}{key}")
-            _out(f"  p2p-diloco status --initial-peers {peers}{key}")
+            announcer = _announce_run(dht, opts, cfg)
+            for line in join_instructions(peers, key, args.config, args.overrides):
+                _out(line)
             if opts.host == "127.0.0.1":
                 _out("(listening on 127.0.0.1: only this machine can join; use --host <LAN address> for a LAN swarm)")
             _out("ready; Ctrl+C to stop")
             stop.event.wait()
             _out(f"stopping ({stop.signal_name})")
         finally:
-            dht.shutdown()
+            if announcer is not None:
+                announcer.stop()
+            stop_process(dht, "DHT process")
     return 0
+
+
+def join_instructions(peers: str, key: str, config: str | None, overrides: list[str]) -> list[str]:
+    """What ``bootstrap`` prints after its addresses: a join command that works when pasted (the run's
+    config comes from the DHT), the same with the config file as an alternative, the status command."""
+    import shlex
+
+    lines = ["join from another machine or terminal with (the run's config comes from the DHT):",
+             f"  p2p-diloco join --initial-peers {peers}{key}"]
+    if config or overrides:
+        local = " ".join([f"--config {shlex.quote(config)}"] if config else []) + "".join(
+            f" --set {shlex.quote(o)}" for o in overrides)
+        lines.append(f"  # or, with the config file on that machine: p2p-diloco join --initial-peers {peers}{key} "
+                     f"{local.strip()}")
+    lines += ["look at the run with:", f"  p2p-diloco status --initial-peers {peers}{key}"]
+    return lines
+
+
+def _announce_run(dht: Any, opts: "SwarmOptions", cfg: "Config") -> "RunAnnouncer":
+    """A bootstrap's announcement of its run (index entry in state ``bootstrap``, never a member) and its
+    config record, published now and then refreshed in a thread; returns the running announcer."""
+    from p2p_diloco import __version__
+    from p2p_diloco.config import PROTOCOL_VERSION, config_hash
+    from p2p_diloco.records import ANNOUNCE_STATE, IndexEntry
+    from p2p_diloco.runconfig import (
+        ANNOUNCE_TTL_S, BOOTSTRAP_CONFIG_REFRESH_S, CONFIG_TTL_FACTOR, RunAnnouncer, config_record,
+    )
+
+    assert opts.identity is not None  # a bootstrap always has one (DEFAULT_BOOTSTRAP_IDENTITY)
+    peer_id = dht.peer_id.to_base58()
+    entry = IndexEntry(run_id=cfg.run.run_id, protocol_version=PROTOCOL_VERSION, config_hash=config_hash(cfg),
+                       software_version=__version__, peer_id=peer_id, name="bootstrap", state=ANNOUNCE_STATE, time=0.0)
+    announcer = RunAnnouncer(dht, opts.identity.private_key(), config_record(cfg, peer_id, 0.0),
+                             config_refresh_s=BOOTSTRAP_CONFIG_REFRESH_S, config_ttl_s=CONFIG_TTL_FACTOR * ANNOUNCE_TTL_S,
+                             announcement=entry, announce_ttl_s=ANNOUNCE_TTL_S)
+    try:
+        ok = announcer.publish_all()
+    except Exception:  # a store that timed out: the thread retries at once
+        logger.exception("announcing the run failed; retrying in the background")
+        ok = False
+    announcer.start(published=ok)
+    _out(f"run {cfg.run.run_id} (config hash {entry.config_hash}) announced in the DHT" +
+         ("" if ok else " (not accepted yet: retrying in the background)"))
+    return announcer
 
 
 # ---------------------------------------------------------------- heartbeat (stand-in member)
@@ -231,12 +347,14 @@ class Joined:
 
 @contextlib.contextmanager
 def joined_run(args: argparse.Namespace, local: "LocalRun", num_fragments: int, *, ttl_s: float,
-               state: str = "idle", profile: str = "") -> Iterator[Joined]:
+               state: str = "idle", profile: str = "", cfg: "Config | None" = None) -> Iterator[Joined]:
     """Join ``local``'s run as a member (shared by ``heartbeat`` and the learner's ``join``).
 
     Starts the DHT (a fresh private identity unless ``--identity``), refuses to go on if the run's
     live peers disagree with our config hash or protocol (:func:`records.check_join`), publishes our
-    first record and prints the ``joined run`` line. On exit the DHT is shut down; a graceful
+    first record and, given the run's ``cfg``, our config record (refreshed every
+    ``CONFIG_REFRESH_FACTOR x ttl_s``: how a joiner without a config finds it) and prints the
+    ``joined run`` line. On exit the DHT is shut down; a graceful
     leave (tombstone) is the caller's ``joined.publisher.leave()``.
     """
     from p2p_diloco.records import PeerRecord, check_join
@@ -255,11 +373,16 @@ def joined_run(args: argparse.Namespace, local: "LocalRun", num_fragments: int, 
         if ephemeral:
             _remove_ephemeral(opts)
         raise
+    announcer = None
     try:
         peer_id = dht.peer_id.to_base58()
         snapshot = read_swarm(dht, local)
         ok, reason = check_join(snapshot.views, local, peer_id)
         if not ok:
+            if cfg is not None:  # other data or tokenizer: say so, naming both fingerprints
+                from p2p_diloco.runconfig import explain_refusal
+
+                reason = explain_refusal(dht, cfg, snapshot.views, reason)
             raise ValueError(reason)
         name = args.name or f"peer-{peer_id[-6:]}"
         record = PeerRecord(
@@ -271,29 +394,69 @@ def joined_run(args: argparse.Namespace, local: "LocalRun", num_fragments: int, 
         if not publisher.publish_within(deadline_s=opts.join_timeout_s * 3):
             raise ValueError(f"could not publish our peer record within {opts.join_timeout_s * 3:.0f} s: "
                              "no DHT node accepted it (see the log above)")
+        if cfg is not None:
+            announcer = _publish_config(dht, key, cfg, peer_id, ttl_s)
         for v in snapshot.views:
             if v.status == "foreign":
                 _out(f"note: foreign peer {v.record.name} ({v.peer_id}): {v.reason}")
         _out(f"joined run {local.run_id} as {name} ({peer_id}); config hash {local.config_hash}; "
              f"{len(snapshot.live())} other live peers; heartbeat every {ttl_s / 3:.1f} s, ttl {ttl_s:g} s")
-        yield Joined(dht, publisher, opts, snapshot, peer_id, name, key)
+        for m in record.addresses:
+            _out(f"listening: {m}")
+        with leave_on_failure(publisher):
+            yield Joined(dht, publisher, opts, snapshot, peer_id, name, key)
     finally:
-        dht.shutdown()
+        if announcer is not None:
+            announcer.stop()
+        stop_process(dht, "DHT process")
         if ephemeral:
             _remove_ephemeral(opts)
 
 
+def _publish_config(dht: Any, key: Any, cfg: "Config", peer_id: str, ttl_s: float) -> "RunAnnouncer":
+    """A member's config record: published once now, then every ``CONFIG_REFRESH_FACTOR x ttl_s`` in a
+    thread (stored for ``CONFIG_TTL_FACTOR x ttl_s``); returns the running announcer."""
+    from p2p_diloco.runconfig import CONFIG_REFRESH_FACTOR, CONFIG_TTL_FACTOR, RunAnnouncer, config_record
+
+    announcer = RunAnnouncer(dht, key, config_record(cfg, peer_id, 0.0), config_refresh_s=CONFIG_REFRESH_FACTOR * ttl_s,
+                             config_ttl_s=CONFIG_TTL_FACTOR * ttl_s)
+    try:
+        ok = announcer.publish_config()
+    except Exception:  # a store that timed out: not fatal (the bootstrap or other members have it); retried
+        logger.exception("publishing our config record failed; retrying in the background")
+        ok = False
+    announcer.start(published=ok)
+    return announcer
+
+
+@contextlib.contextmanager
+def leave_on_failure(publisher: Any) -> Iterator[None]:
+    """A peer that fails after joining still leaves: it publishes its tombstone (``publisher.leave()``,
+    bounded by the publisher's store timeout) before the error propagates and the DHT shuts down. Else
+    its record stays live for a TTL, and its config hash turns the next joiner away."""
+    try:
+        yield
+    except BaseException as e:
+        try:
+            ok = publisher.leave()
+        except Exception as leave_error:  # the original error is the one to report; this one is logged
+            logger.error("could not publish our tombstone after %s: %s: %s", type(e).__name__,
+                         type(leave_error).__name__, leave_error)
+        else:
+            _out(f"leaving after an error ({type(e).__name__}); tombstone {'published' if ok else 'NOT accepted'}")
+        raise
+
+
 def cmd_heartbeat(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
-    from p2p_diloco.config import load_config
     from p2p_diloco.records import LocalRun
 
     if args.ttl_s <= 0:
         raise ValueError(f"--ttl: must be > 0 s, got {args.ttl_s}")
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_config(args)
     local = LocalRun.from_config(cfg)
     with _StopOnSignal() as stop, joined_run(args, local, cfg.outer.fragments, ttl_s=args.ttl_s,
-                                             profile=args.profile) as joined:
+                                             profile=args.profile, cfg=cfg) as joined:
         from p2p_diloco.swarm import check_split, read_swarm
 
         publisher = joined.publisher
@@ -334,7 +497,10 @@ def _remove_ephemeral(opts: "SwarmOptions") -> None:
 
 
 def snapshot_json(snapshot: "SwarmSnapshot", timings_s: dict[str, float]) -> dict[str, Any]:
-    from p2p_diloco.records import summarize
+    """One read as JSON: the run looked at (``run_id`` "" when the DHT holds no run), its peers and summary;
+    ``runs`` (live peers per run), ``runs_detail`` (every run of the index, live ones first) and
+    ``config_mismatch`` (one line when our own config's hash is not the run's; else "")."""
+    from p2p_diloco.records import config_mismatch, summarize
 
     local = snapshot.local
     return {
@@ -351,6 +517,8 @@ def snapshot_json(snapshot: "SwarmSnapshot", timings_s: dict[str, float]) -> dic
         ],
         "runs": snapshot.runs,
         "rejected": list(snapshot.rejected),
+        "runs_detail": [r.to_json() for r in snapshot.runs_detail],
+        "config_mismatch": config_mismatch(snapshot.views, local),
     }
 
 
@@ -389,19 +557,31 @@ def _summary_lines(data: dict[str, Any]) -> list[str]:
     def one(f: dict[str, Any]) -> str:
         fork = f" {f['anchors']} anchors" if f.get("anchors", 0) > 1 else ""
         dist = f" dist {f['distance']:.1e}" if f.get("distance", 0.0) > 0 else ""
-        return f"f{f['fragment']}=v{f['top_version']}({f['agreeing']}/{s['live']}{fork}{dist})"
+        return f"f{f['fragment']}=v{f['top_version']}({f['agreeing']}/{s.get('trainers', s['live'])}{fork}{dist})"
 
     frag = " ".join(one(f) for f in s["fragments"]) or "-"
     lines = [
         f"run {data['run_id']}: {s['live']} live peers, {s['tokens_per_s']:.0f} tokens/s, {s['tokens']} tokens; "
-        f"fragments {frag}; consensus {'yes' if s['consensus'] else 'NO'}",
+        f"fragments {frag}; consensus {'yes' if s['consensus'] else 'NO'}" if data["run_id"] else
+        "no run in this DHT: no live peer, and no bootstrap announces one",
     ]
+    ours = next((r for r in data.get("runs_detail", []) if r["run_id"] == data["run_id"]), None)
+    if ours is not None and ours["announced"]:
+        lines[0] += f" (announced by {ours['announced']} bootstrap(s))"
+    if data.get("config_mismatch"):
+        lines.append(f"note: {data['config_mismatch']}")
     for name, pid, t in s["left"]:
         lines.append(f"left: {name} ({pid[-8:]}) {_fmt_age(data['dht_time'], t)}")
     for name, pid, reason in s["foreign"]:
         lines.append(f"foreign: {name} ({pid[-8:]}): {reason}")
     others = {r: n for r, n in data["runs"].items() if r != data["run_id"]}
-    if others:
+    details = [r for r in data.get("runs_detail", []) if r["run_id"] != data["run_id"]]
+    for r in details:  # one line per other run, live ones first
+        extra = "".join([f", announced by {r['announced']} bootstrap(s)" if r["announced"] else "",
+                         f", {r['left']} left" if r["left"] else ""])
+        lines.append(f"other run {r['run_id']}: {r['live']} live{extra}, config hash {r['config_hash'] or '-'} "
+                     f"(p2p-diloco status --run-id {r['run_id']})")
+    if others and not details:
         lines.append("other runs in this DHT: " + ", ".join(f"{r} ({n} peers)" for r, n in sorted(others.items())))
     for line in data["rejected"]:
         lines.append(f"rejected record: {line}")
@@ -432,8 +612,13 @@ def _render_rich(data: dict[str, Any]) -> Any:
 
 def cmd_status(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
+    if not args.interval_s >= MIN_WATCH_INTERVAL_S:
+        raise ValueError(f"--interval {args.interval_s:g}: must be at least {MIN_WATCH_INTERVAL_S:g} s (each refresh "
+                         "is a DHT read answered by every peer)")
     t0 = time.monotonic()
-    local = _local_run(args, observer=True)
+    # --config (or --run-id alone): that run, as today; --set alone: the run's fetched config with the overrides;
+    # nothing: every run of the DHT, the primary one (most live peers) in full
+    fixed = _local_run(args, observer=True) if args.config or (args.run_id and not args.overrides) else None
     opts = _swarm_options(args, client_mode=True)
     from p2p_diloco.swarm import read_swarm, start_dht
 
@@ -441,12 +626,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     use_rich = sys.stdout.isatty() and not args.json
     with _StopOnSignal() as stop:
         t1 = time.monotonic()
-        dht = start_dht(opts, local.run_id)
+        dht = start_dht(opts, fixed.run_id if fixed is not None else None)
         timings["join"] = time.monotonic() - t1
         try:
+            snapshot = None
             while True:
                 t2 = time.monotonic()
-                snapshot = read_swarm(dht, local)
+                if fixed is None and args.overrides:
+                    fixed = _fetched_local_run(args, dht)
+                local = fixed or _primary_local_run(dht, snapshot)
+                snapshot = read_swarm(dht, local) if local is not None else _empty_snapshot(dht)
                 timings["read"] = time.monotonic() - t2
                 data = snapshot_json(snapshot, timings)
                 if args.json:
@@ -463,8 +652,44 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if not args.watch or stop.event.wait(args.interval_s):
                     break
         finally:
-            dht.shutdown()
+            stop_process(dht, "DHT process")
     return 0
+
+
+def _fetched_local_run(args: argparse.Namespace, dht: Any) -> "LocalRun":
+    """An observer's run with ``--set`` but no ``--config``: the run that is there (or ``--run-id``), its
+    config fetched from the DHT and verified, the overrides on top."""
+    from p2p_diloco.records import LocalRun, pick_run
+    from p2p_diloco.runconfig import fetch_config, read_runs
+
+    runs, _rejected = read_runs(dht)
+    cfg, _record = fetch_config(dht, pick_run(runs, args.run_id), args.overrides)
+    return LocalRun.from_config(cfg)
+
+
+def _primary_local_run(dht: Any, last: "SwarmSnapshot | None") -> "LocalRun | None":
+    """An observer without a run: the primary run of the DHT (:func:`records.primary_run`), from the runs
+    the last read showed (or a read of the index), with no config hash (the run's majority is adopted)."""
+    from p2p_diloco import __version__
+    from p2p_diloco.config import PROTOCOL_VERSION
+    from p2p_diloco.records import LocalRun, primary_run
+    from p2p_diloco.runconfig import read_runs
+
+    runs = list(last.runs_detail) if last is not None and last.runs_detail else read_runs(dht)[0]
+    primary = primary_run(runs)
+    return LocalRun(primary.run_id, PROTOCOL_VERSION, "", __version__) if primary is not None else None
+
+
+def _empty_snapshot(dht: Any) -> "SwarmSnapshot":
+    """What a look at a DHT that holds no run shows."""
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco import __version__
+    from p2p_diloco.config import PROTOCOL_VERSION
+    from p2p_diloco.records import LocalRun
+    from p2p_diloco.swarm import SwarmSnapshot
+
+    return SwarmSnapshot(get_dht_time(), LocalRun("", PROTOCOL_VERSION, "", __version__), (), {})
 
 
 # ---------------------------------------------------------------- keygen
@@ -476,6 +701,10 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
         if Path(args.identity).expanduser().exists():
             raise ValueError(f"{args.identity} already exists; it is a peer identity and stays (delete it to make a new one)")
+        folder = Path(args.identity).expanduser().parent
+        if not folder.is_dir():
+            raise ValueError(f"--identity {args.identity}: folder {folder} does not exist; create it first or choose "
+                             "another path")
         identity = load_or_create_identity(args.identity)
         _out(f"wrote identity {identity.path} (mode 0600); peer id {identity.peer_id}")
         return 0
@@ -494,7 +723,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     from p2p_diloco.records import PeerRecord, check_join
 
-    local = _local_run(args)
+    # --config (or --run-id alone): that run; else the run that is in the DHT, its config fetched and verified
+    local = _local_run(args) if args.config or (args.run_id and not args.overrides) else None
     opts = _swarm_options(args, client_mode=True)
     from p2p_diloco.swarm import (
         MAX_DHT_CLOCK_SKEW_S, ClockSkewError, JoinError, SwarmKeyError, measure_clock_skew, read_swarm, skew_verdict,
@@ -515,7 +745,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                "start a peer there (p2p-diloco bootstrap), check host, port and firewall, "
                "and copy the address exactly as the peer printed it")
     try:
-        dht = start_dht(opts, local.run_id)
+        dht = start_dht(opts, local.run_id if local is not None else None)
     except SwarmKeyError as e:
         fix = ("pass the swarm's secret with --swarm-key FILE" if opts.swarm_key is None
                else "use the same --swarm-key file as the swarm's peers (compare the fingerprints they print)")
@@ -529,16 +759,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     try:
         report(True, f"join the DHT as a client ({'private swarm' if opts.swarm_key else 'open swarm'})")
-        snapshot = read_swarm(dht, local)
+        from p2p_diloco.runconfig import read_runs
+
+        runs, _rejected = read_runs(dht)
+        if local is None:
+            local = _doctor_run(args, dht, runs, report)
+        snapshot = read_swarm(dht, local) if local is not None else _empty_snapshot(dht)
         live = snapshot.live()
-        report(True if live else None, f"run {local.run_id}: {len(live)} live peers, "
-               f"{sum(v.status == 'left' for v in snapshot.views)} left recently",
-               "start peers of this run, or check --config/--set/--run-id")
+        if local is not None:
+            left = sum(v.status == 'left' for v in snapshot.views)
+            others = [r for r in runs if r.live and r.run_id != local.run_id]
+            if live or not others:
+                report(True if live else None, f"run {local.run_id}: {len(live)} live peers, {left} left recently",
+                       "start peers of this run (p2p-diloco join), or check --config/--set/--run-id")
+            else:  # we look at an empty run while another one is live: the wrong run
+                report(False, f"run {local.run_id}: 0 live peers, {left} left recently; runs in this DHT: "
+                       f"{', '.join(r.describe() for r in runs if r.visible)}",
+                       "leave --config/--set out to check the run that is there, or pass --run-id ID")
         foreign = [v for v in snapshot.views if v.status == "foreign"]
         for v in foreign:
             report(None, f"foreign peer {v.record.name} ({v.peer_id}): {v.reason}",
                    "start every peer of a run with the same config and the same p2p-diloco version")
-        if local.config_hash:
+        if local is not None and local.config_hash and not live:
+            report(None, "compatibility with the run: not checked: it has no live peers",
+                   "check again once peers of the run are live")
+        elif local is not None and local.config_hash:
             ok, reason = check_join(snapshot.views, local, "")
             report(ok, "compatibility with the run: " + (reason or "protocol version and config hash match"),
                    "use the run's config (same --config/--set) and p2p-diloco version")
@@ -560,8 +805,41 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                        f"clock of {pid}: {skew:+.3f} s from ours (the DHT needs < {MAX_DHT_CLOCK_SKEW_S:.0f} s)",
                        "synchronise clocks with NTP on both machines (timedatectl set-ntp true)")
     finally:
-        dht.shutdown()
+        stop_process(dht, "DHT process")
     return 1 if failures else 0
+
+
+def _doctor_run(args: argparse.Namespace, dht: Any, runs: list["RunInfo"],
+                report: Callable[..., None]) -> "LocalRun | None":
+    """``doctor`` without ``--config``: the run that is in the DHT (``--run-id``, else the primary one),
+    its config fetched and verified as a joiner would; each finding a report line. None: no run to check."""
+    from p2p_diloco import __version__
+    from p2p_diloco.config import PROTOCOL_VERSION, config_hash
+    from p2p_diloco.records import LocalRun, pick_run, primary_run
+    from p2p_diloco.runconfig import fetch_config
+
+    visible = [r for r in runs if r.visible]
+    if args.run_id or not visible:
+        try:
+            run = pick_run(runs, args.run_id)
+        except ValueError as e:
+            report(False, f"find the run: {e}", "start one (p2p-diloco bootstrap --config FILE, then join), "
+                   "or pass --config FILE / --run-id ID")
+            return None
+    else:
+        run = primary_run(visible)
+        assert run is not None
+        if len([r for r in visible if r.live]) > 1 or (not run.live and len(visible) > 1):
+            report(None, f"several runs in this DHT: {', '.join(r.describe() for r in visible)}; checking {run.run_id}",
+                   "pass --run-id ID (or --config FILE) to check another one; a join without either is refused")
+    try:
+        cfg, record = fetch_config(dht, run, args.overrides)
+    except ValueError as e:
+        report(False, f"config of run {run.run_id} from the DHT: {e}", "pass --config FILE with the run's config")
+        return LocalRun(run.run_id, PROTOCOL_VERSION, "", __version__)
+    report(True, f"config of run {run.run_id} fetched from the DHT (published by {record.peer_id}): hash "
+           f"{run.config_hash} verified" + (f"; with --set: hash {config_hash(cfg)}" if args.overrides else ""))
+    return LocalRun.from_config(cfg)
 
 
 # ---------------------------------------------------------------- registration
@@ -575,17 +853,21 @@ def add_parsers(subparsers: Any) -> None:
         p.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO) on stderr")
         return p
 
-    p = add("bootstrap", "run a DHT-only peer that others join through; prints its addresses and the join command",
+    p = add("bootstrap", "run a DHT-only peer that others join through; announces its run (--config, default: the "
+            "built-in defaults) and publishes its config in the DHT; prints its addresses and the join command",
             cmd_bootstrap)
     _add_network_args(p, peers_required=False, listen=True)
     _add_config_args(p)
     p.set_defaults(identity=None)
-    p.epilog = f"Default identity: {DEFAULT_BOOTSTRAP_IDENTITY} (a stable peer id across restarts)."
+    p.epilog = (f"Default identity: {DEFAULT_BOOTSTRAP_IDENTITY} (a stable peer id across restarts). The bootstrap is "
+                "never a member of its run: it only makes the run and its config findable, so that joiners need no "
+                "--config.")
 
     p = add("heartbeat", "join a run as a stand-in member that only publishes its peer record "
             "(until the learner lands); SIGINT/SIGTERM leave gracefully", cmd_heartbeat)
     _add_network_args(p, peers_required=True, listen=True)
     _add_config_args(p)
+    _add_run_id_arg(p)
     p.add_argument("--name", default="", help="peer name shown by status (default: peer-<end of peer id>)")
     p.add_argument("--profile", default="", help="peer profile name (kind of machine)")
     p.add_argument("--ttl", dest="ttl_s", metavar="SECONDS", type=float, default=DEFAULT_TTL_S,
@@ -598,14 +880,16 @@ def add_parsers(subparsers: Any) -> None:
     _add_network_args(p, peers_required=True, listen=False)
     _add_config_args(p)
     p.add_argument("--run-id", dest="run_id",
-                   help="run to look at (default: the config's run.run_id); without --config/--set the run's "
-                   "majority config hash is taken as the reference and the others are shown as foreign")
+                   help="run to look at (default: with --config its run.run_id, else every run of the DHT, the one "
+                   "with the most live peers in full); without --config/--set the run's majority config hash is "
+                   "taken as the reference and the others are shown as foreign")
     p.add_argument("--json", action="store_true", help="print one JSON object per read")
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl+C")
     p.add_argument("--interval", dest="interval_s", type=float, default=2.0, metavar="SECONDS",
-                   help="refresh period with --watch (default: 2)")
-    p.epilog = ("Records live under the DHT key p2p-diloco.run.<run_id>_peers; the key p2p-diloco_runs indexes every "
-                "peer of every run, so other runs sharing the DHT are listed and their peers shown as foreign.")
+                   help=f"refresh period with --watch, at least {MIN_WATCH_INTERVAL_S:g} (default: 2)")
+    p.epilog = ("Records live under the DHT key p2p-diloco.run.<run_id>_peers (configs under ..._config); the key "
+                "p2p-diloco_runs indexes every peer of every run (and bootstraps' announcements), so other runs sharing "
+                "the DHT are listed and their peers shown as foreign.")
 
     p = add("keygen", "write a new swarm secret for a private swarm (or, with --identity, a peer identity key)",
             cmd_keygen)
@@ -616,4 +900,5 @@ def add_parsers(subparsers: Any) -> None:
             cmd_doctor)
     _add_network_args(p, peers_required=True, listen=False)
     _add_config_args(p)
-    p.add_argument("--run-id", dest="run_id", help="check this run without its config")
+    p.add_argument("--run-id", dest="run_id", help="check this run without its config (default: with --config its "
+                   "run.run_id, else the run that is in the DHT, with its config fetched from there)")

@@ -2,12 +2,18 @@
 
 Starts one bootstrap peer and N learner units as separate processes (``p2p-diloco bootstrap`` and
 ``p2p-diloco join``), with a mix of peer profiles so that weighting by progress is visible, shows
-the swarm live (the ``status`` table and a progress bar to the token budget; plain lines when
-stdout is not a terminal), and at the end writes a report into ``--out``: ``summary.json``, the
-table it prints, and PNG plots (training loss per peer over time; group sizes and weight shares per
-round). ``--chaos`` kills one learner (kill -9) a third into the run and starts it again at half
-time: it leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C stops every
-process cleanly (learners leave gracefully) and still writes what there is.
+the swarm live (the ``status`` table and a progress bar to the time budget, or to the token budget
+with ``--minutes 0``; plain lines when stdout is not a terminal), and at the end writes a report into
+``--out``: ``summary.json``, the table it prints, and PNG plots (training loss per peer over time;
+group sizes and weight shares per round). ``--chaos`` kills one learner (kill -9) a third into the run
+and starts it again at half time: it leaves, the others go on, it rejoins by downloading the current
+anchors. Ctrl+C stops every process cleanly (learners leave gracefully) and still writes what there is.
+
+With a time budget (``--minutes``, the default) every learner trains for that long whatever the
+machine's speed: there is no step limit, so no learner leaves early. The report compares the end state
+(anchors, eval loss) among the learners that finished together and names the others with the reason;
+and it always has the data-parallel reference at the run's tokens: from a stored curve that covers them
+(:mod:`p2p_diloco.reference`), else computed here after the run and cached (``--no-reference`` skips that).
 
 Only the standard library is imported at module level (``p2p-diloco --help`` stays fast).
 """
@@ -15,7 +21,6 @@ Only the standard library is imported at module level (``p2p-diloco --help`` sta
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
@@ -24,10 +29,12 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.launcher import Child, LocalSwarm, read_jsonl
+from p2p_diloco.launcher import NO_STEP_LIMIT, Child, LocalSwarm, read_jsonl, unlimited_steps
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +50,19 @@ about 7.5 minutes on a 2-core machine (all learners share it), and with the inst
 on a fresh clone (7 minutes took 10 min 4 s there)."""
 EVAL_EVERY_S = 30.0
 """Learners evaluate the global model on 2 held-out batches this often (the eval-loss-over-time plot)."""
-REFERENCE_DIR = ROOT / "results" / "reference"
-"""Data-parallel reference curves, one file per config hash (``scripts/bench_reference.py``)."""
 FINISH_SLACK_S = 300.0
 """After the training budget: final rounds, linger, evaluation and exit of every learner."""
+REFERENCE_TOKENS_PER_S_2_CORES = 18_000.0
+"""Data-parallel reference training on demo.toml, one process alone on a 2-core machine (2.0M tokens in 110 s,
+evaluations included); four learner processes train about 6,300 tokens/s there, so computing a reference
+takes about a third of the training time -- and several times longer beside other jobs (4.8M tokens took
+1733 s at nice 10 beside other test runs). Only for the estimate printed first."""
+REFERENCE_EVAL_POINTS = 8
+"""Evaluations along a reference computed for a run: at 1/8 steps, so a later run within the curve's last
+quarter (``reference.SPAN``) interpolates between points, and evaluation costs little beside training."""
+TOGETHER_WINDOW_S = LINGER_S + 30.0
+"""Learners whose final summaries arrive within this of the last one finished together: learners that end
+their training at the same time linger up to ``LINGER_S`` for the last rounds to agree, then evaluate."""
 
 
 def _out(line: str) -> None:
@@ -57,30 +73,37 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     from p2p_diloco.config import config_hash, load_config
 
     config_path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
-    cfg = load_config(config_path, args.overrides)
     if args.peers < 2:
         raise ValueError(f"--peers: a swarm needs at least 2 learners, got {args.peers}")
     if args.minutes < 0:
         raise ValueError(f"--minutes: must be >= 0, got {args.minutes}")
+    seconds = args.minutes * 60 if args.minutes > 0 else None
+    # a time budget alone ends the training, whatever the machine's speed: no step cap, and the LR's
+    # warm-up + cosine runs over the time (an explicit --set inner.total_steps=N still caps it)
+    overrides = unlimited_steps(args.overrides) if seconds else list(args.overrides)
+    cfg = load_config(config_path, overrides)
     profiles = [Path(p) for p in args.profiles.split(",")] if args.profiles else list(DEFAULT_PROFILES)
     from p2p_diloco.learner import Profile
 
     loaded = [Profile.load(p) for p in profiles]  # a bad profile fails before anything starts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    budget_tokens = args.peers * cfg.inner.total_steps * cfg.inner.batch_size * cfg.model.block_size
-    seconds = args.minutes * 60 if args.minutes > 0 else None
+    step_capped = cfg.inner.total_steps < NO_STEP_LIMIT
+    budget_tokens = args.peers * cfg.inner.total_steps * cfg.inner.batch_size * cfg.model.block_size if step_capped else None
     common = ["--config", config_path] if config_path else []
-    common += [a for o in args.overrides for a in ("--set", o)]
+    common += [a for o in overrides for a in ("--set", o)]
     network = ["--swarm-key", args.swarm_key] if args.swarm_key else []
+    budget = " or ".join(([f"{cfg.inner.total_steps} steps"] if step_capped else [])
+                         + ([f"{args.minutes:g} min of training"] if seconds else []))
     _out(f"swarm: {args.peers} learners ({', '.join(p.name for p in loaded)}), config {config_path or 'defaults'} "
-         f"(hash {config_hash(cfg)}), budget {cfg.inner.total_steps} steps per learner"
-         + (f" or {args.minutes:g} min" if seconds else "") + f"; output in {out}")
+         f"(hash {config_hash(cfg)}), budget {budget} per learner"
+         + ("" if step_capped else " (no step limit)") + f"; output in {out}")
     t0 = time.monotonic()
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     events: list[dict[str, Any]] = []
     finals: dict[str, dict[str, Any]] = {}
+    endings: list[Ending] = []
     try:
         with LocalSwarm(out / "logs", grace_s=LINGER_S + 30) as swarm:
             peers = swarm.start_bootstrap("--host", args.host, *network, *common)
@@ -122,20 +145,97 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                     finals[c.name] = summary
                 elif c not in chaos.killed:
                     _out(f"swarm: {c.name} ended without a final summary (exit {c.popen.poll()}); see {c.log_path}")
+                endings.append(_ending(c, t0, chaos))
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    report = build_report(cfg, config_path, args, finals, events, out, time.monotonic() - t0)
-    (out / "summary.json").write_text(json.dumps(report, indent=2))
-    table = render_report(report)
-    (out / "summary.md").write_text(table)
-    _out(table)
+    report = build_report(cfg, config_path, args, finals, events, out, time.monotonic() - t0, endings)
+    ref_cfg = load_config(config_path, [*args.overrides, f"sim.learners={args.peers}"])  # K replicas: the swarm's
+    tokens = report["tokens"]
+    stored, why = _stored_reference(ref_cfg, tokens)
+    action, why = reference_action(stored is not None, why, tokens, args.no_reference, stop.is_set())
+    if action == "use":
+        report["reference"] = stored
+    elif action == "compute":
+        _write_report(report, out)  # on disk before the reference is computed (Ctrl+C there keeps it)
+        try:
+            report["reference"] = _compute_reference(config_path, args, ref_cfg, tokens, why, time.monotonic() - t0)
+        except KeyboardInterrupt:
+            stop.set()
+            _out("data-parallel reference: interrupted; the report has none")
+            report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why + "; computing one was interrupted"}
+    elif tokens > 0:
+        report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why}
+    _out(_write_report(report, out))
     try:
         plot(out)
         _out(f"swarm: wrote {out}/summary.json, summary.md, loss.png, rounds.png")
     except Exception as e:  # plots are a convenience: the report is already on disk
         _out(f"swarm: could not draw the plots ({type(e).__name__}: {e}); the report is in {out}/summary.json")
     return 130 if stop.is_set() else 0
+
+
+def _write_report(report: dict[str, Any], out: Path) -> str:
+    """``summary.json`` and ``summary.md``; returns the table."""
+    (out / "summary.json").write_text(json.dumps(report, indent=2))
+    table = render_report(report)
+    (out / "summary.md").write_text(table)
+    return table
+
+
+def _ending(c: Child, t0: float, chaos: _Chaos) -> Ending:
+    """How learner ``c`` ended, in seconds since the swarm started."""
+    if c.final_at is not None:
+        return Ending(c.name, round(c.final_at - t0, 1))
+    if c in chaos.killed:
+        return Ending(c.name, None, f"killed by --chaos (kill -9) at {chaos.killed_at - chaos.t0:.0f} s")
+    return Ending(c.name, None, f"exited without a final summary (exit code {c.popen.poll()})")
+
+
+def reference_action(stored: bool, why: str, tokens: int, no_reference: bool, interrupted: bool) -> tuple[str, str]:
+    """What the report's data-parallel reference comes from: ``use`` the stored curve that covers the run's
+    ``tokens``, ``compute`` one for the run, or ``none`` (no tokens, ``--no-reference``, or a run stopped by
+    Ctrl+C: not worth the wait); with why (``why``: why no stored curve covers them)."""
+    if stored:
+        return "use", why
+    if tokens <= 0:
+        return "none", "the learners trained no tokens"
+    if no_reference:
+        return "none", why + "; --no-reference: not computed"
+    if interrupted:
+        return "none", why + "; the run was interrupted: not computed"
+    return "compute", why
+
+
+def _stored_reference(cfg: Any, tokens: int) -> tuple[dict[str, Any] | None, str]:
+    """The reference at ``tokens`` from the committed and cached curves, or (None, why none covers it)."""
+    from p2p_diloco.reference import COMMITTED_DIR, cache_dir, lookup, reference_key
+
+    return lookup(reference_key(cfg), tokens, [COMMITTED_DIR, cache_dir()])
+
+
+def _compute_reference(config_path: str | None, args: argparse.Namespace, cfg: Any, tokens: int, why: str,
+                       run_s: float) -> dict[str, Any]:
+    """Train the data-parallel reference of ``tokens`` here (progress lines on stderr), cache its curve
+    (:func:`p2p_diloco.reference.cache_dir`) and read it at ``tokens``."""
+    from p2p_diloco.reference import cache_dir, compute_curve, reference_at, save_curve, steps_for
+
+    overrides = [*args.overrides, f"sim.learners={args.peers}"]
+    _out(f"data-parallel reference: {why}; computing one for this run: {steps_for(cfg, tokens)} steps of "
+         f"{args.peers} x {cfg.inner.batch_size} x {cfg.model.block_size} tokens in this process (about "
+         f"{tokens / REFERENCE_TOKENS_PER_S_2_CORES / 60:.1f} min on an idle 2-core machine; the learners trained for "
+         f"{args.minutes:g} min), a progress line at every 1/{REFERENCE_EVAL_POINTS}; Ctrl+C skips it, "
+         "--no-reference skips it next time")
+    command = "python scripts/bench_reference.py " + " ".join(
+        [*(["--config", config_path] if config_path else []), *(a for o in overrides for a in ("--set", o)),
+         "--tokens", str(tokens)])
+    payload = compute_curve(config_path, overrides, tokens, eval_points=REFERENCE_EVAL_POINTS, progress=True,
+                            command=command)
+    path = save_curve(payload, cache_dir())
+    _out(f"data-parallel reference: eval loss {payload['final_eval_loss']:.4f} after {payload['tokens']:,} tokens, "
+         f"{payload['wall_s']:.0f} s; cached in {path}")
+    shown = {**payload, "path": str(path)}
+    return reference_at(shown, tokens) | {"computed_s": payload["wall_s"]}
 
 
 def _estimate_s(cfg: Any) -> float:
@@ -149,6 +249,8 @@ class _Chaos:
     def __init__(self, enabled: bool, run_s: float) -> None:
         self.enabled, self.run_s = enabled, run_s
         self.killed: list[Child] = []
+        self.killed_at = 0.0
+        """When (``time.monotonic()``) the victim was killed."""
         self.t0 = time.monotonic()
         self.restarted = False
 
@@ -161,6 +263,7 @@ class _Chaos:
         if not self.killed and elapsed >= self.run_s / 3 and victim.alive:
             victim.kill()
             self.killed.append(victim)
+            self.killed_at = time.monotonic()
             events.append({"t": elapsed, "event": "chaos", "what": f"kill -9 {victim.name}"})
             _out(f"chaos: kill -9 {victim.name} at {elapsed:.0f} s")
         elif self.killed and elapsed >= self.run_s / 2:
@@ -174,7 +277,7 @@ class _Chaos:
 class _View:
     """The live view: the ``status`` table and a progress bar (rich on a terminal, plain lines otherwise)."""
 
-    def __init__(self, args: argparse.Namespace, cfg: Any, peers: str, budget_tokens: int,
+    def __init__(self, args: argparse.Namespace, cfg: Any, peers: str, budget_tokens: int | None,
                  seconds: float | None) -> None:
         from p2p_diloco.records import LocalRun
         from p2p_diloco.swarm_cli import _swarm_options
@@ -192,6 +295,8 @@ class _View:
             _out(f"swarm: no live view ({type(e).__name__}: {e})")
         self.live: Any = None
         self.last_plain = -math.inf
+        self.train_started_s: float | None = None
+        """When the view first saw tokens trained (seconds since the swarm started): the time budget's zero."""
 
     def update(self, elapsed_s: float, events: list[dict[str, Any]]) -> None:
         if self.dht is None:
@@ -206,10 +311,10 @@ class _View:
             return
         s = data["summary"]
         tokens = sum(p.get("tokens", 0) for p in data["peers"] if p["kind"] == "PeerRecord" and p["status"] in ("live", "left"))
-        share = min(1.0, tokens / max(1, self.budget_tokens))
-        if self.seconds:  # a time budget ends the run first, whatever the tokens
-            share = max(share, min(1.0, elapsed_s / self.seconds))
-        line = (f"[{elapsed_s:5.0f} s] {s['live']} live, {tokens:,}/{self.budget_tokens:,} tokens, {100 * share:.0f}% done, "
+        if tokens > 0 and self.train_started_s is None:
+            self.train_started_s = elapsed_s
+        share, budget = progress(elapsed_s, self.train_started_s, self.seconds, tokens, self.budget_tokens)
+        line = (f"[{elapsed_s:5.0f} s] {s['live']} live, {budget}, {100 * share:.0f}% done, "
                 f"{s['tokens_per_s']:.0f} tokens/s, consensus {'yes' if s['consensus'] else 'no'}")
         if self.rich:
             from rich.console import Group
@@ -240,12 +345,62 @@ class _View:
             self.dht.shutdown()
 
 
+def progress(elapsed_s: float, train_started_s: float | None, seconds: float | None, tokens: int,
+             budget_tokens: int | None) -> tuple[float, str]:
+    """The live view's share done and its budget text. With a time budget it is the training time so far
+    (from ``train_started_s``, when tokens were first seen) over ``seconds``, whatever the tokens (a fast
+    machine trains more of them); with a step budget only, ``tokens`` over ``budget_tokens``; with both
+    (``--set inner.total_steps=N`` and ``--minutes``), whichever is further."""
+    shares, parts = [], [f"{tokens:,}" + (f"/{budget_tokens:,}" if budget_tokens else "") + " tokens"]
+    if budget_tokens:
+        shares.append(min(1.0, tokens / budget_tokens))
+    if seconds:
+        trained_s = 0.0 if train_started_s is None else max(0.0, elapsed_s - train_started_s)
+        shares.append(min(1.0, trained_s / seconds))
+        parts.append(f"{min(trained_s, seconds):.0f}/{seconds:.0f} s trained")
+    return max(shares, default=0.0), ", ".join(parts)
+
+
 # ---------------------------------------------------------------- report
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How one learner process ended, for the report."""
+
+    name: str
+    final_s: float | None
+    """When its final summary arrived, in seconds since the run started; None: it printed none."""
+    why_no_final: str = ""
+    """Without a final summary: why (killed by the chaos, exited with code N, ...)."""
+
+
+def finished_together(endings: Sequence[Ending], window_s: float) -> tuple[list[str], dict[str, str]]:
+    """The learners that finished together -- printed their final summary within ``window_s`` of the last
+    one, so trained until the end and lingered for the last rounds together -- sorted by name; and every
+    other learner with the reason it is left out of comparisons of the end state (anchors, eval loss)."""
+    if window_s < 0:
+        raise ValueError(f"window_s: must be >= 0, got {window_s}")
+    last = max((e.final_s for e in endings if e.final_s is not None), default=None)
+    together, excluded = [], {}
+    for e in sorted(endings, key=lambda e: e.name):
+        if e.final_s is None:
+            excluded[e.name] = e.why_no_final or "no final summary"
+        elif last is not None and e.final_s < last - window_s:
+            excluded[e.name] = (f"left at {e.final_s:.0f} s, {last - e.final_s:.0f} s before the last learner "
+                                f"finished (more than {window_s:.0f} s before)")
+        else:
+            together.append(e.name)
+    return together, excluded
+
+
 def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, finals: dict[str, dict[str, Any]],
-                 events: list[dict[str, Any]], out: Path, wall_s: float) -> dict[str, Any]:
-    """The run's figures (pure apart from reading the learners' event files)."""
+                 events: list[dict[str, Any]], out: Path, wall_s: float,
+                 endings: Sequence[Ending] = ()) -> dict[str, Any]:
+    """The run's figures (pure apart from reading the learners' event files), without the data-parallel
+    reference (``reference``: None; the caller looks it up or computes it). The end state (anchors, eval
+    loss) is compared among the learners that finished together (:func:`finished_together`; all learners
+    with a final summary if ``endings`` is empty)."""
     from p2p_diloco.config import config_hash
     from p2p_diloco.sim import dp_fp32_bytes
 
@@ -254,62 +409,26 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
     sent = sum(f["bytes_sent"] for f in finals.values())
     dp_bytes = dp_fp32_bytes(tokens, cfg, n_params, learners=max(1, len(finals)))
     rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in read_jsonl(p) if e.get("event") == "round"]
-    reference = reference_at(load_reference(reference_key(cfg)), tokens)
+    together, excluded = finished_together(endings, TOGETHER_WINDOW_S) if endings else (sorted(finals), {})
+    end = [finals[n] for n in together if n in finals]
     return {
         "config": config_path, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
         "peers": args.peers, "chaos": args.chaos, "wall_s": round(wall_s, 1), "model_params": n_params,
+        "minutes": args.minutes,
         "learners": finals,
         "tokens": tokens,
+        "finished_together": together, "excluded": excluded,
         "eval_loss_start": statistics.median(f["eval_loss_start"] for f in finals.values()) if finals else None,
-        "eval_loss_end": statistics.median(f["eval_loss_end"] for f in finals.values()) if finals else None,
-        "anchors_identical": len({tuple(f["anchor_hashes"]) for f in finals.values()}) == 1 if finals else None,
+        "eval_loss_end": statistics.median(f["eval_loss_end"] for f in end) if end else None,
+        "anchors_identical": len({tuple(f["anchor_hashes"]) for f in end}) == 1 if end else None,
         "bytes_sent": sent, "dp_fp32_bytes": dp_bytes, "bytes_saved_vs_dp_fp32": dp_bytes / sent if sent else None,
         "median_utilization": statistics.median(f["utilization"] for f in finals.values()) if finals else None,
         "rounds_committed": sum(e["outcome"] == "committed" for e in rounds),
         "rounds_discarded": sum(e["outcome"] != "committed" for e in rounds),
         "discard_reasons": _top_reasons(e["reason"] for e in rounds if e["outcome"] != "committed"),
         "chaos_events": events,
-        "reference": reference,
+        "reference": None,
     }
-
-
-def reference_key(cfg: Any) -> str:
-    """What a data-parallel reference depends on: the model, data, inner optimizer, seed and number of
-    replicas (not the outer algorithm, averaging or the step budget), as a 16-hex-digit hash."""
-    d = cfg.to_dict()
-    inner = {k: v for k, v in d["inner"].items() if k != "total_steps"}
-    blob = json.dumps({"model": d["model"], "data": d["data"], "inner": inner, "seed": d["run"]["seed"],
-                       "replicas": d["sim"]["learners"]}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def load_reference(key: str, folder: Path = REFERENCE_DIR) -> dict[str, Any] | None:
-    """The data-parallel reference curve for this :func:`reference_key` (``scripts/bench_reference.py``), if any."""
-    path = folder / f"dp-{key}.json"
-    if not path.exists():
-        return None
-    ref = json.loads(path.read_text())
-    if ref.get("reference_key") != key or not ref.get("curve"):
-        raise ValueError(f"{path}: not a reference curve for reference key {key}")
-    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    return {**ref, "path": str(shown)}
-
-
-def reference_at(ref: dict[str, Any] | None, tokens: int) -> dict[str, Any] | None:
-    """The reference's eval loss at ``tokens`` (linear between its points; None past its end + 10%)."""
-    if ref is None or tokens <= 0:
-        return None
-    points = sorted((float(p["tokens"]), float(p["eval_loss"])) for p in ref["curve"])
-    if tokens > points[-1][0] * 1.1:
-        return {"path": ref["path"], "tokens": tokens, "eval_loss": None, "command": ref.get("command"),
-                "why": f"the reference stops at {points[-1][0]:,.0f} tokens"}
-    from p2p_diloco.curves import value_at
-
-    loss = value_at(points, tokens)
-    if loss is None:  # past the last point, within 10% of it
-        loss = points[-1][1]
-    return {"path": ref["path"], "tokens": tokens, "eval_loss": loss, "command": ref.get("command"),
-            "reference_tokens": int(points[-1][0]), "reference_final_eval_loss": points[-1][1]}
 
 
 def _top_reasons(reasons: Any, top: int = 5) -> list[tuple[str, int]]:
@@ -335,21 +454,23 @@ def render_report(r: dict[str, Any]) -> str:
     lines.append("")
     if r["eval_loss_end"] is not None:
         saved = r["bytes_saved_vs_dp_fp32"]
+        together = r.get("finished_together", sorted(r["learners"]))
         lines.append(f"held-out eval loss of the global model: {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.4f} "
-                     f"nats/byte after {r['tokens']:,} tokens; anchors identical on every learner: "
-                     f"{'yes' if r['anchors_identical'] else 'NO'}")
+                     f"nats/byte after {r['tokens']:,} tokens; anchors identical on the {len(together)} learners that "
+                     f"finished together ({', '.join(together)}): {'yes' if r['anchors_identical'] else 'NO'}")
+        for name, why in sorted(r.get("excluded", {}).items()):
+            lines.append(f"  left out of that comparison: {name} ({why})")
         ref = r.get("reference")
         if ref and ref.get("eval_loss") is not None:
             gap = r["eval_loss_end"] / ref["eval_loss"] - 1
+            how = (f"computed for this run in {ref['computed_s'] / 60:.1f} min, cached in {ref['path']}"
+                   if ref.get("computed_s") is not None else f"from {ref['path']}")
             lines.append(f"data-parallel reference (fp32 gradients averaged every step, same model) at the same tokens: "
-                         f"{ref['eval_loss']:.4f} nats/byte; ours {100 * gap:+.1f}% (from {ref['path']}, a curve of "
+                         f"{ref['eval_loss']:.4f} nats/byte; ours {100 * gap:+.1f}% ({how}, a curve of "
                          f"{ref['reference_tokens']:,} tokens)")
         elif ref:
             lines.append(f"data-parallel reference: none at {ref['tokens']:,} tokens ({ref['why']}); make one with "
-                         f"python scripts/bench_reference.py --tokens {ref['tokens']}")
-        else:
-            lines.append(f"data-parallel reference: none for this model, data and optimizer; make one with "
-                         f"python scripts/bench_reference.py --config {r['config'] or 'FILE'} --tokens {r['tokens']}")
+                         f"python scripts/bench_reference.py --config {r['config'] or 'FILE'} --tokens {ref['tokens']}")
         lines.append(f"bytes sent {r['bytes_sent'] / 1e6:.2f} MB vs {r['dp_fp32_bytes'] / 1e6:.0f} MB for fp32 "
                      f"data-parallel on the same tokens" + (f" ({saved:.0f}x fewer)" if saved else ""))
         lines.append(f"median utilization {100 * r['median_utilization']:.1f}%; rounds {r['rounds_committed']} committed, "
@@ -417,11 +538,16 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config value (repeatable)")
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
-                   help=f"training time of every learner, in minutes (default: {DEFAULT_MINUTES:g}; 0 = the config's "
-                        "step budget, inner.total_steps, however long that takes)")
+                   help=f"training time of every learner, in minutes, however fast the machine (no step limit "
+                        f"unless --set inner.total_steps=N; default: {DEFAULT_MINUTES:g}; 0 = the config's step "
+                        "budget, inner.total_steps, however long that takes)")
     p.add_argument("--host", default="127.0.0.1", help="address the peers listen on (a LAN address lets other machines "
                    "join; default 127.0.0.1)")
     p.add_argument("--swarm-key", dest="swarm_key", metavar="FILE", help="private swarm: the key file from keygen")
     p.add_argument("--chaos", action="store_true", help="kill -9 one learner a third into the run, restart it at half")
     p.add_argument("--out", default="runs/swarm", help="output folder for the report, plots and logs (default: runs/swarm)")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--no-reference", dest="no_reference", action="store_true",
+                   help="when no stored data-parallel curve covers the run's tokens, do not compute one (computing "
+                        "takes about a third of the training time on an idle 2-core machine; computed curves are cached in "
+                        "~/.cache/p2p-diloco)")

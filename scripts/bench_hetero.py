@@ -5,7 +5,9 @@ Runs two real swarms on 127.0.0.1 one after the other (a bootstrap peer and 4 ``
 learners each, ``configs/demo.toml``, the same training time): ``homogeneous`` (4 x
 ``peers/fast.toml``) and ``mixed`` (``fast, half, fast, half``; a half-speed learner takes twice as
 long per inner step: ``peers/half.toml``'s ``slowdown = 2``). Learner 0 of each run evaluates the
-global model on the whole held-out set every ``--eval-every`` seconds.
+global model on the whole held-out set every ``--eval-every`` seconds. Every learner trains for the
+whole time whatever the machine's speed (no step cap: ``inner.total_steps`` =
+``launcher.NO_STEP_LIMIT``, so the LR's warm-up + cosine runs over the time), so all finish together.
 
 The mixed swarm processes fewer tokens in the same time, so its final eval loss is compared with the
 homogeneous swarm's loss *at the same number of tokens*, read off the homogeneous run's eval curve
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from p2p_diloco.curves import value_at  # noqa: E402 (stdlib only)
-from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl, unlimited_steps  # noqa: E402 (stdlib only)
 
 RUNS = {"homogeneous": ("fast", "fast", "fast", "fast"), "mixed": ("fast", "half", "fast", "half")}
 """Each run's learner profiles (``peers/<name>.toml``), learner i on data shard i."""
@@ -103,7 +105,7 @@ def compare(homo: dict[str, Any], mixed: dict[str, Any]) -> dict[str, Any]:
 
 def run_swarm(name: str, profiles: Sequence[str], args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     """Bootstrap + one learner per profile for ``--minutes`` of training; their finals and learner 0's evals."""
-    sets = [a for o in args.overrides for a in ("--set", o)]
+    sets = [a for o in unlimited_steps(args.overrides) for a in ("--set", o)]  # the time alone ends training
     seconds = args.minutes * 60
     with LocalSwarm(logs) as swarm:
         peers = swarm.start_bootstrap("--config", args.config, *sets)

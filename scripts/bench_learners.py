@@ -4,7 +4,9 @@
 Starts a bootstrap peer and K ``p2p-diloco join`` learners (real processes, real hivemind DHT and
 all-reduce) for a fixed wall time on ``configs/demo.toml``, then runs the in-process simulator
 with the same config, learners, fragments and data shards for the same number of inner steps per
-learner (the median the learners reached), and compares the global model's held-out loss.
+learner (the median the learners reached), and compares the global model's held-out loss. Every learner
+trains for the whole wall time whatever the machine's speed (no step cap); the LR's warm-up + cosine
+runs over ``inner.total_steps`` steps in both (``--lr-schedule steps``), then stays at its floor.
 
 Reported per learner: inner steps, utilization (time in inner steps / wall time), time the inner
 loop was blocked, rounds committed / discarded, forks healed, consensus distance, bytes. The
@@ -31,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+from p2p_diloco.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
 
 FINISH_SLACK_S = 300.0
 """After the training time: final rounds, linger, evaluation and exit."""
@@ -48,6 +50,7 @@ def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, 
             swarm.start(name, [
                 "join", "--initial-peers", peers, "--config", config, *sets, "--name", name, "--shard", str(i),
                 "--num-shards", str(learners), "--wait-peers", str(learners), "--max-time", str(seconds), "--lr-schedule", "steps",
+                "--steps", str(NO_STEP_LIMIT),  # the time alone ends training, however fast the machine
                 "--linger", "30", "--events", str(logs / f"{name}.jsonl")])
         t0 = time.monotonic()
         finals = swarm.wait_finals(START_TIMEOUT_S + seconds + FINISH_SLACK_S, "bench_learners",

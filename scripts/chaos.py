@@ -6,12 +6,16 @@ training time and, on a seeded schedule (:func:`make_schedule`), every ~60 s eit
 
 * **kills** one learner with kill -9 of its whole process group (CLI, DHT and averager processes,
   p2pd) and starts it again after a down time, as the *same peer* (same ``--identity`` file, same
-  ``--name``, ``--wait-peers 0``, ``--max-time`` = the training time left): it resumes from its newest
-  complete checkpoint (every learner checkpoints every ``--checkpoint-every`` seconds, default 15;
-  0 = restart afresh), downloads the fragments the live peers moved on and rejoins by itself; or
+  ``--name``, ``--wait-peers 0``, ``--max-time`` = the training time left, so that it ends with the
+  others): it resumes from its newest complete checkpoint (every learner checkpoints every
+  ``--checkpoint-every`` seconds, default 15; 0 = restart afresh), downloads the fragments the live
+  peers moved on and rejoins by itself; or
 * **stops** one learner with SIGSTOP to its whole process group and SIGCONTs it after a while.
 
-Never more than one learner is down or stopped at a time, and nothing happens in the first ~45 s
+Every incarnation trains until the end of the window whatever the machine's speed: there is no step
+cap (``--steps`` = ``launcher.NO_STEP_LIMIT``; the LR's warm-up + cosine still runs over
+``inner.total_steps`` steps, then stays at its floor, so the baseline's ``--steps`` replays it). Never
+more than one learner is down or stopped at a time, and nothing happens in the first ~45 s
 (start-up) or the last 60 s (final rounds). Every action is logged with its time in
 ``chaos_events.jsonl``. Then, unless ``--no-baseline``, the same learners run again without chaos
 for the same number of inner steps each (so on the same number of tokens), and the two global
@@ -35,7 +39,8 @@ Reported (definitions; the pure functions below compute them and are unit-tested
   2-core machine the survivors step faster while a learner is down (more CPU each), which pushes
   goodput up: read it with that in mind. Also per learner. Beside it, the **work share**: committed
   tokens / tokens processed (inner steps x tokens per step), which leaves the down time out.
-* **goodput in learner-time** = (allocated learner-time - time down, starting up or stopped) / allocated
+* **goodput in learner-time** = (allocated learner-time - time down, starting up, stopped or gone after
+  a learner's last incarnation ended early) / allocated
   learner-time x the work share (:func:`learner_time_goodput`): the issue's "share of allocated
   learner-time whose work reached the model" read literally. It needs no throughput from another run,
   so neither the survivors' windfall of CPU nor the machine's speed drifting between the chaos run and
@@ -48,6 +53,9 @@ Reported (definitions; the pure functions below compute them and are unit-tested
   reported too.
 * **rounds failed and why**: discarded round events (one per learner per round) grouped by
   :func:`normalise_reason` (peer ids, hashes and numbers masked), per run.
+* **anchors identical at the end**, among the incarnations that finished together (final summaries within
+  ``TOGETHER_WINDOW_S`` of the last one; :func:`end_state`), which are named, and the others with why
+  (killed and restarted as ..., exited without a summary, left early).
 * **eval loss** of the global model at the end: the median ``eval_loss_end`` of the finished
   incarnations holding the most advanced anchors (highest fragment versions; normally all of them,
   anchors are identical at the end), chaos vs baseline, as a relative difference.
@@ -70,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import signal
@@ -87,7 +94,9 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.launcher import START_TIMEOUT_S, Child, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+from p2p_diloco.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, Child, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+from p2p_diloco.swarm_run import Ending, finished_together  # noqa: E402 (stdlib only)
+from p2p_diloco.procguard import signal_session  # noqa: E402 (stdlib only)
 
 TARGET_GOODPUT = 0.85
 TARGET_STALL_S = 5.0
@@ -105,8 +114,15 @@ EXIT_GRACE_S = 15.0
 TICK_S = 0.25
 """The harness's loop period: how late an action may be, at most."""
 MIN_RESTART_TRAIN_S = 10.0
+STARTUP_ALLOWANCE_S = 30.0
+"""``join --max-time`` counts from the learner's start, start-up and the wait for peers included: the first
+incarnations get the training window plus this (generous) allowance, so that they train at least until the
+window's end; restarts get what is left until the same end (their own start-up is inside it)."""
 """A restart with less training time than this left is skipped (the schedule keeps restarts earlier)."""
 STOP_TOLERANCE_S = 0.5
+TOGETHER_WINDOW_S = LINGER_S + 30.0
+"""Incarnations whose final summaries arrive within this of the last one finished together (the end state,
+anchors, is compared among them): those training until the end linger up to ``LINGER_S``, then evaluate."""
 """A stopped incarnation's stall within this of one of its stops may contain that stop."""
 RESUMED_RE = re.compile(r"^resumed from \S+: step (\d+)")
 TRAINING_START_RE = re.compile(r"learners ready; starting together in (-?[\d.]+) s")
@@ -274,16 +290,17 @@ def goodput(incarnations: Sequence[dict[str, Any]], rates: dict[str, float], tra
 def time_away(incarnations: Sequence[dict[str, Any]], window_s: float, learners: int) -> dict[str, Any]:
     """Learner-time the chaos itself took away, inside the training window ``[0, window_s]`` (seconds since
     the harness started): *down* (from a kill to the restart's spawn), *start-up* (spawn to training again,
-    or to the window's end if it never got there) and *stopped* (SIGSTOP to SIGCONT). ``ceiling`` is the
-    goodput a perfect protocol would reach under this schedule (1 - away / allocated), ignoring that the
-    others step faster meanwhile."""
+    or to the window's end if it never got there), *stopped* (SIGSTOP to SIGCONT) and *gone* (from the end
+    of a learner's last incarnation to the window's end: killed with no restart, crashed, or finished early).
+    ``ceiling`` is the goodput a perfect protocol would reach under this schedule (1 - away / allocated),
+    ignoring that the others step faster meanwhile."""
     def clip(a: float, b: float | None) -> float:
         return max(0.0, min(window_s, window_s if b is None else b) - max(0.0, a))
 
     by_learner: dict[str, list[dict[str, Any]]] = {}
     for inc in incarnations:
         by_learner.setdefault(inc["learner"], []).append(inc)
-    down = startup = stopped = 0.0
+    down = startup = stopped = gone = 0.0
     for incs in by_learner.values():
         incs = sorted(incs, key=lambda i: int(i["key"].rsplit(".", 1)[1]))
         for prev, inc in zip(incs, incs[1:]):
@@ -292,9 +309,12 @@ def time_away(incarnations: Sequence[dict[str, Any]], window_s: float, learners:
             startup += clip(inc["spawned_s"], inc.get("up_s"))
         for inc in incs:
             stopped += sum(clip(a, b) for a, b in inc.get("stops", []))
+        if incs and incs[-1].get("ended_s") is not None:
+            gone += clip(incs[-1]["ended_s"], None)
     allocated = learners * window_s
-    away = down + startup + stopped
-    return {"down_s": down, "startup_s": startup, "stopped_s": stopped, "away_s": away, "allocated_s": allocated,
+    away = down + startup + stopped + gone
+    return {"down_s": down, "startup_s": startup, "stopped_s": stopped, "gone_s": gone, "away_s": away,
+            "allocated_s": allocated,
             "away_share": away / allocated if allocated > 0 else None,
             "ceiling": 1.0 - away / allocated if allocated > 0 else None}
 
@@ -358,6 +378,37 @@ def final_model_eval(finals: Sequence[dict[str, Any]]) -> float | None:
     return statistics.median(f["eval_loss_end"] for f in finals if sum(f["versions"]) == top)
 
 
+def incarnation_endings(incarnations: Sequence[dict[str, Any]]) -> list[Ending]:
+    """How each incarnation ended, for :func:`p2p_diloco.swarm_run.finished_together`: when its final summary
+    arrived (``final_s``; records without it: ``ended_s``), or why it has none."""
+    out = []
+    for inc in incarnations:
+        if inc.get("final"):
+            at = inc.get("final_s") if inc.get("final_s") is not None else inc.get("ended_s")
+            out.append(Ending(inc["key"], float(at) if at is not None else None, "no end time recorded"))
+            continue
+        if inc.get("end") == "killed":
+            n = int(inc["key"].rsplit(".", 1)[1])
+            later = [i["key"] for i in incarnations if i["learner"] == inc["learner"]
+                     and int(i["key"].rsplit(".", 1)[1]) == n + 1]
+            when = f" at {inc['ended_s']:.0f} s" if inc.get("ended_s") is not None else ""
+            why = f"killed (kill -9){when}, " + (f"restarted as {later[0]}" if later else "not restarted")
+        elif inc.get("end") == "crashed":
+            why = f"exited without a final summary (code {inc.get('exit_code')})"
+        else:
+            why = "no final summary"
+        out.append(Ending(inc["key"], None, why))
+    return out
+
+
+def end_state(finals: dict[str, dict[str, Any]], endings: Sequence[Ending]) -> dict[str, Any]:
+    """Are the anchors identical at the end, among the incarnations that finished together (and which they
+    are; the others with why): ``{"identical", "together", "excluded"}``; ``identical`` None without finals."""
+    together, excluded = finished_together(endings, TOGETHER_WINDOW_S)
+    hashes = {tuple(finals[k]["anchor_hashes"]) for k in together if k in finals}
+    return {"identical": len(hashes) == 1 if hashes else None, "together": together, "excluded": excluded}
+
+
 def chaos_rates(incarnations: Sequence[dict[str, Any]], learners: Sequence[str]) -> tuple[dict[str, float], str]:
     """No-baseline fallback for the no-chaos tokens/s, one rate for every learner: the median tokens /
     ``train_s`` of first incarnations that were never stopped (and so ran the whole window undisturbed
@@ -394,6 +445,9 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
     good = goodput(incs, rates, train_wall_s, fragments) if rates else None
     base_rounds = base.get("rounds") or []
     chaos_eval, base_eval = final_model_eval(chaos_finals), final_model_eval(list(base_finals.values()))
+    chaos_end = end_state({inc["key"]: inc["final"] for inc in incs if inc.get("final")}, incarnation_endings(incs))
+    base_times: dict[str, float] = base.get("final_s") or {}
+    base_end = end_state(base_finals, [Ending(n, base_times.get(n, 0.0)) for n in base_finals])
     gap = chaos_eval / base_eval - 1 if chaos_eval is not None and base_eval else None
     stall = survivor_stall(incs)
     tokens_per_step = int(payload["tokens_per_step"])
@@ -431,9 +485,8 @@ def analyse(payload: dict[str, Any]) -> dict[str, Any]:
                             "discarded": sum(r["outcome"] != "committed" for r in base_rounds),
                             "failed_reasons": failed_reasons(base_rounds)} if base_rounds else None,
         "eval_loss_chaos": chaos_eval, "eval_loss_baseline": base_eval, "eval_gap": gap,
-        "anchors_identical_chaos": len({tuple(f["anchor_hashes"]) for f in chaos_finals}) == 1 if chaos_finals else None,
-        "anchors_identical_baseline": (len({tuple(f["anchor_hashes"]) for f in base_finals.values()}) == 1
-                                       if base_finals else None),
+        "anchors_identical_chaos": chaos_end["identical"], "end_chaos": chaos_end,
+        "anchors_identical_baseline": base_end["identical"], "end_baseline": base_end,
         "tokens_chaos": processed,
         "time_away": away,
         "share_of_ceiling": good["goodput"] / away["ceiling"] if good and good["goodput"] and away["ceiling"] else None,
@@ -484,8 +537,11 @@ class ChaosRun:
         self.incarnations: list[Incarnation] = []
         self.current: dict[str, Incarnation] = {}
         self.startup_s = 15.0
-        """Spawn to ``learner ...`` line, the longest seen so far (first incarnations, then restarts): a restart's
-        ``--max-time`` is the training time left less this, so that it ends with the others."""
+        """Spawn to ``learner ...`` line, the longest seen so far (first incarnations, then restarts): a restart
+        with less training time left than this plus ``MIN_RESTART_TRAIN_S`` is skipped."""
+        self.end_at: float | None = None
+        """When every incarnation's ``--max-time`` runs out (seconds since the harness started): the first ones'
+        spawn + window + ``STARTUP_ALLOWANCE_S``; restarts are given what is left until then."""
         self.peers = ""
         self.interrupted = False
 
@@ -522,7 +578,7 @@ class ChaosRun:
             "join", "--initial-peers", self.peers, "--config", self.config, *sets, "--name", name,
             "--identity", str(self.swarm.tmp / f"{name}.id"), "--shard", str(shard), "--num-shards", str(len(self.names)),
             "--wait-peers", str(wait_peers), "--max-time", f"{max_time_s:.1f}", "--lr-schedule", "steps",
-            "--linger", str(LINGER_S),
+            "--steps", str(NO_STEP_LIMIT), "--linger", str(LINGER_S),
             "--events", str(logs / f"{key}.jsonl")])
         inc = Incarnation(name, key, shard, child, logs / f"{key}.jsonl", self.now())
         self.incarnations.append(inc)
@@ -534,8 +590,9 @@ class ChaosRun:
         """Bootstrap and the first incarnations; returns once they started training together."""
         sets = [a for o in self.overrides for a in ("--set", o)]
         self.peers = self.swarm.start_bootstrap("--config", self.config, *sets)
+        self.end_at = self.now() + self.duration_s + STARTUP_ALLOWANCE_S
         for name in self.names:
-            self.spawn(name, wait_peers=len(self.names), max_time_s=self.duration_s)
+            self.spawn(name, wait_peers=len(self.names), max_time_s=self.duration_s + STARTUP_ALLOWANCE_S)
         deadline = self.now() + START_TIMEOUT_S + WAIT_PEERS_TIMEOUT_S
         while self.train0 is None:
             self._note_up()
@@ -650,23 +707,23 @@ class ChaosRun:
             self.record("cont", self.now(), learner=a.victim, incarnation=inc.key)
             self.say(f"SIGCONT {a.victim} ({inc.key})")
             return False
-        assert self.train0 is not None
-        left = self.train0 + self.duration_s - self.now() - self.startup_s
+        assert self.train0 is not None and self.end_at is not None
+        budget = self.end_at - self.now()  # --max-time counts the restart's own start-up too
+        left = budget - self.startup_s
         if left < MIN_RESTART_TRAIN_S:
             self.record("skip", self.now(), action=asdict(a), why=f"only {left:.0f} s of training left")
             self.say(f"no restart of {a.victim}: only {left:.0f} s of training would be left")
             return False
-        new = self.spawn(a.victim, wait_peers=0, max_time_s=left)
+        new = self.spawn(a.victim, wait_peers=0, max_time_s=budget)
         self.record("restart", new.spawned, learner=a.victim, incarnation=new.key, pid=new.child.popen.pid,
-                    max_time_s=round(left, 1))
-        self.say(f"restart {a.victim} as {new.key} (same identity), {left:.0f} s of training")
+                    max_time_s=round(budget, 1))
+        self.say(f"restart {a.victim} as {new.key} (same identity), about {left:.0f} s of training")
         return False
 
     def _signal_group(self, inc: Incarnation, sig: signal.Signals) -> None:
-        try:
-            os.killpg(inc.child.popen.pid, sig)
-        except ProcessLookupError:
-            self.record("signal_failed", self.now(), incarnation=inc.key, signal=sig.name, why="no such process group")
+        """Signal the whole peer: its session (it leads one), whose helpers have process groups of their own."""
+        if signal_session(inc.child.popen.pid, sig) == 0:
+            self.record("signal_failed", self.now(), incarnation=inc.key, signal=sig.name, why="no such session")
 
     # -- watching
     def _note_up(self) -> None:
@@ -721,6 +778,8 @@ class ChaosRun:
                 "stops": [[round(self.rel(a), 2) if a is not None else None, round(self.rel(b), 2) if b is not None else None]
                           for a, b in inc.stops],
                 "final": inc.child.final(), "max_step": _max_step(events),
+                "final_s": (round(self.rel(inc.child.final_at - self.t_harness), 2)
+                            if inc.child.final_at is not None else None),
                 "resumed_from_step": _resumed_step(inc.child),
                 "rounds": compact_rounds(events, self.train0_wall),
                 "resyncs": sum(e.get("event") == "resync" for e in events),
@@ -811,9 +870,10 @@ def run_baseline(config: str, overrides: list[str], steps: dict[str, int], step_
             time.sleep(1.0)
         swarm.close()
         finals = {c.name: f for c in swarm.learners() if (f := c.final()) is not None}
+        final_s = {c.name: round(c.final_at - t0, 2) for c in swarm.learners() if c.final_at is not None}
         rounds = [r for name in names for r in compact_rounds(read_jsonl(logs / f"{name}.jsonl"), 0.0)]
-        return {"finals": finals, "steps": steps, "linger_s": linger_s, "rounds": rounds, "error": error,
-                "wall_s": time.monotonic() - t0}
+        return {"finals": finals, "final_s": final_s, "steps": steps, "linger_s": linger_s, "rounds": rounds,
+                "error": error, "wall_s": time.monotonic() - t0}
 
 
 # ---------------------------------------------------------------- the report
@@ -882,7 +942,9 @@ def markdown(payload: dict[str, Any]) -> str:
         t = a.get("time_away")
         if t and t["ceiling"] is not None:
             lines.append(f"Time the chaos took away: {t['down_s']:.0f} learner-s down after kills, {t['startup_s']:.0f} "
-                         f"learner-s of restarts starting up, {t['stopped_s']:.0f} learner-s stopped: "
+                         f"learner-s of restarts starting up, {t['stopped_s']:.0f} learner-s stopped"
+                         + (f", {t['gone_s']:.0f} learner-s after a learner's last incarnation ended before the window's "
+                            "end" if t.get("gone_s") else "") + ": "
                          f"{_pct(t['away_share'])} of the {t['allocated_s']:.0f} allocated, so a perfect protocol would "
                          f"reach about {_pct(t['ceiling'])} under this schedule; goodput is "
                          f"{_pct(a.get('share_of_ceiling'))} of that ceiling.")
@@ -897,6 +959,12 @@ def markdown(payload: dict[str, Any]) -> str:
         lines.append(f"Baseline: the same learners without chaos, {a['tokens_baseline']:,} tokens "
                      f"({', '.join(f'{n} {s} steps' for n, s in sorted(base['steps'].items()))}); anchors identical at "
                      f"the end: chaos {_yes(a['anchors_identical_chaos'])}, baseline {_yes(a['anchors_identical_baseline'])}.")
+    for title, end in (("chaos", a.get("end_chaos")), ("baseline", a.get("end_baseline"))):
+        if end and end["together"]:
+            lines.append(f"Anchors compared ({title}) among the {len(end['together'])} incarnations that finished "
+                         f"together: {', '.join(end['together'])}: identical {_yes(end['identical'])}"
+                         + (f"; left out: {'; '.join(f'{k} ({why})' for k, why in sorted(end['excluded'].items()))}"
+                            if end["excluded"] else "") + ".")
     if base.get("error"):
         lines.append(f"Baseline incomplete: {base['error']}.")
     for title, rounds in (("chaos", a["rounds"]), ("baseline", a["baseline_rounds"])):

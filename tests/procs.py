@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from p2p_diloco.procguard import session_members, signal_session
+
 START_TIMEOUT_S = 60.0
 """Generous: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""
 EXIT_TIMEOUT_S = 30.0
@@ -107,11 +109,22 @@ class Proc:
         self.popen.send_signal(sig)
 
     def kill_group(self, sig: signal.Signals = signal.SIGKILL) -> None:
-        """Signal the whole process group (the CLI, its DHT process and p2pd): a crash of the peer."""
+        """Signal the main process's group (as ``kill -- -PGID`` or a terminal's Ctrl+C does). The
+        helpers (DHT, averagers, p2pd) have groups of their own and follow the main process
+        (:mod:`p2p_diloco.procguard`): with SIGKILL this is a crash of the peer."""
         try:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:  # the group is already gone: nothing left to kill
             pass
+
+    def session(self) -> list[tuple[int, str]]:
+        """(pid, command name) of every live process of this peer: its session (we started it as the
+        leader of a new one), helpers included."""
+        return session_members(self.pid)
+
+    def kill_session(self) -> None:
+        """SIGKILL every process of this peer's session: nothing of it survives, whatever its state."""
+        signal_session(self.pid, signal.SIGKILL)
 
     def output(self) -> str:
         with self._cond:
@@ -149,6 +162,7 @@ class ProcGroup:
     def close(self) -> None:
         for proc in self.procs:
             proc.kill_group(signal.SIGKILL)
+            proc.kill_session()
         for proc in self.procs:
             try:
                 proc.popen.wait(timeout=10)

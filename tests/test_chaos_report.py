@@ -216,3 +216,44 @@ def test_time_away_splits_down_start_up_and_stops_inside_the_window() -> None:
     assert t["stopped_s"] == pytest.approx(10.0 + 20.0 + 5.0)
     assert t["allocated_s"] == 1200.0 and t["ceiling"] == pytest.approx(1 - 185.0 / 1200.0)
     assert chaos.time_away([], window_s=600.0, learners=0)["ceiling"] is None
+
+
+def test_anchors_are_compared_among_the_incarnations_that_finished_together() -> None:
+    incs = [
+        {"learner": "l0", "key": "l0.0", "end": "final", "final_s": 520.0, "ended_s": 530.0,
+         "final": {"anchor_hashes": ["a", "b"]}},
+        {"learner": "l1", "key": "l1.0", "end": "killed", "ended_s": 100.0, "final": None},
+        {"learner": "l1", "key": "l1.1", "end": "final", "final_s": 515.0, "ended_s": 530.0,
+         "final": {"anchor_hashes": ["a", "b"]}},
+        # left at its step cap long before the others: older anchors, not part of the comparison
+        {"learner": "l2", "key": "l2.0", "end": "final", "final_s": 290.0, "ended_s": 300.0,
+         "final": {"anchor_hashes": ["a0", "b0"]}},
+        {"learner": "l3", "key": "l3.0", "end": "killed", "ended_s": 440.0, "final": None},
+        {"learner": "l4", "key": "l4.0", "end": "crashed", "ended_s": 40.0, "exit_code": 1, "final": None},
+    ]
+    endings = chaos.incarnation_endings(incs)
+    finals = {i["key"]: i["final"] for i in incs if i["final"]}
+    end = chaos.end_state(finals, endings)
+    assert end["identical"] is True and end["together"] == ["l0.0", "l1.1"]
+    assert end["excluded"] == {
+        "l1.0": "killed (kill -9) at 100 s, restarted as l1.1",
+        "l2.0": "left at 290 s, 230 s before the last learner finished (more than 60 s before)",
+        "l3.0": "killed (kill -9) at 440 s, not restarted",
+        "l4.0": "exited without a final summary (code 1)"}
+    old = [{k: v for k, v in i.items() if k != "final_s"} for i in incs]  # records before final_s: ended_s
+    assert chaos.end_state(finals, chaos.incarnation_endings(old))["together"] == ["l0.0", "l1.1"]
+    finals["l1.1"] = {"anchor_hashes": ["a", "c"]}
+    assert chaos.end_state(finals, endings)["identical"] is False
+    assert chaos.end_state({}, [])["identical"] is None
+
+
+def test_time_away_counts_a_learner_gone_before_the_windows_end() -> None:
+    incs = [
+        {"learner": "l0", "key": "l0.0", "spawned_s": -20.0, "up_s": 0.0, "ended_s": 630.0, "stops": []},
+        {"learner": "l1", "key": "l1.0", "spawned_s": -20.0, "up_s": 0.0, "ended_s": 540.0, "stops": []},  # no restart
+        {"learner": "l2", "key": "l2.0", "spawned_s": -20.0, "up_s": 0.0, "ended_s": 100.0, "stops": []},
+        {"learner": "l2", "key": "l2.1", "spawned_s": 130.0, "up_s": 150.0, "ended_s": 640.0, "stops": []},
+    ]
+    t = chaos.time_away(incs, window_s=600.0, learners=3)
+    assert t["gone_s"] == pytest.approx(60.0) and t["down_s"] == pytest.approx(30.0)
+    assert t["ceiling"] == pytest.approx(1 - (60.0 + 30.0 + 20.0) / 1800.0)

@@ -105,6 +105,38 @@ def test_corrupt_newest_falls_back_with_warning(
     assert str(tmp_path) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_prune_keeps_the_newest_valid_and_deletes_corrupt(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """After --resume fell back past a corrupt ckpt-200 to ckpt-100, the next saves (steps 150, 160) must keep
+    valid checkpoints, not the corrupt one (by step alone, 200 would be kept and 100 deleted)."""
+    for step in (100, 200):
+        save_checkpoint(tmp_path, step, _tensors(step), {}, keep=2)
+    _flip_byte(tmp_path / "ckpt-00000200" / "tensors.safetensors")
+    assert load_checkpoint(tmp_path).step == 100  # the fall-back
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.checkpoint"):
+        save_checkpoint(tmp_path, 150, _tensors(150), {}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000150", "ckpt-00000100"]
+    assert any("deleting corrupt checkpoint" in r.getMessage() and "ckpt-00000200" in r.getMessage()
+               for r in caplog.records)
+    save_checkpoint(tmp_path, 160, _tensors(160), {}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000160", "ckpt-00000150"]
+    assert load_checkpoint(tmp_path).step == 160
+
+    # keep=1 with a corrupt newer one and a valid older one: the one just saved stays, both others go
+    _flip_byte(tmp_path / "ckpt-00000160" / "tensors.safetensors")
+    save_checkpoint(tmp_path, 155, _tensors(155), {}, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000155"]
+
+
+def test_a_corrupt_checkpoint_of_the_same_step_is_replaced(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 100, _tensors(1), {})
+    path = save_checkpoint(tmp_path, 200, _tensors(2), {})
+    _flip_byte(path / "tensors.safetensors")
+    save_checkpoint(tmp_path, 200, _tensors(3), {})  # the resumed learner reached step 200 again
+    _assert_same(load_checkpoint(tmp_path).tensors, _tensors(3))
+    with pytest.raises(ValueError, match="already exists"):  # a valid one is never replaced
+        save_checkpoint(tmp_path, 200, _tensors(4), {})
+
+
 def _enospc(*_args: Any, **_kwargs: Any) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 

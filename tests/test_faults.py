@@ -67,3 +67,15 @@ def test_after_first_hits_once_the_first_item_was_handled(capfd: pytest.CaptureF
         faults.arm([])
     # the items pass unchanged; the point is hit after the first one was handled, before the second arrives
     assert seen == [(0, False), (1, True), (2, False)]
+
+
+def test_raise_fault_raises_in_the_process_that_hits_it() -> None:
+    f = faults.parse_fault("raise@inner-step:at=2")
+    assert (f.action, f.point, f.at, f.spec) == ("raise", "inner-step", 2, "raise@inner-step:at=2")
+    faults.arm([f])
+    try:
+        faults.hit("inner-step")  # the 1st hit: nothing
+        with pytest.raises(faults.FaultInjected, match=r"raise@inner-step:at=2 \(hit 2\)"):
+            faults.hit("inner-step")
+    finally:
+        faults.arm([])

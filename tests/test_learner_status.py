@@ -35,3 +35,15 @@ def test_view_is_read_every_period_while_training() -> None:
 def test_view_is_read_at_every_tick_when_not_training() -> None:
     # waiting for peers and lingering until they agree end on what the view says
     assert view_due(100.1, 100.0, 3.0, training=False)
+
+
+def test_waiting_for_peers_counts_inside_max_time() -> None:
+    from p2p_diloco.learner import wait_verdict, waiting_line
+
+    # started at t=100, began waiting at t=110 (start-up took 10 s); --max-time 60, --wait-peers gives up after 120 s
+    assert wait_verdict(130.0, 110.0, 100.0, 60.0, 120.0) == "wait"
+    assert wait_verdict(160.0, 110.0, 100.0, 60.0, 120.0) == "max-time"  # 60 s after the start, not after the wait
+    assert wait_verdict(229.0, 110.0, 100.0, 0.0, 120.0) == "wait"  # no --max-time: only the wait's own timeout
+    assert wait_verdict(230.0, 110.0, 100.0, 0.0, 120.0) == "timeout"
+    assert wait_verdict(230.0, 110.0, 100.0, 500.0, 120.0) == "timeout"
+    assert waiting_line(1, 3, 12.4) == "waiting for peers: 1 of 3 live (12 s)"

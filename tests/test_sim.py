@@ -98,6 +98,21 @@ def test_unknown_event_kind(tiny: Config, splits: data.Splits) -> None:
         sim.run(tiny, splits, "diloco", events=[sim.Event(3, 0, "explode")])
 
 
+def test_llama_tiny_trains_and_keeps_its_tied_embedding(splits: data.Splits) -> None:
+    """configs/llama-tiny.toml (a transformers LlamaForCausalLM, tied embeddings): the loss falls, and the
+    anchors written back into every replica keep the output head tied to the input embedding."""
+    cfg = load_config(ROOT / "configs" / "llama-tiny.toml")
+    s = sim.Simulator(cfg, splits)
+    r = s.run()
+    assert r.curve[0]["eval_loss"] > 5.0  # untrained: about ln 256
+    assert r.final_eval_loss < r.curve[0]["eval_loss"] - 1.5
+    assert r.rounds > 0 and r.contributed_tokens == r.tokens
+    for model in [s.global_model, *(m.model for m in s.learners)]:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "lm_head.weight" not in s.anchor  # the shared tensor is averaged once, under its first name
+    assert sum(f.numel for f in s.fragments) == sum(p.numel() for p in s.global_model.parameters())
+
+
 def test_cli_sim_reports_json() -> None:
     import json
     import subprocess

@@ -55,8 +55,11 @@ def alive(pid: int) -> bool:
 
 
 def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+    """A step budget (--minutes 0); no stored data-parallel curve for tiny.toml: one is computed for the
+    run's tokens after it, cached (not under results/), and the summary has the figure."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
     with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(cache)
         rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, "--set", "inner.total_steps=120",
                                      "--minutes", "0", "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
         assert rc == 0, proc.output()
@@ -68,6 +71,12 @@ def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
     assert report["rounds_committed"] >= 6 and report["bytes_saved_vs_dp_fp32"] > 1
     slow, fast = report["learners"]["slower-1"], report["learners"]["quick-0"]
     assert slow["steps"] == fast["steps"] == 120  # a step budget: the slower one takes longer
+    assert report["finished_together"] == ["quick-0", "quick-2", "slower-1"] and report["excluded"] == {}
+    ref = report["reference"]
+    assert ref["eval_loss"] is not None and ref["tokens"] == report["tokens"], ref
+    assert ref["reference_tokens"] >= report["tokens"] and ref["computed_s"] > 0, ref
+    assert [p.name for p in (cache / "reference").iterdir()] == [Path(ref["path"]).name]
+    assert "computing one for this run" in proc.output()
     for png in ("loss.png", "rounds.png"):
         assert (out / png).stat().st_size > 1000
     assert "held-out eval loss of the global model" in (out / "summary.md").read_text()
@@ -77,6 +86,7 @@ def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
 def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(tmp_path / "cache")
         swarm = procs.cli("swarm", "--peers", "2", "--config", TINY, "--set", "inner.total_steps=100000",
                           "--profiles", profiles(tmp_path), "--out", str(out), "--plain", name="swarm")
         swarm.wait_for(r"^\[\s*\d+ s\] 2 live", timeout_s=120)
@@ -90,15 +100,19 @@ def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
         assert not left, f"processes left behind: {left}"
     report = json.loads((out / "summary.json").read_text())
     assert len(report["learners"]) == 2 and all(f["steps"] > 0 for f in report["learners"].values())
+    assert "interrupted: not computed" in report["reference"]["why"]  # Ctrl+C: no reference computed after it
 
 
 def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
     """--chaos: kill -9 of the last learner at 1/3 of the run, a new one in its place at 1/2; the new one
-    downloads the current anchors (it is behind on every fragment) and takes part in rounds again."""
+    downloads the current anchors (it is behind on every fragment) and takes part in rounds again. A time
+    budget: every learner trains until the end, far past tiny.toml's 40 steps (no step cap), and the anchors
+    are compared among those that finished together; the killed one is left out, with why."""
     out = tmp_path / "run"
     clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
-             "averaging.window_s=1.5", "--set", "inner.total_steps=100000")
+             "averaging.window_s=1.5")
     with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(tmp_path / "cache")
         rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, *clock, "--minutes", "0.75", "--chaos",
                                      "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
         assert rc == 0, proc.output()
@@ -110,3 +124,7 @@ def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
     back = report["learners"]["quick-2-rejoined"]
     assert min(back["resynced"]) >= 1 and sum(back["committed"]) >= 1, back
     assert report["anchors_identical"], {n: f["anchor_hashes"] for n, f in report["learners"].items()}
+    assert report["finished_together"] == ["quick-0", "quick-2-rejoined", "slower-1"], report["excluded"]
+    assert report["excluded"]["quick-2"].startswith("killed by --chaos (kill -9) at "), report["excluded"]
+    steps = {n: f["steps"] for n, f in report["learners"].items()}
+    assert min(steps.values()) > 40, steps  # tiny.toml's inner.total_steps no longer ends a timed run

@@ -24,7 +24,8 @@ Once, before the rates (reused by ``--merge``):
   the target on the trajectory x the step time measured at that rate. Running it to the target at
   2 Mbit/s would take hours.
 
-The learners run for real at every rate (``--max-time`` of training); learner 0 evaluates the global
+The learners run for real at every rate (``--max-time`` of training, with no step cap unless ``--steps``:
+a fast machine must not end them early); learner 0 evaluates the global
 model on the whole held-out set every ``--eval-every`` seconds, which gives their time to the target.
 
 Reported per rate and method: median step time, tokens, time to ``--target-loss`` (linear between
@@ -73,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 import netns  # noqa: E402  (scripts/wan/netns.py, stdlib only)
 from dp_gloo import summarize_steps  # noqa: E402  (imports torch lazily)
 from p2p_diloco.curves import crossing, value_at  # noqa: E402  (stdlib only)
+from p2p_diloco.launcher import NO_STEP_LIMIT  # noqa: E402  (stdlib only)
 from p2p_diloco.procguard import die_with_parent  # noqa: E402  (stdlib only)
 
 log = logging.getLogger("wan.bench")
@@ -101,8 +103,9 @@ class BenchParams:
     config: str = str(ROOT / "configs" / "demo.toml")
     overrides: tuple[str, ...] = ()
     """``--set`` overrides applied to every method (the model, data and budget must stay the same)."""
-    steps: int = 600
-    """Cap on inner steps per host (each step is inner.batch_size x model.block_size bytes per host)."""
+    steps: int = 0
+    """Cap on inner steps per host (each step is inner.batch_size x model.block_size bytes per host); 0 = none:
+    the training time alone ends every run, whatever the machine's speed (``launcher.NO_STEP_LIMIT``)."""
     max_time_s: float = 300.0
     """Training time of each learner run (blocking, decoupled)."""
     dp_max_time_s: float = 100.0
@@ -135,8 +138,8 @@ class BenchParams:
             raise ValueError(f"methods must be some of {', '.join(METHODS)}, got {list(self.methods)}")
         if self.hosts < 2:
             raise ValueError(f"hosts must be >= 2 (data-parallel and averaging need peers), got {self.hosts}")
-        if self.steps < 1 or self.max_time_s <= 0 or self.dp_max_time_s <= 0 or self.compute_steps < 3:
-            raise ValueError(f"steps >= 1, max_time_s > 0, dp_max_time_s > 0 and compute_steps >= 3 required, got "
+        if self.steps < 0 or self.max_time_s <= 0 or self.dp_max_time_s <= 0 or self.compute_steps < 3:
+            raise ValueError(f"steps >= 0, max_time_s > 0, dp_max_time_s > 0 and compute_steps >= 3 required, got "
                              f"{self.steps}, {self.max_time_s}, {self.dp_max_time_s}, {self.compute_steps}")
         if self.trajectory_steps < 1 or self.trajectory_eval_every < 1 or self.eval_every_s <= 0:
             raise ValueError(f"trajectory_steps >= 1, trajectory_eval_every >= 1 and eval_every_s > 0 required, got "
@@ -368,7 +371,7 @@ def _dp_cmd(p: BenchParams, wan: netns.Wan, i: int, mode: str, json_path: Path) 
             netns.inner_if(i)]
     if mode == "trajectory":
         return [*cmd, "--steps", str(p.trajectory_steps), "--eval-every", str(p.trajectory_eval_every)]
-    return [*cmd, "--steps", str(p.steps), "--max-time", str(p.dp_max_time_s), "--eval-every", "0"]
+    return [*cmd, "--steps", str(p.steps or NO_STEP_LIMIT), "--max-time", str(p.dp_max_time_s), "--eval-every", "0"]
 
 
 def run_dp(p: BenchParams, wan: netns.Wan, logs: Path, tag: str, mode: str) -> tuple[list[dict[str, Any]], list[int]]:
@@ -405,7 +408,7 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
             evals = ["--eval-every", f"{p.eval_every_s:g}", "--eval-batches", str(EVAL_ALL)] if i == 0 else []
             procs.start(name, i, [*cli, "join", "--initial-peers", peers, "--host", wan.address(i), "--config",
                                   p.config, *sets, "--name", f"l{i}", "--shard", str(i), "--num-shards", str(p.hosts),
-                                  "--wait-peers", str(p.hosts), "--steps", str(p.steps), "--max-time",
+                                  "--wait-peers", str(p.hosts), "--steps", str(p.steps or NO_STEP_LIMIT), "--max-time",
                                   str(p.max_time_s), "--lr-schedule", "steps", "--linger", str(LINGER_S), "--events",
                                   str(logs / f"{name}.jsonl"), *evals,
                                   *(["--blocking"] if method == "blocking" else [])])
@@ -607,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hosts", type=int, default=d["hosts"].default)
     ap.add_argument("--config", default=d["config"].default)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--steps", type=int, default=d["steps"].default, help="inner steps per host (token budget)")
+    ap.add_argument("--steps", type=int, default=d["steps"].default,
+                    help="cap on inner steps per host (default: 0 = none, the training time alone ends each run)")
     ap.add_argument("--max-time", type=float, default=d["max_time_s"].default, metavar="SECONDS",
                     help="training time of each learner run (default: %(default)s)")
     ap.add_argument("--dp-max-time", type=float, default=d["dp_max_time_s"].default, metavar="SECONDS",
