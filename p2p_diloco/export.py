@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from p2p_diloco.checkpoint import Checkpoint, load_checkpoint
 from p2p_diloco.config import Config, ConfigError, ModelConfig, config_hash, load_config_data, model_identity
+from p2p_diloco.devices import load_into, to_host
 from p2p_diloco.model import VOCAB_SIZE, ByteGPT, build_model
 
 log = logging.getLogger(__name__)
@@ -154,9 +155,7 @@ def load_anchors(model: torch.nn.Module, anchors: dict[str, torch.Tensor], sourc
                   for names, what in ((missing, "parameters without an anchor"), (extra, "anchors of no parameter"),
                                       (shapes, "of another shape")) if names]
         raise ValueError(f"{source} does not fit the model of its config: {'; '.join(faults)}")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(anchors[n])
+    load_into(params, anchors)
 
 
 def save_tokenizer(spec: str, out: Path) -> str:
@@ -191,7 +190,7 @@ def write_byte_gpt(model: ByteGPT, folder: Path) -> None:
     config = {"model_type": BYTE_GPT_TYPE, "format": BYTE_GPT_FORMAT, "vocab_size": VOCAB_SIZE,
               "n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd, "block_size": m.block_size,
               "dropout": m.dropout}
-    tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in model.named_parameters()}
+    tensors = to_host(dict(model.named_parameters()))
     save_file(tensors, str(folder / BYTE_GPT_WEIGHTS), metadata={"format": "pt", "model_type": BYTE_GPT_TYPE})
     (folder / BYTE_GPT_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
