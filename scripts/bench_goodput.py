@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Goodput at scale: our protocol against elastic synchronous data-parallel, 2 to 1,000 units, simulated.
 
-Runs :mod:`p2p_diloco.goodput` (an event-driven model, documented in its docstring) calibrated from
+Runs :mod:`p2p_diloco.sim.goodput` (an event-driven model, documented in its docstring) calibrated from
 the real system's measurements on this machine (``results/learners``, ``results/chaos``,
 ``results/rejoin`` and the config those runs used), under two stated per-unit failure rates, for
 several seeds each, on the same failure timelines for every protocol; reports medians over seeds.
@@ -30,10 +30,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.goodput import (  # noqa: E402 (numpy only)
-    Breakdown, Calibration, DPParams, Failures, GoodputError, P2PParams, Timelines, calibration_from_results,
-    simulate_dp, simulate_p2p, unit_timelines,
+from p2p_diloco.sim.goodput import (
+    Breakdown, Calibration, DPParams, Failures, GoodputError, P2PParams, Timelines, simulate_dp, simulate_p2p,
+    unit_timelines,
 )
+from p2p_diloco.sim.calibration import calibration_from_results
 
 UNITS = (2, 8, 16, 1000)
 GROUP_CAP = 16

@@ -38,8 +38,8 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.curves import value_at  # noqa: E402 (stdlib only)
-from p2p_diloco.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl, unlimited_steps  # noqa: E402 (stdlib only)
+from p2p_diloco.sim.curves import value_at
+from p2p_diloco.local.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl, unlimited_steps
 
 RUNS = {"homogeneous": ("fast", "fast", "fast", "fast"), "mixed": ("fast", "half", "fast", "half")}
 """Each run's learner profiles (``peers/<name>.toml``), learner i on data shard i."""

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, read_jsonl
 
 FINISH_SLACK_S = 300.0
 """After the training time: final rounds, linger, evaluation and exit."""
@@ -70,9 +70,9 @@ def _report_progress(names: list[str], logs: Path, elapsed_s: float, seconds: fl
 
 
 def run_sim(config: str, overrides: list[str], learners: int, steps: int) -> dict[str, Any]:
-    from p2p_diloco import data
-    from p2p_diloco.config import load_config
-    from p2p_diloco.sim import Simulator
+    from p2p_diloco.core import data
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.sim.simulator import Simulator
 
     cfg = load_config(config, [*overrides, f"sim.learners={learners}"])
     splits = data.split_corpus(data.load_corpus(cfg.data), learners, cfg.data.eval_fraction)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.config, args.seconds = str(ROOT / "configs" / "tiny.toml"), 60.0
         args.overrides = ["inner.total_steps=100000", *args.overrides]
-    from p2p_diloco.config import load_config
+    from p2p_diloco.core.config import load_config
 
     load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
     logs = out / "logs"

@@ -7,7 +7,7 @@ precision, warm-up + cosine learning rate and gradient clipping, and the same nu
 
 - **plain**: ``model(input_ids).logits``, cross-entropy, ``zero_grad``, ``backward``, ``clip_grad_norm_``,
   ``torch.optim.AdamW`` -- the loop anyone would write;
-- **learner**: :meth:`p2p_diloco.learner.Learner.train_once`, exactly what a learner's loop runs per step:
+- **learner**: :meth:`p2p_diloco.learner.loop.Learner.train_once`, exactly what a learner's loop runs per step:
   the inner step (our AdamW, the schedule, counters, pacing checks), then its bookkeeping -- finished
   rounds collected, catch-up checks, which fragments are due (``averaging.schedule = "steps"``), each
   due fragment's pseudo-gradient computed on the host and handed off, the result applied (an outer
@@ -50,12 +50,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from p2p_diloco import data, learner, outer  # noqa: E402
-from p2p_diloco.averaging import Contribution, RoundOutcome  # noqa: E402
-from p2p_diloco.config import Config, config_hash, load_config  # noqa: E402
-from p2p_diloco.devices import autocast, machine_device  # noqa: E402
-from p2p_diloco.inner import lr_at  # noqa: E402
-from p2p_diloco.model import build_model, count_parameters  # noqa: E402
+from p2p_diloco.learner import loop
+from p2p_diloco.learner import options
+from p2p_diloco.core import data, outer
+from p2p_diloco.averaging.host import Contribution, RoundOutcome
+from p2p_diloco.core.config import Config, config_hash, load_config
+from p2p_diloco.core.devices import autocast, machine_device
+from p2p_diloco.core.inner import lr_at
+from p2p_diloco.core.model import build_model, count_parameters
 
 LLAMA_3M = ["model.block_size=128", "model.hf_config.hidden_size=256", "model.hf_config.intermediate_size=768",
             "model.hf_config.num_hidden_layers=4", "model.hf_config.num_attention_heads=4",
@@ -70,7 +72,7 @@ TARGET = 0.95
 
 
 class IdleAveraging:
-    """Stands in for :class:`p2p_diloco.averaging.FragmentAveraging` without a network: every round commits at
+    """Stands in for :class:`p2p_diloco.averaging.host.FragmentAveraging` without a network: every round commits at
     once, the merged pseudo-gradient being the learner's own (a group of one), so the learner's loop applies a
     real outer step."""
 
@@ -144,18 +146,18 @@ def plain_loop(cfg: Config, device: torch.device, batches: list[tuple[torch.Tens
 
 
 def learner_loop(cfg: Config, device: torch.device, threads: int, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 events: Path) -> tuple[Callable[[], None], learner.Learner]:
-    """A :class:`~p2p_diloco.learner.Learner` without a network (:class:`IdleAveraging`), one ``train_once``
+                 events: Path) -> tuple[Callable[[], None], loop.Learner]:
+    """A :class:`~p2p_diloco.learner.loop.Learner` without a network (:class:`IdleAveraging`), one ``train_once``
     per call."""
     stream = torch.cat([x.reshape(-1) for x, _ in batches])
     splits = data.Splits(eval=stream, shards=(stream,))
     joined = SimpleNamespace(dht=None, private_key=None, peer_id="bench-peer", snapshot=None,
                              publisher=SimpleNamespace(update=lambda **_kw: None))
     local = SimpleNamespace(run_id=cfg.run.run_id, config_hash=config_hash(cfg))
-    opts = learner.LearnerOptions(name="bench", shard=None, num_shards=1, max_steps=10**9, events_path=events,
+    opts = options.LearnerOptions(name="bench", shard=None, num_shards=1, max_steps=10**9, events_path=events,
                                   train_nice=0, device=str(device))
-    with mock.patch.object(learner, "FragmentAveraging", IdleAveraging):
-        unit = learner.Learner(cfg, learner.Profile(name="bench", threads=threads), opts, joined, local, splits=splits)
+    with mock.patch.object(loop, "FragmentAveraging", IdleAveraging):
+        unit = loop.Learner(cfg, options.Profile(name="bench", threads=threads), opts, joined, local, splits=splits)
     unit.batches = itertools.cycle(batches)  # the same batches as the plain loop
     unit.swarm_reads = 1  # as if the status thread had looked at the swarm: due fragments are handed off
     unit.training = True

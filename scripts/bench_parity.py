@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.config import Config, load_config  # noqa: E402
+from p2p_diloco.core.config import Config, load_config
 
 BUDGETS = {"short": 600, "long": 1200}
 DECOUPLED = ["outer.fragments=4", "outer.overlap=1", "outer.codec=int4", "outer.merge=radial", "outer.weighting=tokens"]
@@ -90,7 +90,7 @@ def _config(run: Run, base: str, extra: list[str], quick: bool) -> Config:
 def _worker(args: tuple[Run, str, list[str], bool]) -> dict[str, Any]:
     import torch
 
-    from p2p_diloco import sim
+    from p2p_diloco.sim import simulator as sim
 
     torch.set_num_threads(1)
     run, base, extra, quick = args
@@ -111,7 +111,7 @@ _SPLITS_CACHE: dict[tuple[Any, ...], Any] = {}
 
 
 def _splits(cfg: Config) -> Any:
-    from p2p_diloco import data
+    from p2p_diloco.core import data
 
     key = (cfg.data, cfg.sim.learners)
     if key not in _SPLITS_CACHE:

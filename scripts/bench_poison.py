@@ -4,7 +4,7 @@
 Every run uses the in-process simulator (the same fragment, codec, merge, robust-merge and outer code
 as the networked learner) on configs/bench.toml with 4 learners and the same number of steps. One
 learner (``--attacker``) poisons every contribution it sends, on every surface a peer controls (its
-streamed tensors and the radial norms in its metadata; see :class:`p2p_diloco.sim.Attack`):
+streamed tensors and the radial norms in its metadata; see :class:`p2p_diloco.sim.simulator.Attack`):
 
 * ``sign-flip``: ``-1000`` x its encoded tensors, ``1000`` x its norms;
 * ``random``: a random tensor of ``1000`` x the norm of each, ``1000`` x its norms.
@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.config import Config, load_config  # noqa: E402
+from p2p_diloco.core.config import Config, load_config
 
 TOLERANCE = 0.03
 """Acceptance: a robust run's final eval loss may exceed the clean run's by at most this share."""
@@ -73,7 +73,8 @@ def _config(run: Run, args: argparse.Namespace) -> Config:
 def _worker(job: tuple[Run, argparse.Namespace]) -> dict[str, Any]:
     import torch
 
-    from p2p_diloco import data, sim
+    from p2p_diloco.core import data
+    from p2p_diloco.sim import simulator as sim
 
     torch.set_num_threads(1)
     run, args = job

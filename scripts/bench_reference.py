@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tokens <= 0 or args.eval_points <= 0:
         p.error(f"--tokens and --eval-points must be > 0, got {args.tokens} and {args.eval_points}")
-    from p2p_diloco.config import load_config
-    from p2p_diloco.reference import compute_curve, save_curve, steps_for
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.sim.reference import compute_curve, save_curve, steps_for
 
     cfg = load_config(args.config, args.overrides)
     per_step = cfg.sim.learners * cfg.inner.batch_size * cfg.model.block_size

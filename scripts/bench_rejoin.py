@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.launcher import LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
+from p2p_diloco.local.launcher import LocalSwarm, read_jsonl
 
 WARMUP_DEADLINE_S = 240.0
 """Start of the swarm to committed rounds of every fragment."""

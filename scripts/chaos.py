@@ -94,9 +94,9 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, Child, LocalSwarm, read_jsonl  # noqa: E402 (stdlib only)
-from p2p_diloco.swarm_run import Ending, finished_together  # noqa: E402 (stdlib only)
-from p2p_diloco.procguard import signal_session  # noqa: E402 (stdlib only)
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, Child, LocalSwarm, read_jsonl
+from p2p_diloco.local.run import Ending, finished_together
+from p2p_diloco.hivemind_ext.procguard import signal_session
 
 TARGET_GOODPUT = 0.85
 TARGET_STALL_S = 5.0
@@ -379,7 +379,7 @@ def final_model_eval(finals: Sequence[dict[str, Any]]) -> float | None:
 
 
 def incarnation_endings(incarnations: Sequence[dict[str, Any]]) -> list[Ending]:
-    """How each incarnation ended, for :func:`p2p_diloco.swarm_run.finished_together`: when its final summary
+    """How each incarnation ended, for :func:`p2p_diloco.local.run.finished_together`: when its final summary
     arrived (``final_s``; records without it: ``ended_s``), or why it has none."""
     out = []
     for inc in incarnations:
@@ -568,7 +568,7 @@ class ChaosRun:
         logs = self.swarm.logs
         sets = [a for o in self.overrides for a in ("--set", o)]
         if self.checkpoint_every_s > 0:  # a restart resumes from its newest complete checkpoint, if any
-            from p2p_diloco.checkpoint import list_checkpoints
+            from p2p_diloco.learner.checkpoint import list_checkpoints
 
             folder = self.swarm.tmp / f"ckpt-{name}"
             resume = ["--resume", str(folder)] if folder.exists() and list_checkpoints(folder) else \
@@ -1088,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
         params = QUICK_SCHEDULE
     if args.learners < 2 or args.minutes <= 0:
         p.error(f"need --learners >= 2 and --minutes > 0, got {args.learners} and {args.minutes}")
-    from p2p_diloco.config import load_config
+    from p2p_diloco.core.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any process starts
     duration_s = 60.0 * args.minutes

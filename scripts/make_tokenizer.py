@@ -23,9 +23,9 @@ from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from p2p_diloco.config import DataConfig  # noqa: E402
-from p2p_diloco.datasource import TextSource, load_corpus  # noqa: E402
-from p2p_diloco.tokenizer import BYTE_TOKENIZER, train_bpe  # noqa: E402
+from p2p_diloco.core.config import DataConfig
+from p2p_diloco.core.datasource import TextSource, load_corpus
+from p2p_diloco.core.tokenizer import BYTE_TOKENIZER, train_bpe
 
 CORPUS_FILE_BYTES = 1_000_000
 """Size of each .txt file --write-corpus writes (several files: learners read them in their own orders)."""

@@ -13,10 +13,10 @@ import torch
 @contextlib.contextmanager
 def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapping[str, torch.Size],
                     runners: Sequence[type]) -> Iterator[list[Any]]:
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.averaging import FragmentAveraging
-    from p2p_diloco.identity import load_or_create_identity
-    from p2p_diloco.swarm import SwarmOptions, start_dht, visible_addresses
+    from p2p_diloco.net.addresses import parse_initial_peers
+    from p2p_diloco.averaging.host import FragmentAveraging
+    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.membership import SwarmOptions, start_dht, visible_addresses
 
     dhts: list[Any] = []
     peers: list[Any] = []

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from p2p_diloco.procguard import session_members, signal_session
+from p2p_diloco.hivemind_ext.procguard import session_members, signal_session
 
 START_TIMEOUT_S = 60.0
 """Generous: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""
@@ -111,7 +111,7 @@ class Proc:
     def kill_group(self, sig: signal.Signals = signal.SIGKILL) -> None:
         """Signal the main process's group (as ``kill -- -PGID`` or a terminal's Ctrl+C does). The
         helpers (DHT, averagers, p2pd) have groups of their own and follow the main process
-        (:mod:`p2p_diloco.procguard`): with SIGKILL this is a crash of the peer."""
+        (:mod:`p2p_diloco.hivemind_ext.procguard`): with SIGKILL this is a crash of the peer."""
         try:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:  # the group is already gone: nothing left to kill
@@ -142,7 +142,7 @@ class ProcGroup:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.workdir))
 
     def cli(self, *args: str, name: str | None = None) -> Proc:
-        argv = [sys.executable, "-m", "p2p_diloco.cli", *args]
+        argv = [sys.executable, "-m", "p2p_diloco.cli.main", *args]
         proc = Proc(argv, self.workdir, self.env, name or f"{args[0]}#{len(self.procs)}")
         self.procs.append(proc)
         return proc

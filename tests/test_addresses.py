@@ -7,12 +7,8 @@ import sys
 
 import pytest
 
-from p2p_diloco.addresses import (
-    AddressError,
-    host_multiaddr,
-    parse_announce_address,
-    parse_initial_peers,
-    parse_peer_address,
+from p2p_diloco.net.addresses import (
+    AddressError, host_multiaddr, parse_announce_address, parse_initial_peers, parse_peer_address,
 )
 
 PID = "QmRSLzsXh75eE8qsybQkfgAz4wHaSjHTB4uqrbmtMnpVY1"
@@ -77,7 +73,7 @@ def test_announce_and_host() -> None:
                                        ("/ip4/127.0.0.1/tcp/1", "/p2p/")])
 def test_cli_prints_one_line_and_exits_2(bad: str, part: str) -> None:
     # the address is checked before hivemind is imported, so this is fast
-    proc = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", bad],
+    proc = subprocess.run([sys.executable, "-m", "p2p_diloco.cli.main", "status", "--initial-peers", bad],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

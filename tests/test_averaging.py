@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.averaging import (
-    RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem,
-    parse_state, state_payload, version_group_bits,
+from p2p_diloco.averaging.decisions import (
+    RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem, version_group_bits,
 )
-from p2p_diloco.config import AveragingConfig
+from p2p_diloco.averaging.transfer import parse_state, state_payload
+from p2p_diloco.core.config import AveragingConfig
 
 RADIAL = ("blocks.0.fc.weight",)
 
@@ -124,7 +124,7 @@ def test_anchor_hash_is_bit_exact() -> None:
 
 
 def test_commit_needs_every_member_ok() -> None:
-    from p2p_diloco.averaging import commit_decision, commit_key
+    from p2p_diloco.averaging.decisions import commit_decision, commit_key
 
     peers = ["QmA", "QmB", "QmC"]
     assert commit_decision({"QmA": "ok", "QmB": "ok", "QmC": "ok"}, peers).ok
@@ -141,7 +141,7 @@ def test_commit_needs_every_member_ok() -> None:
 
 
 def test_start_instant_is_the_same_for_everyone_who_saw_the_first_proposals() -> None:
-    from p2p_diloco.averaging import start_instant
+    from p2p_diloco.averaging.decisions import start_instant
 
     assert start_instant({"a": 10.0, "b": 11.5}, 3) is None
     assert start_instant({"a": 10.0, "b": 11.5, "c": 10.7}, 3) == 11.5
@@ -149,7 +149,7 @@ def test_start_instant_is_the_same_for_everyone_who_saw_the_first_proposals() ->
 
 
 def test_anchor_order_heals_forks_the_same_way_everywhere() -> None:
-    from p2p_diloco.averaging import anchor_order, is_ahead, relative_distance, sharing_priority
+    from p2p_diloco.averaging.decisions import anchor_order, is_ahead, relative_distance, sharing_priority
 
     a, b = "0123456789abcdef", "fedcba9876543210"  # a fork at v5: the smaller hash wins
     assert is_ahead((5, a), (5, b)) and not is_ahead((5, b), (5, a))
@@ -167,7 +167,7 @@ def test_anchor_order_heals_forks_the_same_way_everywhere() -> None:
 
 
 def test_a_round_is_doomed_only_when_someone_is_ahead_and_nobody_is_where_we_are() -> None:
-    from p2p_diloco.averaging import round_is_doomed
+    from p2p_diloco.averaging.decisions import round_is_doomed
 
     a, b = "0123456789abcdef", "fedcba9876543210"
     assert not round_is_doomed((5, a), [])  # alone: nothing known, the round goes ahead (and finds out)
@@ -186,7 +186,7 @@ def test_a_round_without_group_is_logged_without_a_traceback(caplog: pytest.LogC
 
     from hivemind.averaging.partition import AllreduceException
 
-    from p2p_diloco.averaging import NO_GROUP_MESSAGE, quiet_expected_failures
+    from p2p_diloco.averaging.decisions import NO_GROUP_MESSAGE, quiet_expected_failures
 
     quiet_expected_failures()
     quiet_expected_failures()  # idempotent
@@ -202,7 +202,7 @@ def test_a_round_without_group_is_logged_without_a_traceback(caplog: pytest.LogC
 
 
 def test_donor_order_only_donors_ahead_best_first_and_spread_over_equal_ones() -> None:
-    from p2p_diloco.averaging import donor_order
+    from p2p_diloco.averaging.decisions import donor_order
 
     peers = {f"donor{i}": 7.25 for i in range(6)} | {"behind": 6.9, "equal": 5.0, "ahead": 8.1, "me": 9.0,
                                                       "nan": float("nan")}
@@ -218,7 +218,7 @@ def test_donor_order_only_donors_ahead_best_first_and_spread_over_equal_ones() -
 
 
 def test_state_size_cap_allows_the_state_and_little_more() -> None:
-    from p2p_diloco.averaging import state_size_cap
+    from p2p_diloco.averaging.decisions import state_size_cap
 
     shapes = [torch.Size([64, 32]), torch.Size([32])]
     fp32 = 4 * (64 * 32 + 32)

@@ -18,8 +18,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from p2p_diloco.averaging import Contribution, FragmentAveraging, RoundMeta, anchor_hash, state_payload
-from p2p_diloco.config import config_hash, load_config
+from p2p_diloco.averaging.host import Contribution, FragmentAveraging
+from p2p_diloco.averaging.decisions import RoundMeta, anchor_hash
+from p2p_diloco.averaging.transfer import state_payload
+from p2p_diloco.core.config import config_hash, load_config
 
 pytestmark = pytest.mark.integration
 
@@ -93,10 +95,10 @@ def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -
 @contextlib.contextmanager
 def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveraging, FragmentAveraging, FragmentAveraging]]:
     """A (member, state donor, checks membership), B (has the swarm key, publishes no record), C (member)."""
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.identity import load_or_create_identity, read_swarm_key, write_swarm_key
-    from p2p_diloco.records import LocalRun, PeerRecord
-    from p2p_diloco.swarm import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
+    from p2p_diloco.net.addresses import parse_initial_peers
+    from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key, write_swarm_key
+    from p2p_diloco.net.records import LocalRun, PeerRecord
+    from p2p_diloco.net.membership import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
 
     write_swarm_key(tmp_path / "swarm.secret")
     secret = read_swarm_key(tmp_path / "swarm.secret")

@@ -16,14 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from p2p_diloco import checkpoint as ck
-from p2p_diloco.checkpoint import (
-    FORMAT_VERSION,
-    Checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    tensors_digest,
+from p2p_diloco.learner import checkpoint as ck
+from p2p_diloco.learner.checkpoint import (
+    FORMAT_VERSION, Checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, tensors_digest,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +86,7 @@ def test_corrupt_newest_falls_back_with_warning(
         file.write_bytes(file.read_bytes()[:-7])
     else:
         (newest / "manifest.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner.checkpoint"):
         ckpt = load_checkpoint(tmp_path)
     assert ckpt.step == 1
     _assert_same(ckpt.tensors, _tensors(1))
@@ -112,7 +107,7 @@ def test_prune_keeps_the_newest_valid_and_deletes_corrupt(tmp_path: Path, caplog
         save_checkpoint(tmp_path, step, _tensors(step), {}, keep=2)
     _flip_byte(tmp_path / "ckpt-00000200" / "tensors.safetensors")
     assert load_checkpoint(tmp_path).step == 100  # the fall-back
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.learner.checkpoint"):
         save_checkpoint(tmp_path, 150, _tensors(150), {}, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000150", "ckpt-00000100"]
     assert any("deleting corrupt checkpoint" in r.getMessage() and "ckpt-00000200" in r.getMessage()
@@ -186,7 +181,7 @@ _CHILD = """
 import sys, time
 from pathlib import Path
 import torch
-from p2p_diloco.checkpoint import save_checkpoint
+from p2p_diloco.learner.checkpoint import save_checkpoint
 root = Path(sys.argv[1])
 save_checkpoint(root, 1, {"w": torch.arange(6.0).reshape(2, 3)}, {"who": "child"})
 def hang(tmp):

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco import cli
+from p2p_diloco.net import arguments, joined, membership
+from p2p_diloco.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
@@ -69,7 +70,7 @@ def _join(*extra: str) -> list[str]:
 
 def test_missing_empty_or_binary_data_path_is_refused_before_joining(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2p_diloco import learner_cli
+    from p2p_diloco.cli import learner as learner_cli
 
     def never(*_a: Any, **_k: Any) -> None:
         raise AssertionError("joined before checking the data")
@@ -131,7 +132,7 @@ def test_shard_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shard_count() -> None:
-    from p2p_diloco.learner_cli import shard_count
+    from p2p_diloco.cli.learner import shard_count
 
     assert shard_count(None, None, 4) == 1  # the whole training set
     assert shard_count(2, None, 4) == 4  # --shard alone: the config's sim.learners
@@ -199,7 +200,7 @@ def test_port_in_use_is_refused_by_bootstrap(tmp_path: Path) -> None:
     with _held_port() as held:
         port = held.getsockname()[1]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco.cli", "bootstrap", "--port", str(port), "--identity",
+            [sys.executable, "-m", "p2p_diloco.cli.main", "bootstrap", "--port", str(port), "--identity",
              str(tmp_path / "boot.id")],
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -218,7 +219,7 @@ def test_port_in_use_is_refused_by_bootstrap(tmp_path: Path) -> None:
 
 
 def test_a_free_fixed_port_or_a_port_in_time_wait_passes() -> None:
-    from p2p_diloco.addresses import check_port_free
+    from p2p_diloco.net.addresses import check_port_free
 
     with _held_port() as held:
         port = held.getsockname()[1]
@@ -249,7 +250,7 @@ class _Publisher:
 
 
 def test_leave_on_failure_publishes_the_tombstone_and_reraises(capsys: pytest.CaptureFixture[str]) -> None:
-    from p2p_diloco.swarm_cli import leave_on_failure
+    from p2p_diloco.net.joined import leave_on_failure
 
     events: list[str] = []
     with pytest.raises(ValueError, match="averagers did not start"):
@@ -272,9 +273,8 @@ def test_leave_on_failure_publishes_the_tombstone_and_reraises(capsys: pytest.Ca
 def test_joined_run_leaves_before_the_dht_stops(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The wiring: an error in the body of ``joined_run`` (e.g. in ``Learner(...)``) publishes the tombstone
     while the DHT still runs, then the DHT stops; the ``listening:`` lines are printed when joining."""
-    from p2p_diloco import swarm, swarm_cli
-    from p2p_diloco.config import load_config
-    from p2p_diloco.records import LocalRun
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.net.records import LocalRun
 
     events: list[str] = []
 
@@ -302,14 +302,14 @@ def test_joined_run_leaves_before_the_dht_stops(monkeypatch: pytest.MonkeyPatch,
             events.append("published")
             return True
 
-    monkeypatch.setattr(swarm, "start_dht", lambda *a, **k: FakeDHT())
-    monkeypatch.setattr(swarm, "read_swarm", lambda *a, **k: SimpleNamespace(views=[], live=lambda: [], now=0.0))
-    monkeypatch.setattr(swarm, "visible_addresses", lambda dht: ["/ip4/127.0.0.1/tcp/4242/p2p/QmFakePeer"])
-    monkeypatch.setattr(swarm, "RecordPublisher", FakePublisher)
+    monkeypatch.setattr(membership, "start_dht", lambda *a, **k: FakeDHT())
+    monkeypatch.setattr(membership, "read_swarm", lambda *a, **k: SimpleNamespace(views=[], live=lambda: [], now=0.0))
+    monkeypatch.setattr(membership, "visible_addresses", lambda dht: ["/ip4/127.0.0.1/tcp/4242/p2p/QmFakePeer"])
+    monkeypatch.setattr(membership, "RecordPublisher", FakePublisher)
     args = cli.build_parser().parse_args(["heartbeat", "--initial-peers", PEER])
     local = LocalRun.from_config(load_config())
     with pytest.raises(RuntimeError, match="learner failed"):
-        with swarm_cli.joined_run(args, local, 2, ttl_s=30.0):
+        with joined.joined_run(arguments.swarm_options(args, client_mode=False), args.name, local, 2, ttl_s=30.0):
             events.append("body")
             raise RuntimeError("learner failed")
     assert events == ["published", "body", "leave", "dht shutdown"], events

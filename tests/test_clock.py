@@ -6,9 +6,7 @@ import math
 
 import pytest
 
-from p2p_diloco.clock import (
-    SyncClock, clock_leader, derive_period, needs_retune, newest_clock, retune,
-)
+from p2p_diloco.net.clock import SyncClock, clock_leader, derive_period, needs_retune, newest_clock, retune
 
 
 def test_learners_of_any_speed_meet_at_the_same_instants() -> None:

@@ -24,18 +24,9 @@ from hivemind.compression import (
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2p_diloco.compression import (
-    BLOCK_SIZE,
-    CODEC_NAMES,
-    BlockwiseAbsmaxQuantization,
-    ErrorFeedback,
-    allreduce_error_bound,
-    bits_per_element,
-    error_bound,
-    get_codec,
-    roundtrip,
-    simulate_allreduce,
-    simulate_allreduce_per_peer,
+from p2p_diloco.hivemind_ext.codecs import (
+    BLOCK_SIZE, CODEC_NAMES, BlockwiseAbsmaxQuantization, ErrorFeedback, allreduce_error_bound, bits_per_element,
+    error_bound, get_codec, roundtrip, simulate_allreduce, simulate_allreduce_per_peer,
 )
 
 QUANTIZERS = ("int8", "int4")

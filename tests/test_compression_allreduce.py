@@ -38,11 +38,8 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 
-from p2p_diloco.compression import (
-    allreduce_error_bound,
-    get_codec,
-    simulate_allreduce,
-    simulate_allreduce_per_peer,
+from p2p_diloco.hivemind_ext.codecs import (
+    allreduce_error_bound, get_codec, simulate_allreduce, simulate_allreduce_per_peer,
 )
 
 pytestmark = pytest.mark.integration

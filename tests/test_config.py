@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.config import Config, ConfigError, config_hash, load_config, parse_override, replace
+from p2p_diloco.core.config import Config, ConfigError, config_hash, load_config, parse_override, replace
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -114,7 +114,7 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
 
 
@@ -140,7 +140,7 @@ def test_cli_config_unknown_key_is_one_line_error(tmp_path: Path) -> None:
 def test_help_imports_neither_torch_nor_hivemind() -> None:
     code = (
         "import sys, contextlib, io\n"
-        "from p2p_diloco import cli\n"
+        "from p2p_diloco.cli import main as cli\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    try:\n"
         "        cli.main(['--help'])\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_diloco.curves import crossing, value_at
+from p2p_diloco.sim.curves import crossing, value_at
 
 PTS = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import data
-from p2p_diloco.config import DataConfig, ModelConfig
-from p2p_diloco.model import VOCAB_SIZE, build_model, count_parameters
+from p2p_diloco.core import data
+from p2p_diloco.core.config import DataConfig, ModelConfig
+from p2p_diloco.core.model import VOCAB_SIZE, build_model, count_parameters
 
 
 def test_embedded_corpus_is_stdlib_source() -> None:

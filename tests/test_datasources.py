@@ -21,11 +21,12 @@ os.environ.setdefault("HF_HOME", str(Path(tempfile.gettempdir()) / "p2p-diloco-t
 
 import pytest
 
-from p2p_diloco import data, datasource, sim
-from p2p_diloco.config import DataConfig, config_hash, load_config, pin_data
-from p2p_diloco.datasource import TextSource, doc_digest, is_held_out
-from p2p_diloco.runconfig import data_mismatch
-from p2p_diloco.tokenizer import BYTE_TOKENIZER, load_tokenizer, train_bpe
+from p2p_diloco.core import data, datasource
+from p2p_diloco.sim import simulator as sim
+from p2p_diloco.core.config import DataConfig, config_hash, load_config, pin_data
+from p2p_diloco.core.datasource import TextSource, doc_digest, is_held_out
+from p2p_diloco.net.runconfig import data_mismatch
+from p2p_diloco.core.tokenizer import BYTE_TOKENIZER, load_tokenizer, train_bpe
 from test_cli_inputs import PEER, _refused
 
 ROOT = Path(__file__).resolve().parents[1]

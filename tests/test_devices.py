@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from p2p_diloco import data, devices, sim
-from p2p_diloco.config import ConfigError, config_hash, inner_identity, load_config
-from p2p_diloco.devices import load_into, resolve_device, to_host
-from p2p_diloco.inner import AdamW, build_optimizer, lr_at, train_step
-from p2p_diloco.model import build_model, lm_loss
+from p2p_diloco.core import data, devices
+from p2p_diloco.sim import simulator as sim
+from p2p_diloco.core.config import ConfigError, config_hash, inner_identity, load_config
+from p2p_diloco.core.devices import load_into, resolve_device, to_host
+from p2p_diloco.core.inner import AdamW, build_optimizer, lr_at, train_step
+from p2p_diloco.core.model import build_model, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -77,7 +78,7 @@ def test_resolve_device_refusals_are_one_line_naming_the_flag() -> None:
      "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"],
 ])
 def test_device_cuda_without_one_is_one_line_exit_2_nothing_left(command: list[str]) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli", *command], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.main", *command], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and out == "", (out, err)

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from p2p_diloco import cli
-from p2p_diloco.checkpoint import portable_config, save_checkpoint
-from p2p_diloco.config import Config, config_hash, load_config, load_config_data
-from p2p_diloco.export import EXPORT_INFO_FILE, load_byte_gpt, model_fingerprint, save_tokenizer
-from p2p_diloco.model import build_model
+from p2p_diloco.cli import main as cli
+from p2p_diloco.learner.checkpoint import portable_config, save_checkpoint
+from p2p_diloco.core.config import Config, config_hash, load_config, load_config_data
+from p2p_diloco.tools.export import EXPORT_INFO_FILE, load_byte_gpt, model_fingerprint, save_tokenizer
+from p2p_diloco.core.model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TINY = ROOT / "configs" / "llama-tiny.toml"
@@ -35,7 +35,7 @@ def _anchors(cfg: Config) -> dict[str, torch.Tensor]:
 
 def _write_checkpoint(root: Path, cfg: Config, anchors: dict[str, torch.Tensor], step: int = 30,
                       with_config: bool = True) -> Path:
-    """A checkpoint laid out as :meth:`p2p_diloco.learner.Learner.checkpoint_state` lays it out: the local
+    """A checkpoint laid out as :meth:`p2p_diloco.learner.loop.Learner.checkpoint_state` lays it out: the local
     weights (here deliberately far from the anchors), AdamW moments, the anchors and outer momenta."""
     tensors: dict[str, torch.Tensor] = {}
     for n, a in anchors.items():
@@ -221,7 +221,7 @@ def test_a_swarm_checkpoint_exports_and_its_events_reach_tensorboard(tmp_path: P
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from procs import ProcGroup, start_bootstrap
 
-    from p2p_diloco.checkpoint import load_checkpoint
+    from p2p_diloco.learner.checkpoint import load_checkpoint
 
     paced = tmp_path / "paced.toml"  # 40 steps in >= 6 s: rounds and evaluations happen while training
     paced.write_text('name = "paced"\nslowdown = 1.0\nmin_step_s = 0.15\nthreads = 1\n')

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco import faults
+from p2p_diloco.core import faults
 
 
 def test_parse_fault_specs() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from p2p_diloco import fragments
-from p2p_diloco.config import ModelConfig, load_config
-from p2p_diloco.model import build_model
+from p2p_diloco.core import fragments
+from p2p_diloco.core.config import ModelConfig, load_config
+from p2p_diloco.core.model import build_model
 
 SIZES = {
     "wte.weight": 300,

@@ -36,21 +36,14 @@ from hivemind.utils.streaming import split_for_streaming
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.averaging import (
-    MAX_STATE_METADATA_BYTES,
-    ExactAllReduceRunner,
-    FetchedState,
-    FragmentAverager,
-    RoundMeta,
-    anchor_hash,
-    decode_state_metadata,
-    parse_gathered,
-    parse_state,
-    state_payload,
-)
-from p2p_diloco.compression import CODEC_NAMES, decode_part, get_codec, roundtrip
-from p2p_diloco.records import INDEX_KEY, MAX_INT, STATES, IndexEntry, PeerRecord, peer_schemas, run_key
-from p2p_diloco.rejects import PeerDataError, Reason
+from p2p_diloco.averaging.decisions import MAX_STATE_METADATA_BYTES, RoundMeta, anchor_hash, parse_gathered
+from p2p_diloco.averaging.runner import ExactAllReduceRunner
+from p2p_diloco.averaging.host import FetchedState
+from p2p_diloco.averaging.process import FragmentAverager
+from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state, state_payload
+from p2p_diloco.hivemind_ext.codecs import CODEC_NAMES, decode_part, get_codec, roundtrip
+from p2p_diloco.net.records import INDEX_KEY, MAX_INT, STATES, IndexEntry, PeerRecord, peer_schemas, run_key
+from p2p_diloco.core.rejects import PeerDataError, Reason
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -224,7 +217,7 @@ def test_round_meta_reason_codes_and_the_member_is_named(caplog: pytest.LogCaptu
             RoundMeta.from_wire(value)
         assert info.value.reason == reason, (value, info.value)
     assert parse_gathered({"QmGood": wire}) == [VALID_META]
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.averaging"), pytest.raises(PeerDataError) as info:
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.averaging.decisions"), pytest.raises(PeerDataError) as info:
         parse_gathered({"QmGood": wire, "QmBad": {**wire, "due": math.inf}})
     assert str(info.value).startswith("QmBad: non-finite: ")
     assert "rejected gathered metadata from QmBad: non-finite: gathered due" in caplog.text
@@ -440,7 +433,7 @@ REDUCER_CASES = {
 @pytest.mark.parametrize("case", sorted(REDUCER_CASES))
 def test_the_reducer_bans_a_sender_whose_part_is_refused(case: str, caplog: pytest.LogCaptureFixture) -> None:
     codec, mutate, reason = REDUCER_CASES[case]
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.averaging"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.averaging.decisions"):
         runner, _ = asyncio.run(_reduce(codec, None, mutate))
     assert THEIRS in runner.banned_senders
     assert "dropped mid-round" in (runner.completeness_problem() or "")

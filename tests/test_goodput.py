@@ -10,10 +10,11 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from p2p_diloco.goodput import (
-    Breakdown, Calibration, DPParams, Failures, GoodputError, P2PParams, Timelines, calibration_from_results,
-    simulate_dp, simulate_p2p, unit_timelines,
+from p2p_diloco.sim.goodput import (
+    Breakdown, Calibration, DPParams, Failures, GoodputError, P2PParams, Timelines, simulate_dp, simulate_p2p,
+    unit_timelines,
 )
+from p2p_diloco.sim.calibration import calibration_from_results
 
 ROOT = Path(__file__).resolve().parents[1]
 # Round numbers for hand computation: boundaries every 20 s (period 40 s, 2 fragments), rounds of 3 s,

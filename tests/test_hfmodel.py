@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.config import ConfigError, config_hash, load_config, model_identity, render
-from p2p_diloco.inner import build_optimizer, train_step
-from p2p_diloco.model import build_model, lm_loss, vocab_size
+from p2p_diloco.core.config import ConfigError, config_hash, load_config, model_identity, render
+from p2p_diloco.core.inner import build_optimizer, train_step
+from p2p_diloco.core.model import build_model, lm_loss, vocab_size
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TINY = ROOT / "configs" / "llama-tiny.toml"
@@ -150,7 +150,7 @@ def test_init_from_loads_the_weights_and_hashes_their_contents(tmp_path: Path) -
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "p2p_diloco.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco.inner import lr_at, schedule_step
+from p2p_diloco.core.inner import lr_at, schedule_step
 
 
 def test_lr_warmup_then_cosine_golden() -> None:
@@ -47,8 +47,8 @@ def test_schedule_step_is_monotone_in_time_and_steps() -> None:
 
 
 def _tiny_model() -> Any:
-    from p2p_diloco.config import ModelConfig
-    from p2p_diloco.model import build_model
+    from p2p_diloco.core.config import ModelConfig
+    from p2p_diloco.core.model import build_model
 
     return build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16), seed=0)
 
@@ -58,8 +58,8 @@ def test_our_adamw_is_torch_adamw_bit_for_bit() -> None:
     parameters midway (as a local drop does): every weight and moment identical after every step."""
     import torch
 
-    from p2p_diloco.config import InnerConfig
-    from p2p_diloco.inner import build_optimizer, train_step
+    from p2p_diloco.core.config import InnerConfig
+    from p2p_diloco.core.inner import build_optimizer, train_step
 
     cfg = InnerConfig(lr=3e-2, warmup_steps=3, total_steps=40, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0)
     ours_model, ref_model = _tiny_model(), _tiny_model()
@@ -82,7 +82,7 @@ def test_our_adamw_is_torch_adamw_bit_for_bit() -> None:
 
 
 def test_our_adamw_rejects_bad_hyperparameters() -> None:
-    from p2p_diloco.inner import AdamW
+    from p2p_diloco.core.inner import AdamW
 
     params = list(_tiny_model().parameters())
     for kwargs, what in (({"lr": -1.0}, "AdamW lr"), ({"lr": 1e-3, "betas": (0.9, 1.0)}, "AdamW betas"),
@@ -100,9 +100,9 @@ def test_training_does_not_import_torch_dynamo() -> None:
 
     code = """
 import sys, torch
-from p2p_diloco.config import InnerConfig, ModelConfig
-from p2p_diloco.inner import build_optimizer, train_step
-from p2p_diloco.model import build_model
+from p2p_diloco.core.config import InnerConfig, ModelConfig
+from p2p_diloco.core.inner import build_optimizer, train_step
+from p2p_diloco.core.model import build_model
 model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16), seed=0)
 opt = build_optimizer(model, InnerConfig())
 x = torch.randint(0, 256, (2, 16))

@@ -16,10 +16,10 @@ CHILD_TIMEOUT_S = 120.0
 CHILD = """
 import json, sys
 sys.path.insert(0, {root!r})
-from p2p_diloco.lazyimports import DeferredModule, defer_unused_imports
+from p2p_diloco.hivemind_ext.lazyimports import DeferredModule, defer_unused_imports
 deferred = defer_unused_imports() if {defer!r} else []
 again = defer_unused_imports() if {defer!r} else []
-import p2p_diloco.learner, p2p_diloco.swarm_cli, p2p_diloco.compression  # everything a learner imports
+import p2p_diloco.learner.loop, p2p_diloco.cli.swarm, p2p_diloco.hivemind_ext.codecs  # everything a learner imports
 loaded_at_import = "scipy.optimize._optimize" in sys.modules
 from hivemind.averaging.load_balancing import load_balance_peers
 even = load_balance_peers(1000, [None] * 3)  # what our averagers ask: no bandwidths, no linprog
@@ -50,9 +50,9 @@ def test_scipy_optimize_loads_only_when_used_and_answers_the_same() -> None:
 
 
 def test_the_cli_defers_before_any_command_runs() -> None:
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from p2p_diloco import cli; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from p2p_diloco.cli import main as cli; "
             "cli.main(['config', '--config', 'configs/demo.toml']); "
-            "from p2p_diloco.lazyimports import DeferredModule; "
+            "from p2p_diloco.hivemind_ext.lazyimports import DeferredModule; "
             "print('DEFERRED' if isinstance(sys.modules.get('scipy.optimize'), DeferredModule) else 'NOT')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=CHILD_TIMEOUT_S, check=True).stdout

@@ -20,11 +20,11 @@ import pytest
 import torch
 from averagers import averaging_swarm
 
-from p2p_diloco.averaging import (
-    Contribution, ExactAllReduceRunner, FragmentAveraging, RoundMeta, RoundOutcome,
-)
-from p2p_diloco.compression import error_bound
-from p2p_diloco.config import config_hash, load_config
+from p2p_diloco.averaging.host import Contribution, FragmentAveraging, RoundOutcome
+from p2p_diloco.averaging.runner import ExactAllReduceRunner
+from p2p_diloco.averaging.decisions import RoundMeta
+from p2p_diloco.hivemind_ext.codecs import error_bound
+from p2p_diloco.core.config import config_hash, load_config
 
 pytestmark = pytest.mark.integration
 

@@ -88,8 +88,8 @@ def test_kill_mid_allreduce_survivors_discard_then_go_on(tmp_path: Path) -> None
 
 
 def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> None:
-    from p2p_diloco.averaging import donor_order
-    from p2p_diloco.identity import load_or_create_identity
+    from p2p_diloco.averaging.decisions import donor_order
+    from p2p_diloco.net.identity import load_or_create_identity
 
     profile = write_profile(tmp_path, "paced")
     ids = {n: load_or_create_identity(tmp_path / f"{n}.id").peer_id for n in ("e0", "e1", "late")}
@@ -196,8 +196,10 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
     """In process: a round waiting for its group ends within a poll period of cancel(), as 'cancelled'."""
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging import Contribution, ExactAllReduceRunner, RoundMeta
-    from p2p_diloco.config import config_hash
+    from p2p_diloco.averaging.host import Contribution
+    from p2p_diloco.averaging.runner import ExactAllReduceRunner
+    from p2p_diloco.averaging.decisions import RoundMeta
+    from p2p_diloco.core.config import config_hash
     from test_learner_faults import CFG, NAMES, SHAPES, swarm
 
     with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):
@@ -215,7 +217,7 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
 
 
 def test_resume_after_kill_9_restores_the_saved_hashes(tmp_path: Path) -> None:
-    from p2p_diloco.checkpoint import list_checkpoints, load_checkpoint
+    from p2p_diloco.learner.checkpoint import list_checkpoints, load_checkpoint
 
     profile = write_profile(tmp_path, "paced", min_step_s=0.05)
     ckpt = tmp_path / "ckpt"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from p2p_diloco import fragments
-from p2p_diloco.learner import Learner
+from p2p_diloco.core import fragments
+from p2p_diloco.learner.loop import Learner
 
 
 def stand_in(peer_steps: list[tuple[int, float, float]], now: float) -> SimpleNamespace:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco import cli, learner_cli
-from p2p_diloco.learner import Learner
-from p2p_diloco.metrics import (
+from p2p_diloco.cli import main as cli, learner as learner_cli
+from p2p_diloco.learner.loop import Learner
+from p2p_diloco.learner.metrics import (
     EventLog, JsonlSink, MetricsSpec, ScalarTracker, open_event_log, parse_metrics_spec,
 )
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from p2p_diloco import outer
+from p2p_diloco.core import outer
 
 
 def test_contribution_weights() -> None:

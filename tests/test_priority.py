@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.priority import (AUTOGROUP_PATH, JOINING_MAX_S, joining_done, lower_session_priority,
-                                 lower_thread_priority, parse_autogroup_nice, raised_nice)
+from p2p_diloco.learner.priority import (
+    AUTOGROUP_PATH, JOINING_MAX_S, joining_done, lower_session_priority, lower_thread_priority, parse_autogroup_nice,
+    raised_nice,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 60.0
@@ -55,7 +57,7 @@ CHILD = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from p2p_diloco.priority import AUTOGROUP_PATH, lower_session_priority, lower_thread_priority, parse_autogroup_nice
+from p2p_diloco.learner.priority import AUTOGROUP_PATH, lower_session_priority, lower_thread_priority, parse_autogroup_nice
 before, thread_before = parse_autogroup_nice(AUTOGROUP_PATH.read_text()), os.nice(0)
 line = lower_thread_priority(4) + "; " + lower_session_priority(4)
 print(before, thread_before, os.nice(0), parse_autogroup_nice(AUTOGROUP_PATH.read_text()), line, sep="|")

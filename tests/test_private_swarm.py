@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from p2p_diloco.config import load_config
+from p2p_diloco.core.config import load_config
 
 NAMES = ("blocks.0.fc.weight", "blocks.1.fc.weight")
 SHAPES = {n: torch.Size([8, 4]) for n in NAMES}
@@ -34,8 +34,10 @@ RPC_TIMEOUT_S = 10.0
 
 
 def test_clock_skew_error_is_one_line_with_the_measured_offset() -> None:
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.swarm import ClockSkewError, SwarmOptions, clock_skew_in, explain_join_failure, skew_verdict
+    from p2p_diloco.net.addresses import parse_initial_peers
+    from p2p_diloco.net.membership import (
+        ClockSkewError, SwarmOptions, clock_skew_in, explain_join_failure, skew_verdict,
+    )
 
     peer = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQ6Zc23k8dddq4G2yn3dL546juChnAjDXrbZH89Q1ZH6h"
     opts = SwarmOptions(initial_peers=parse_initial_peers([peer]))
@@ -79,7 +81,7 @@ class Probe:
         from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
         from hivemind.utils.multiaddr import Multiaddr
 
-        from p2p_diloco.averaging import FragmentAverager
+        from p2p_diloco.averaging.process import FragmentAverager
 
         pid = PeerID.from_base58(self.target)
         await node.p2p._client.connect(pid, [Multiaddr(m) for m in self.maddrs])  # hivemind has no public dial
@@ -116,11 +118,12 @@ class Neighbours:
 
 @pytest.fixture(scope="module")
 def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.averaging import FragmentAveraging, state_payload
-    from p2p_diloco.identity import load_or_create_identity, read_swarm_key, write_swarm_key
-    from p2p_diloco.records import LocalRun, PeerRecord
-    from p2p_diloco.swarm import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
+    from p2p_diloco.net.addresses import parse_initial_peers
+    from p2p_diloco.averaging.host import FragmentAveraging
+    from p2p_diloco.averaging.transfer import state_payload
+    from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key, write_swarm_key
+    from p2p_diloco.net.records import LocalRun, PeerRecord
+    from p2p_diloco.net.membership import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
 
     tmp = tmp_path_factory.mktemp("private")
     keys = {}
@@ -131,7 +134,7 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
     log_path = tmp / "member-a1.log"  # a1's averager process (forked) logs its refusals here
     handler = logging.FileHandler(log_path)
     handler.setLevel(logging.WARNING)
-    averaging_log = logging.getLogger("p2p_diloco.averaging")
+    averaging_log = logging.getLogger("p2p_diloco.averaging.decisions")
     averaging_log.addHandler(handler)
     dhts: dict[str, Any] = {}
     averagers: list[FragmentAveraging] = []
@@ -165,9 +168,10 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
 
 @pytest.mark.integration
 def test_outsiders_are_refused_at_every_layer_and_the_swarms_never_touch(swarms: SimpleNamespace) -> None:
-    from p2p_diloco.averaging import averager_prefix
-    from p2p_diloco.records import run_key
-    from p2p_diloco.swarm import dht_refusals, visible_addresses
+    from p2p_diloco.averaging.decisions import averager_prefix
+    from p2p_diloco.net.records import run_key
+    from p2p_diloco.net.probes import dht_refusals
+    from p2p_diloco.net.membership import visible_addresses
 
     dhts, a1 = swarms.dhts, swarms.a1
     ids = {name: dht.peer_id.to_base58() for name, dht in dhts.items()}
@@ -242,8 +246,8 @@ def test_a_clock_beyond_the_dht_tolerance_fails_the_join_with_one_line(swarms: S
                                                                       offset_s: float) -> None:
     """Open and private swarms; +-120 s and +-2 h pass hivemind's 60 s request window and the 1 h token
     expiry, which alone would make a private swarm answer "swarm key mismatch"."""
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.swarm import ClockSkewError, SwarmOptions, start_dht, visible_addresses
+    from p2p_diloco.net.addresses import parse_initial_peers
+    from p2p_diloco.net.membership import ClockSkewError, SwarmOptions, start_dht, visible_addresses
 
     target = swarms.dhts["a1" if swarm else "o"]
     opts = SwarmOptions(initial_peers=parse_initial_peers(visible_addresses(target)[:1]),

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco import procguard
+from p2p_diloco.hivemind_ext import procguard
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux /proc")
 

@@ -8,19 +8,9 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco.records import (
-    INDEX_KEY,
-    IndexEntry,
-    LocalRun,
-    PeerRecord,
-    adopt_majority,
-    check_join,
-    classify,
-    is_compatible,
-    merge_index,
-    run_key,
-    summarize,
-    tombstone,
+from p2p_diloco.net.records import (
+    INDEX_KEY, IndexEntry, LocalRun, PeerRecord, adopt_majority, check_join, classify, is_compatible, merge_index,
+    run_key, summarize, tombstone,
 )
 
 LOCAL = LocalRun("run-a", 1, "hash-a", "0.1.0")
@@ -177,7 +167,7 @@ def dht_tools() -> dict[str, Any]:
     from hivemind.dht.validation import CompositeValidator, DHTRecord
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.records import OWNER_MARKER_RE, peer_schemas
+    from p2p_diloco.net.records import OWNER_MARKER_RE, peer_schemas
 
     assert OWNER_MARKER_RE.pattern.replace(b"^", b"").replace(b"$", b"") == RSASignatureValidator.PUBLIC_KEY_REGEX
     return dict(RSASignatureValidator=RSASignatureValidator, ser=DHTProtocol.serializer, DHTID=DHTID,

@@ -12,8 +12,10 @@ import pytest
 import torch
 from averagers import averaging_swarm
 
-from p2p_diloco import compression, data, outer, sim
-from p2p_diloco.config import ConfigError, config_hash, load_config
+from p2p_diloco.hivemind_ext import codecs as compression
+from p2p_diloco.core import data, outer
+from p2p_diloco.sim import simulator as sim
+from p2p_diloco.core.config import ConfigError, config_hash, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = outer.Robust(clip_factor=2.0)
@@ -193,7 +195,7 @@ def test_a_poisoned_sender_in_a_real_all_reduce_is_bounded_and_everyone_agrees(t
     deltas = [{n: t + 0.7 * torch.randn(t.shape, generator=gen) for n, t in common.items()} for _ in range(3)]
     encoded = [outer.encode_contribution(d, "radial") for d in deltas]
     encoded[2] = sim.poison(*encoded[2], sim.Attack(2, "sign-flip"), gen)  # -1000x directions, 1000x norms
-    from p2p_diloco.averaging import ExactAllReduceRunner
+    from p2p_diloco.averaging.runner import ExactAllReduceRunner
 
     with averaging_swarm(tmp_path, cfg, NAMES, SHAPES, (ExactAllReduceRunner,) * 3) as peers:
         outcomes = _run_round(peers, encoded, cfg)
@@ -214,7 +216,8 @@ def test_a_poisoned_sender_in_a_real_all_reduce_is_bounded_and_everyone_agrees(t
 def _run_round(peers: list[Any], encoded: list[tuple[dict[str, torch.Tensor], dict[str, float]]], cfg: Any) -> list[Any]:
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging import Contribution, RoundMeta
+    from p2p_diloco.averaging.host import Contribution
+    from p2p_diloco.averaging.decisions import RoundMeta
 
     start = get_dht_time() + cfg.averaging.window_s
     futures = []

@@ -11,27 +11,14 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco.config import ConfigError, config_hash, load_config, load_config_data, pin_data
-from p2p_diloco.records import (
-    ANNOUNCE_STATE,
-    MAX_CONFIG_CHARS,
-    IndexEntry,
-    LocalRun,
-    PeerRecord,
-    RunConfigRecord,
-    RunInfo,
-    classify,
-    config_key,
-    config_mismatch,
-    merge_index,
-    pick_run,
-    primary_run,
-    runs_in_index,
-    summarize,
-    tombstone,
+from p2p_diloco.core.config import ConfigError, config_hash, load_config, load_config_data, pin_data
+from p2p_diloco.net.records import (
+    ANNOUNCE_STATE, MAX_CONFIG_CHARS, IndexEntry, LocalRun, PeerRecord, RunConfigRecord, classify, config_key,
+    config_mismatch, merge_index, summarize, tombstone,
 )
-from p2p_diloco.rejects import Reason
-from p2p_diloco.runconfig import config_from_record, config_from_records, config_record, config_text
+from p2p_diloco.net.runs import RunInfo, pick_run, primary_run, runs_in_index
+from p2p_diloco.core.rejects import Reason
+from p2p_diloco.net.runconfig import config_from_record, config_from_records, config_record, config_text
 
 NOW = 1_000_000.0
 TINY_PATH = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
@@ -136,7 +123,7 @@ def test_every_node_enforces_the_config_record_and_the_bootstrap_state() -> None
     from hivemind.dht.validation import CompositeValidator, DHTRecord
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.records import INDEX_KEY, peer_schemas, run_key
+    from p2p_diloco.net.records import INDEX_KEY, peer_schemas, run_key
     from test_records import _signed  # signs a record as its owner would
 
     t = dict(RSASignatureValidator=RSASignatureValidator, ser=DHTProtocol.serializer, DHTID=DHTID, DHTRecord=DHTRecord)
@@ -282,8 +269,8 @@ def test_config_mismatch_says_we_look_with_another_config() -> None:
 
 
 def test_status_lists_other_runs_and_an_empty_dht() -> None:
-    from p2p_diloco.swarm import SwarmSnapshot
-    from p2p_diloco.swarm_cli import render_plain, snapshot_json
+    from p2p_diloco.net.membership import SwarmSnapshot
+    from p2p_diloco.net.report import render_plain, snapshot_json
 
     local = LocalRun("run-a", 1, "mine", "0.1.0")
     views = classify([(rec("a", config_hash="theirs"), NOW + 5)], local, NOW)
@@ -302,7 +289,7 @@ def test_status_lists_other_runs_and_an_empty_dht() -> None:
 
 
 def test_bootstrap_prints_a_join_command_that_works_when_pasted() -> None:
-    from p2p_diloco.swarm_cli import join_instructions
+    from p2p_diloco.cli.swarm import join_instructions
 
     peers = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQ6Zc23k8dddq4G2yn3dL546juChnAjDXrbZH89Q1ZH6h"
     lines = join_instructions(peers, " --swarm-key swarm.secret", "configs/tiny.toml", ["outer.lr=0.5"])

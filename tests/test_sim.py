@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import data, sim
-from p2p_diloco.config import Config, load_config
+from p2p_diloco.core import data
+from p2p_diloco.sim import simulator as sim
+from p2p_diloco.core.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,12 +119,12 @@ def test_cli_sim_reports_json() -> None:
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "sim", "--config", str(ROOT / "configs" / "tiny.toml"),
+    r = subprocess.run([sys.executable, "-m", "p2p_diloco.cli.main", "sim", "--config", str(ROOT / "configs" / "tiny.toml"),
                         "--set", "inner.total_steps=12", "--set", "inner.warmup_steps=2", "--set", "outer.sync_every=5",
                         "--quiet", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["mode"] == "diloco" and out["rounds"] > 0 and out["final_eval_loss"] < out["curve"][0]["eval_loss"]
-    bad = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "sim", "--data", "/nonexistent/corpus"],
+    bad = subprocess.run([sys.executable, "-m", "p2p_diloco.cli.main", "sim", "--data", "/nonexistent/corpus"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.config import load_config
-from p2p_diloco.launcher import NO_STEP_LIMIT, unlimited_steps
-from p2p_diloco.reference import SPAN, cache_dir, load_curves, lookup, plan, reference_at, reference_key, save_curve
-from p2p_diloco.swarm_run import Ending, finished_together, progress
+from p2p_diloco.core.config import load_config
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, unlimited_steps
+from p2p_diloco.sim.reference import (
+    SPAN, cache_dir, load_curves, lookup, plan, reference_at, reference_key, save_curve,
+)
+from p2p_diloco.local.run import Ending, finished_together, progress
 
 CURVE = [{"tokens": 0, "eval_loss": 5.5}, {"tokens": 1000, "eval_loss": 3.0}, {"tokens": 3000, "eval_loss": 2.0}]
 
@@ -126,7 +128,7 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_the_committed_curves_cover_the_main_job_on_a_2_core_and_a_faster_machine() -> None:
-    from p2p_diloco.reference import COMMITTED_DIR
+    from p2p_diloco.sim.reference import COMMITTED_DIR
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml"), [])
     for tokens in (1_900_000, 2_450_000, 4_685_824, 5_330_000):  # 5 and 6.5 min on 2 cores; the machine
@@ -144,7 +146,7 @@ def test_reference_key_follows_what_data_parallel_training_depends_on() -> None:
 
 
 def test_local_swarm_clears_a_previous_runs_logs(tmp_path: Path) -> None:
-    from p2p_diloco.launcher import LocalSwarm
+    from p2p_diloco.local.launcher import LocalSwarm
 
     logs = tmp_path / "logs"
     (logs / "baseline").mkdir(parents=True)
@@ -157,7 +159,7 @@ def test_local_swarm_clears_a_previous_runs_logs(tmp_path: Path) -> None:
 
 
 def test_the_reference_is_computed_unless_stored_skipped_or_interrupted() -> None:
-    from p2p_diloco.swarm_run import reference_action
+    from p2p_diloco.local.run import reference_action
 
     why = "no curve covers 9,000,000 tokens"
     assert reference_action(True, "covers", 9_000_000, False, False) == ("use", "covers")

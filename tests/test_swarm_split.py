@@ -16,12 +16,13 @@ pytestmark = pytest.mark.integration
 
 
 def test_split_detected_and_healed_then_membership(tmp_path: Path) -> None:
-    from p2p_diloco.addresses import parse_initial_peers
-    from p2p_diloco.identity import load_or_create_identity
-    from p2p_diloco.records import LocalRun, PeerRecord
-    from p2p_diloco.swarm import (
-        Membership, RecordPublisher, SwarmOptions, check_split, read_swarm, start_dht, visible_addresses,
+    from p2p_diloco.net.addresses import parse_initial_peers
+    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.records import LocalRun, PeerRecord
+    from p2p_diloco.net.membership import (
+        Membership, RecordPublisher, SwarmOptions, read_swarm, start_dht, visible_addresses,
     )
+    from p2p_diloco.net.probes import check_split
 
     local = LocalRun("split-run", 1, "h", "0.1.0")
     ids = {n: load_or_create_identity(tmp_path / f"{n}.id") for n in ("a", "b", "c")}

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from p2p_diloco.addresses import parse_initial_peers
-from p2p_diloco.identity import load_or_create_identity, peer_id_from_public_key
+from p2p_diloco.net.addresses import parse_initial_peers
+from p2p_diloco.net.identity import load_or_create_identity, peer_id_from_public_key
 
 if TYPE_CHECKING:
-    from p2p_diloco.swarm import RecordPublisher
+    from p2p_diloco.net.membership import RecordPublisher
 
 
 def test_identity_created_0600_and_stable(tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_identity_created_0600_and_stable(tmp_path: Path) -> None:
     again = load_or_create_identity(path)
     assert again.peer_id == first.peer_id and again.key_der == first.key_der
     assert first.peer_id.startswith("Qm")  # RSA identity: same key signs records
-    from p2p_diloco.swarm import owner_peer_id, owner_subkey
+    from p2p_diloco.net.membership import owner_peer_id, owner_subkey
 
     assert owner_peer_id(owner_subkey(first.private_key())) == first.peer_id
     assert owner_peer_id(b"[owner:garbage]") is None and owner_peer_id(b"plain") is None
@@ -54,7 +54,7 @@ def test_peer_id_from_public_key_matches_libp2p(tmp_path: Path) -> None:
 
 
 def test_swarm_key_file(tmp_path: Path) -> None:
-    from p2p_diloco.swarm import read_swarm_key, swarm_key_fingerprint, write_swarm_key
+    from p2p_diloco.net.identity import read_swarm_key, swarm_key_fingerprint, write_swarm_key
 
     path = tmp_path / "swarm.secret"
     fingerprint = write_swarm_key(path)
@@ -78,7 +78,7 @@ def test_swarm_key_file(tmp_path: Path) -> None:
 def test_authorizer_tokens_need_the_same_secret() -> None:
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.swarm import SwarmKeyAuthorizer
+    from p2p_diloco.net.authorizer import SwarmKeyAuthorizer
 
     a = SwarmKeyAuthorizer(b"1" * 32, RSAPrivateKey())
     b = SwarmKeyAuthorizer(b"1" * 32, RSAPrivateKey())
@@ -94,7 +94,7 @@ def test_authorizer_tokens_need_the_same_secret() -> None:
 
 
 def test_join_failure_messages_are_one_line() -> None:
-    from p2p_diloco.swarm import JoinError, SwarmKeyError, SwarmOptions, explain_join_failure
+    from p2p_diloco.net.membership import JoinError, SwarmKeyError, SwarmOptions, explain_join_failure
 
     addr = "/ip4/127.0.0.1/tcp/1/p2p/QmRSLzsXh75eE8qsybQkfgAz4wHaSjHTB4uqrbmtMnpVY1"
     opts = SwarmOptions(initial_peers=parse_initial_peers([addr]))
@@ -109,9 +109,9 @@ def test_join_failure_messages_are_one_line() -> None:
 def test_status_rendering_plain_and_json() -> None:
     import json
 
-    from p2p_diloco.records import LocalRun, PeerRecord, classify, tombstone
-    from p2p_diloco.swarm import SwarmSnapshot
-    from p2p_diloco.swarm_cli import _render_rich, render_plain, snapshot_json
+    from p2p_diloco.net.records import LocalRun, PeerRecord, classify, tombstone
+    from p2p_diloco.net.membership import SwarmSnapshot
+    from p2p_diloco.net.report import render_rich, render_plain, snapshot_json
 
     local = LocalRun("run-a", 1, "h", "0.1.0")
     now = 1000.0
@@ -128,7 +128,7 @@ def test_status_rendering_plain_and_json() -> None:
     assert "left: beta (Left5678) 20s ago" in text
     assert "foreign: gamma" in text and "config hash differs" in text
     assert "other runs in this DHT: run-b (1 peers)" in text
-    assert _render_rich(data) is not None
+    assert render_rich(data) is not None
 
 
 class _FlakyDHT:
@@ -145,8 +145,8 @@ class _FlakyDHT:
 
 
 def _publisher(dht: object, tmp_path: Path) -> RecordPublisher:
-    from p2p_diloco.records import PeerRecord
-    from p2p_diloco.swarm import RecordPublisher
+    from p2p_diloco.net.records import PeerRecord
+    from p2p_diloco.net.membership import RecordPublisher
 
     key = load_or_create_identity(tmp_path / "p.id").private_key()
     record = PeerRecord(run_id="r", protocol_version=1, config_hash="h", software_version="0.1.0",

@@ -73,9 +73,9 @@ sys.path.insert(0, str(ROOT))
 
 import netns  # noqa: E402  (scripts/wan/netns.py, stdlib only)
 from dp_gloo import summarize_steps  # noqa: E402  (imports torch lazily)
-from p2p_diloco.curves import crossing, value_at  # noqa: E402  (stdlib only)
-from p2p_diloco.launcher import NO_STEP_LIMIT  # noqa: E402  (stdlib only)
-from p2p_diloco.procguard import die_with_parent  # noqa: E402  (stdlib only)
+from p2p_diloco.sim.curves import crossing, value_at
+from p2p_diloco.local.launcher import NO_STEP_LIMIT
+from p2p_diloco.hivemind_ext.procguard import die_with_parent
 
 log = logging.getLogger("wan.bench")
 
@@ -395,7 +395,7 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
     and learner 0's ``eval`` events (the global model on the whole held-out set every ``eval_every_s``)."""
     sets = [a for o in [*p.overrides, *method_overrides(method, p.hosts), f"run.run_id=wan-{method}"]
             for a in ("--set", o)]
-    cli = [sys.executable, "-m", "p2p_diloco.cli"]
+    cli = [sys.executable, "-m", "p2p_diloco.cli.main"]
     before = wan.all_counters()
     with Procs(wan, logs) as procs:
         procs.start(f"{tag}-boot", 0, [*cli, "bootstrap", "--host", wan.address(0), "--identity",

@@ -2,12 +2,12 @@
 """Data-parallel training of the project's byte GPT with torch.distributed (gloo): the conventional baseline.
 
 One process per host (``--rank``, ``--world-size``, ``--master-addr``): every rank trains the same
-model (``p2p_diloco.model``, same seed) on its own shard of the embedded corpus with the learners'
+model (``p2p_diloco.core.model``, same seed) on its own shard of the embedded corpus with the learners'
 per-host batch (``inner.batch_size`` x ``model.block_size``), and the gradients are all-reduced
 every step by :class:`torch.nn.parallel.DistributedDataParallel` (gloo, fp32, bucketed and
 overlapped with the backward pass, as DDP does). The global batch is world-size x the per-host
-batch: the data-parallel reference of ``p2p_diloco.sim.run_reference``, spread over hosts.
-The AdamW step and its warm-up + cosine schedule are ``p2p_diloco.inner.train_step``, over
+batch: the data-parallel reference of ``p2p_diloco.sim.simulator.run_reference``, spread over hosts.
+The AdamW step and its warm-up + cosine schedule are ``p2p_diloco.core.inner.train_step``, over
 ``inner.total_steps`` whatever budget stops the run.
 
 ``--compute-only`` runs the same loop with no process group and no all-reduce: started on every
@@ -120,10 +120,10 @@ def run(p: DpParams) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from p2p_diloco import data
-    from p2p_diloco.config import load_config
-    from p2p_diloco.inner import build_optimizer, train_step
-    from p2p_diloco.model import build_model, count_parameters
+    from p2p_diloco.core import data
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.inner import build_optimizer, train_step
+    from p2p_diloco.core.model import build_model, count_parameters
 
     cfg = load_config(p.config, p.overrides)
     torch.set_num_threads(p.threads)

@@ -1,0 +1,410 @@
+"""Per-fragment background averaging among live peers: one hivemind averager per fragment.
+
+A round of fragment f is a hivemind group all-reduce of the members' encoded pseudo-gradients
+(:func:`p2p_diloco.core.outer.encode_contribution`), weighted by progress, among whoever is alive and due
+within the matchmaking window (at least ``averaging.min_group_size`` peers). Every member then
+decodes the *same* averaged tensors with the *same* gathered metadata and applies the same outer
+step to the same anchor, so anchors stay identical inside a group. What makes that true, and what
+this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
+
+* **Same bytes for everyone** (:class:`ExactAllReduceRunner`). hivemind's reducer sends each
+  sender ``codec(average - x_sender)`` and the sender adds it to its own tensor, so with a lossy
+  codec (and even with fp32 rounding) every peer ends with a slightly different result. Our
+  reducer sends ``codec(average)`` itself -- the same deterministic bytes to every sender, and
+  decodes the same bytes for its own share -- and senders *copy* what they receive. Every member
+  then holds bit-identical averaged tensors, at no extra traffic (one message per part, as before).
+  The price: the codec error is relative to the average, not to the difference from it.
+* **Partial rounds fail** (:meth:`ExactAllReduceRunner.completeness_problem`). hivemind can finish
+  a round with some parts replaced by the local tensor (a reducer that failed) or some senders
+  dropped (banned after a timeout), and report success. We check the runner's own books after
+  every round and raise instead, so ``step()`` fails; a round that fails is discarded by the
+  learner, never half-applied, and its pseudo-gradient is kept for the next round.
+* **Group-atomic commit** (:func:`commit_decision`). A partial all-reduce is not always visible to
+  every member: when a reducer drops a sender, the third peer gets a "successful" average that
+  lacks one contribution. So after the all-reduce each member posts its verdict (signed, in the
+  DHT, under a key only this attempt's members derive) and commits only if every member reported
+  success within ``commit_timeout_s``; silence is a veto. A member whose own all-reduce failed
+  posts its veto from the averager process at once (:meth:`FragmentAverager._post_veto`), so the
+  others do not wait out the timeout. (Two-phase commit without a coordinator cannot be perfect: a
+  verdict read just after a member's deadline makes one member abort while the others commit;
+  versions then differ and the behind member catches up by state download.)
+* **Checked metadata** (:func:`check_group`). Each member gathers (fragment, version, anchor hash,
+  config hash, tokens, steps, weight, radial norms, due time) from all the others; a round whose
+  members disagree on the anchor, or whose weights are not what their progress says, or all zero
+  (hivemind would return NaN), is discarded by every member -- the decision is a pure function of
+  the gathered data, so all members take the same one.
+* **Bounded influence** (``outer.robust``, :class:`RobustTensorPartReducer`). A member that sends
+  1000x tensors or norms must not steer the anchor. Each reducer averages the parts it receives with
+  :func:`outer.robust_mean` (norms capped at ``clip_factor`` x the senders' lower median, non-finite
+  parts left out, and with "trim" a coordinate-wise trimmed mean), weighting senders by their
+  *gathered* weights capped the same way -- not by what they claim in the stream; every member
+  applies the same rule to the gathered norms (:func:`outer.decode_merged`). One reducer computes
+  each part for everyone, so anchors stay bit-identical.
+* **Versioned groups**: the group key carries the fragment version and a few bits of the anchor
+  hash (``set_group_bits``), so only peers holding the same anchor meet; a peer behind the swarm
+  finds nobody and fetches the current anchor + outer state from a peer that has it
+  (:meth:`FragmentAveraging.fetch_state`).
+* **Forks heal** (:func:`anchor_order`). hivemind matchmaking can split the peers due for a round
+  into two groups that each commit the same version from the same anchor, with different results.
+  The (version, anchor hash) pairs are totally ordered -- at equal versions the smaller hash wins --
+  and a peer that sees (in the peer records) a peer ahead of it downloads that anchor and rebases
+  onto it, like a peer that missed rounds. The distance between the two anchors is measured then
+  (:func:`relative_distance`) and published as the peer's consensus distance.
+* **Members only** (when a swarm key is in use): our averaging and state-download handlers refuse
+  peers that :class:`p2p_diloco.net.membership.Membership` does not list; the DHT authorizer does not
+  cover these RPCs.
+
+hivemind surprise: RPC handler names carry the servicer's *class name*, so every peer must run
+the same averager class; fault injection therefore swaps the runner (``runner_class``), not the
+averager class.
+
+Every hivemind timeout is set from :class:`~p2p_diloco.core.config.AveragingConfig` (seconds), and
+``allow_retries=False``: a failed round is reported, not silently retried with other tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from p2p_diloco.core import outer
+from p2p_diloco.core.config import AveragingConfig
+from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
+
+logger = logging.getLogger(__name__)
+
+NO_GROUP_MESSAGE = "Averaging step failed: could not find a group"
+"""hivemind's error when a round's matchmaking ended alone: for us an outcome, not a fault."""
+
+
+class NoGroupIsNotAnError(logging.Filter):
+    """Drops hivemind's ERROR + traceback for a round that found no group (a lone learner, a learner one
+    version behind): the learner logs that round in one line, as discarded with this reason. Every other
+    averaging failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.getMessage() == NO_GROUP_MESSAGE)
+
+
+def quiet_expected_failures() -> None:
+    """Install :class:`NoGroupIsNotAnError` on hivemind's averager logger, once; the averager processes
+    forked afterwards inherit it."""
+    hv = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(f, NoGroupIsNotAnError) for f in hv.filters):
+        hv.addFilter(NoGroupIsNotAnError())
+
+
+CANCEL_POLL_S = 0.25
+"""How often a waiting round checks whether the learner is leaving."""
+HIVEMIND_FRAMING_BYTES = 9
+"""Bytes hivemind adds around each protobuf message on a stream (8-byte length + marker)."""
+VERSION_BITS = 8
+"""Group-key bits that carry the fragment version (mod 256): peers at other versions never meet."""
+ANCHOR_BITS = 4
+"""Group-key bits from the anchor hash: the two sides of a fork rarely (1 in 16) meet."""
+MAX_GROUP_SIZE = 4096
+MAX_DONORS_TRIED = 4
+"""A download's host-side deadline allows this many donors to each take ``state_timeout_s``."""
+MAX_WIRE_INT = 2**63 - 1
+"""Largest integer gathered metadata or a state download may carry (msgpack's int64)."""
+MAX_NORMS = 1 << 16
+"""Most radial norms a member's gathered metadata may carry (one per tensor of the fragment)."""
+MAX_TENSOR_NAME_CHARS = 512
+MAX_STATE_METADATA_BYTES = 4096
+"""A state download's msgpack metadata is four scalars; anything longer is refused before decoding."""
+STATE_METADATA_KEYS = frozenset({"fragment", "version", "anchor", "momentum"})
+ANCHOR_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+# ---------------------------------------------------------------- pure helpers and decisions
+
+
+def anchor_hash(tensors: Mapping[str, torch.Tensor]) -> str:
+    """16 hex digits over names, shapes, dtypes and bytes (name order): equal iff bit-identical."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def version_group_bits(version: int, anchor: str = "") -> str:
+    """The group-key bits of a fragment's anchor: the version mod 2**VERSION_BITS, then ANCHOR_BITS
+    bits of the anchor hash (none if ``anchor`` is empty), so that the two sides of a fork -- equal
+    version, different anchors -- do not meet and spoil each other's rounds while one side catches up."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    bits = format(version % (1 << VERSION_BITS), f"0{VERSION_BITS}b")
+    if anchor:
+        bits += format(int(anchor[0], 16), "04b")[:ANCHOR_BITS]
+    return bits
+
+
+def anchor_order(version: int, anchor: str) -> tuple[int, int]:
+    """Total order of (version, anchor hash): newer versions first; at equal versions (a fork: two groups
+    each committed the same version) the *smaller* hash wins. Every peer ranks the same way, so the
+    losing side of a fork adopts the winner's anchor (state download + rebase) and the forks heal."""
+    return version, -int(anchor, 16) if anchor else 0
+
+
+def is_ahead(theirs: tuple[int, str], ours: tuple[int, str]) -> bool:
+    """Is a peer's (version, anchor hash) ahead of ours in :func:`anchor_order`?"""
+    return anchor_order(*theirs) > anchor_order(*ours)
+
+
+def round_is_doomed(ours: tuple[int, str], peers: Sequence[tuple[int, str]]) -> bool:
+    """Would a round at ``ours`` = (version, anchor hash) find nobody? Groups meet only at one version and
+    anchor (:func:`version_group_bits`): a round is doomed when a live peer is ahead of us and none is
+    where we are. A learner behind then downloads instead (its progress waits for the next round), rather
+    than hold the fragment through a round that ends only at its matchmaking deadline."""
+    return any(is_ahead(p, ours) for p in peers) and not any(p == ours for p in peers)
+
+
+def sharing_priority(version: int, anchor: str) -> float:
+    """hivemind state-sharing priority that follows :func:`anchor_order` (donors are tried highest first):
+    the version plus a fraction in [0, 1) that is larger for smaller hashes."""
+    if not anchor:
+        return float(version)
+    return version + (0xFFFFFFFF - int(anchor[:8], 16)) / 2.0**32
+
+
+def donor_order(priorities: Mapping[str, float], own_id: str, ours: float) -> list[str]:
+    """The donors to download a fragment's state from, in the order to try them: only peers ahead of us
+    (their :func:`sharing_priority` above ours ``ours``), the best rank first; peers of equal rank (the
+    same version and anchor, the usual case) in rendezvous-hash order of (our id, their id), so that
+    newcomers spread over the donors instead of all starting with the same one, and each newcomer's
+    order is stable."""
+    ahead = [(p, d) for d, p in priorities.items() if d != own_id and math.isfinite(p) and p > ours]
+    return [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
+
+
+def state_size_cap(shapes: Sequence[torch.Size]) -> int:
+    """The most bytes a state download of these tensors may take: anchor + momentum in fp32, plus 10%
+    and 64 KiB for framing and metadata. A donor that sends more is dropped."""
+    elements = sum(math.prod(s) for s in shapes)
+    return int(2 * 4 * elements * 1.1) + 65536
+
+
+def relative_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """``||a - b|| / ||b||`` over all tensors of a fragment: the consensus distance of two anchors."""
+    num = math.sqrt(sum(float((a[n] - b[n]).double().pow(2).sum()) for n in b))
+    den = math.sqrt(sum(float(b[n].double().pow(2).sum()) for n in b))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def averager_prefix(run_id: str, fragment: int) -> str:
+    """hivemind key prefix of one fragment's averager (no dots allowed by hivemind)."""
+    return f"{run_id.replace('.', '_')}_frag{fragment}"
+
+
+@dataclass(frozen=True)
+class RoundMeta:
+    """What each member gathers from every other member of a round (msgpack: str keys, plain types)."""
+
+    fragment: int
+    version: int
+    anchor: str
+    """:func:`anchor_hash` of the member's anchor for this fragment before the round."""
+    config: str
+    """The member's config hash."""
+    tokens: int
+    steps: int
+    weight: float
+    due: float
+    """DHT time at which the fragment became due for this member (arrival spread -> adaptive window)."""
+    norms: dict[str, float] = field(default_factory=dict)
+    """Radial merge: the norm of each (non-embedding) pseudo-gradient tensor."""
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["weight"], d["due"] = float(self.weight), float(self.due)
+        d["norms"] = {str(k): float(v) for k, v in self.norms.items()}
+        return d
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "RoundMeta":
+        """Strict parse of a peer's gathered metadata; raises :class:`~p2p_diloco.core.rejects.PeerDataError`
+        (a ValueError with a one-line reason and a reason code)."""
+        def refuse(reason: Reason, message: str) -> PeerDataError:
+            return PeerDataError(reason, message[:300])
+
+        if not isinstance(value, Mapping):
+            raise refuse(Reason.MALFORMED, f"gathered metadata must be a dict, got {type(value).__name__}")
+        expected = {f for f in cls.__dataclass_fields__}
+        if set(value) != expected:
+            keys = sorted(repr(k)[:40] for k in itertools.islice(value, len(expected) + 1))
+            raise refuse(Reason.OVERSIZE if len(value) > 4 * len(expected) else Reason.MALFORMED,
+                         f"gathered metadata keys {keys} != {sorted(expected)}")
+        for key in ("fragment", "version", "tokens", "steps"):
+            v = value[key]
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_WIRE_INT:
+                reason = (Reason.OVERSIZE if isinstance(v, int) and not isinstance(v, bool) and v > MAX_WIRE_INT
+                          else Reason.BAD_VERSION if key == "version" else Reason.MALFORMED)
+                raise refuse(reason, f"gathered {key} must be a non-negative int, got {v!r}")
+        for key in ("anchor", "config"):
+            if not isinstance(value[key], str) or len(value[key]) > 64:
+                raise refuse(Reason.OVERSIZE if isinstance(value[key], str) else Reason.MALFORMED,
+                             f"gathered {key} must be a short string, got {value[key]!r:.80}")
+        numbers = {}
+        for key in ("weight", "due"):
+            numbers[key] = _finite_number(value[key])
+            if numbers[key] is None:
+                raise refuse(_number_reason(value[key]), f"gathered {key} must be a finite number, got {value[key]!r}")
+        norms = value["norms"]
+        if not isinstance(norms, Mapping):
+            raise refuse(Reason.MALFORMED, "gathered norms must map names to finite non-negative numbers")
+        if len(norms) > MAX_NORMS:
+            raise refuse(Reason.OVERSIZE, f"gathered norms hold {len(norms)} entries, at most {MAX_NORMS}")
+        parsed: dict[str, float] = {}
+        for k, v in norms.items():
+            x = _finite_number(v)
+            if not isinstance(k, str) or len(k) > MAX_TENSOR_NAME_CHARS or x is None or x < 0:
+                reason = (Reason.OVERSIZE if isinstance(k, str) and len(k) > MAX_TENSOR_NAME_CHARS
+                          else _number_reason(v) if isinstance(k, str) and x is None else Reason.MALFORMED)
+                raise refuse(reason, "gathered norms must map names to finite non-negative numbers")
+            parsed[k] = x
+        return cls(**{**value, "weight": numbers["weight"], "due": numbers["due"], "norms": parsed})
+
+
+def _finite_number(v: Any) -> float | None:
+    """``float(v)`` for a finite int or float (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:  # an int beyond float range
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _number_reason(v: Any) -> Reason:
+    if isinstance(v, float) and not math.isfinite(v):
+        return Reason.NON_FINITE
+    if isinstance(v, int) and not isinstance(v, bool):
+        return Reason.OVERSIZE
+    return Reason.MALFORMED
+
+
+def parse_gathered(gathered: Mapping[Any, Any]) -> list[RoundMeta]:
+    """Every member's :meth:`RoundMeta.from_wire`, in the group's order. A member whose metadata is refused
+    is logged (``rejected gathered metadata from <peer id>: <reason>: ...``) and the round with it: raises
+    :class:`~p2p_diloco.core.rejects.PeerDataError` whose message starts with that peer id."""
+    metas = []
+    for peer, value in gathered.items():
+        try:
+            metas.append(RoundMeta.from_wire(value))
+        except ValueError as e:
+            log_rejection(logger, "gathered metadata", peer, e)
+            raise PeerDataError(reason_of(e), f"{peer}: {reason_of(e)}: {e}") from None
+    return metas
+
+
+@dataclass(frozen=True)
+class Decision:
+    ok: bool
+    reason: str = ""
+
+
+def check_group(own: RoundMeta, members: Sequence[RoundMeta], radial_names: Sequence[str], *,
+                min_group_size: int, weighting: str) -> Decision:
+    """May this round's average be applied? A pure function of the gathered data, so every member of
+    the group decides the same (``own`` only adds checks that hold for every honest member).
+
+    Refused: fewer members than ``min_group_size``; members of another fragment or config; members
+    at another version or with another anchor (their pseudo-gradients are measured against a
+    different point); weights that are not what the member's progress says; all-zero weights
+    (hivemind returns NaN); radial norms missing.
+    """
+    if len(members) < max(2, min_group_size) and not (min_group_size == 1 and len(members) == 1):
+        return Decision(False, f"group of {len(members)} < min_group_size {max(2, min_group_size)}")
+    if own not in members:
+        return Decision(False, "our own metadata is not among the gathered")
+    for m in members:
+        if m.fragment != own.fragment:
+            return Decision(False, f"a member averaged fragment {m.fragment}, not {own.fragment}")
+        if m.config != own.config:
+            return Decision(False, f"a member has config hash {m.config}, ours {own.config}")
+        if m.version != own.version:
+            return Decision(False, f"version mismatch: a member is at v{m.version}, we are at v{own.version}")
+        if m.anchor != own.anchor:
+            return Decision(False, f"anchor mismatch at v{own.version}: {m.anchor} vs ours {own.anchor}")
+        expected = outer.contribution_weight(m.tokens, m.steps, weighting)
+        if not math.isclose(m.weight, expected, rel_tol=1e-9, abs_tol=1e-12):
+            return Decision(False, f"a member's weight {m.weight} does not match its progress ({m.tokens} tokens, "
+                                   f"{m.steps} steps -> {expected})")
+        missing = set(radial_names) - set(m.norms)
+        if missing:
+            return Decision(False, f"a member's metadata lacks the norms of {sorted(missing)[:3]}")
+    if sum(m.weight for m in members) <= 0:
+        return Decision(False, "all weights are zero: nothing to merge (hivemind would return NaN)")
+    return Decision(True)
+
+
+def adapt_window(spreads_s: Sequence[float], cfg: AveragingConfig, history: int = 8) -> float:
+    """Matchmaking window from the arrival spreads (last due - first due, s) of recent rounds.
+
+    ``median + 2 * MAD + request_timeout`` of the last ``history`` spreads (robust to one slow
+    round), clamped to ``[window_min_s, window_max_s]``; ``window_s`` until a round was seen.
+    """
+    recent = [s for s in spreads_s[-history:] if math.isfinite(s) and s >= 0]
+    if not recent:
+        return cfg.window_s
+    med = statistics.median(recent)
+    mad = statistics.median(abs(s - med) for s in recent)
+    return min(cfg.window_max_s, max(cfg.window_min_s, med + 2 * mad + cfg.request_timeout_s))
+
+
+def start_instant(proposals: Mapping[str, float], count: int) -> float | None:
+    """The common start (DHT time) of ``count`` learners: the latest of the ``count`` earliest proposals,
+    or None while fewer than ``count`` are in. Everyone who has read the same first ``count`` proposals
+    gets the same instant; later arrivals (proposing later) do not move it."""
+    if count < 1 or len(proposals) < count:
+        return None
+    return sorted(proposals.values())[count - 1]
+
+
+def completeness_problem(total_elements: int, failed_elements: int, banned_senders: int,
+                         parts_expected: int, parts_received: int) -> str | None:
+    """None if an all-reduce averaged every element with every sender; else why it is partial."""
+    if failed_elements:
+        return f"partial all-reduce: {failed_elements} of {total_elements} elements not averaged (a reducer failed)"
+    if banned_senders:
+        return f"partial all-reduce: {banned_senders} sender(s) dropped mid-round"
+    if parts_received != parts_expected:
+        return f"partial all-reduce: our reducer received {parts_received} of {parts_expected} parts"
+    return None
+
+
+def commit_key(prefix: str, members: Mapping[str, RoundMeta]) -> str:
+    """DHT key where the members of one round attempt post their verdicts: fragment, version and every
+    member's (peer id, due time), so a retry by the same group at the same version gets a new key."""
+    blob = ";".join(f"{pid}@{members[pid].due!r}" for pid in sorted(members))
+    first = next(iter(members.values()))
+    return f"{prefix}_commit_f{first.fragment}_v{first.version}_{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def commit_decision(reports: Mapping[str, str], peers: Sequence[str]) -> Decision:
+    """Commit only if every member of the group reported "ok" (two-phase commit over the DHT).
+
+    A member whose all-reduce was partial, failed, or whose checks refused the round reports why;
+    one that reports nothing (dead, or its step raised before it knew the group) vetoes by silence.
+    """
+    for pid in peers:
+        verdict = reports.get(pid)
+        if verdict is not None and verdict != "ok":
+            return Decision(False, f"member {pid[-8:]} reported: {verdict}"[:300])
+    silent = [pid for pid in peers if pid not in reports]
+    if silent:
+        return Decision(False, f"no verdict from {len(silent)} of {len(peers)} members")
+    return Decision(True)
+
+

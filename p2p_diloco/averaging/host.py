@@ -1,0 +1,288 @@
+"""The host side of a fragment's averager: rounds in the background, state downloads."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.averaging.decisions import (
+    CANCEL_POLL_S,
+    MAX_DONORS_TRIED,
+    Decision,
+    RoundMeta,
+    averager_prefix,
+    check_group,
+    commit_decision,
+    commit_key,
+    parse_gathered,
+    quiet_expected_failures,
+    sharing_priority,
+    version_group_bits,
+)
+from p2p_diloco.averaging.process import FragmentAverager
+from p2p_diloco.averaging.runner import ExactAllReduceRunner
+from p2p_diloco.averaging.transfer import FetchedState
+from p2p_diloco.core import outer
+from p2p_diloco.core.config import Config, config_hash
+from p2p_diloco.hivemind_ext import procguard
+from p2p_diloco.hivemind_ext.codecs import get_codec
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- host side: rounds in the background
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What the learner hands to averaging for one round of one fragment."""
+
+    meta: RoundMeta
+    tensors: dict[str, torch.Tensor]
+    """Encoded pseudo-gradient (:func:`outer.encode_contribution`), by parameter name."""
+    scheduled_time: float
+    """DHT time at which the group should start its all-reduce."""
+    window_s: float
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How a round ended. ``merged`` is set only when ``committed``."""
+
+    fragment: int
+    version: int
+    committed: bool
+    reason: str
+    group_size: int = 0
+    peers: tuple[str, ...] = ()
+    own_share: float = 0.0
+    weights: tuple[float, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    duration_s: float = 0.0
+    finished_at: float = float("nan")
+    """When the round ended (committed or not), on this process's ``time.monotonic()`` clock."""
+    arrival_spread_s: float = float("nan")
+    window_s: float = 0.0
+    merged: dict[str, torch.Tensor] | None = None
+
+    def event(self) -> dict[str, Any]:
+        """The JSONL record of this round (no tensors)."""
+        # not asdict(): it deep-copied the merged tensors (a whole fragment) on the training thread only to drop
+        # them; finished_at is on this process's clock only
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("merged", "finished_at")}
+        d["peers"] = list(self.peers)
+        d["weights"] = list(self.weights)
+        d["outcome"] = "committed" if self.committed else "discarded"
+        if not math.isfinite(d["arrival_spread_s"]):
+            d["arrival_spread_s"] = None
+        return d
+
+
+@dataclass(frozen=True)
+class Download:
+    """How a state download ended: the state (None: no donor was ahead of us, or every donor failed)
+    and each donor tried, with ``"ok"`` or why not, and seconds."""
+
+    fetched: FetchedState | None
+    attempts: tuple[tuple[str, str, float], ...]
+    duration_s: float
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{d[-8:]}: {why}" for d, why, _ in self.attempts if why != "ok"]
+
+
+class FragmentAveraging:
+    """Owns one fragment's averager and runs its rounds and state downloads in a background thread.
+
+    :meth:`start_round` and :meth:`fetch_state` return futures at once; the learner polls them.
+    At most one operation per fragment is in flight (the learner enforces it).
+    """
+
+    def __init__(self, cfg: Config, fragment: int, names: Sequence[str], shapes: Mapping[str, torch.Size],
+                 dht: Any, private_key: Any, *, membership: Any = None,
+                 state_provider: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]] | None = None,
+                 runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner, start: bool = True) -> None:
+        """``start=False``: the averager process is started by :meth:`start_background` (several at once)."""
+        from p2p_diloco.net.membership import owner_peer_id, owner_subkey
+
+        quiet_expected_failures()  # before our averager process is forked
+        a = cfg.averaging
+        self.cfg, self.fragment, self.names, self.dht = cfg, fragment, tuple(names), dht
+        self.prefix = averager_prefix(cfg.run.run_id, fragment)
+        self.report_subkey = owner_subkey(private_key)  # verdicts are signed: nobody can vote for us
+        if owner_peer_id(self.report_subkey) != dht.peer_id.to_base58():
+            raise ValueError(f"the DHT's peer id {dht.peer_id} is not the one of the signing key: start the DHT with "
+                             f"the same identity (SwarmOptions.identity) so that verdicts can be matched to members")
+        self.config_hash = config_hash(cfg)
+        self.radial_names = tuple(n for n in names if cfg.outer.merge == "radial" and not outer.uses_plain_merge(n))
+        self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
+        self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names]
+        self.averager = FragmentAverager(
+            self.buffers, dht, start=start, prefix=self.prefix,
+            target_group_size=a.target_group_size or None, min_group_size=a.min_group_size,
+            initial_group_bits=version_group_bits(0), min_matchmaking_time=a.window_s,
+            request_timeout=a.request_timeout_s, allreduce_timeout=a.allreduce_timeout_s,
+            next_chunk_timeout=a.next_chunk_timeout_s, sender_timeout=a.next_chunk_timeout_s,
+            reducer_timeout=2 * a.next_chunk_timeout_s, compression=get_codec(cfg.outer.codec),
+            shutdown_timeout=a.shutdown_timeout_s, allow_state_sharing=state_provider is not None,
+            declare_state_period=max(1.0, a.record_ttl_s), membership=membership, state_provider=state_provider,
+            runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
+            robust=self.robust,
+            layout=(self.names, {n: b.shape for n, b in zip(self.names, self.buffers)}),
+        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"averaging-f{fragment}")
+        self._cancelled = threading.Event()
+
+    def start_background(self) -> None:
+        """Start the averager process without waiting for it (then :meth:`wait_ready`)."""
+        with procguard.handlers_kept():  # hivemind sets SIGINT to SIG_IGN here, in our process
+            self.averager.run_in_background(await_ready=False)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the averager process serves requests; raises what made it fail to start."""
+        self.averager.wait_until_ready(timeout=timeout_s)
+
+    def cancel(self) -> None:
+        """Leaving: end the round in flight at once (discarded) and start no new one."""
+        self._cancelled.set()
+
+    # -- rounds
+    def start_round(self, contribution: Contribution) -> "Future[RoundOutcome]":
+        return self._executor.submit(self._round, contribution)
+
+    def _round(self, c: Contribution) -> RoundOutcome:
+        a = self.cfg.averaging
+        t0 = time.monotonic()
+        base = dict(fragment=self.fragment, version=c.meta.version, window_s=c.window_s)
+        sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
+
+        def failed(reason: str, **extra: Any) -> RoundOutcome:
+            now = time.monotonic()
+            return RoundOutcome(**base, committed=False, reason=reason, duration_s=now - t0, finished_at=now,
+                                bytes_sent=self.averager.bytes_sent.value - sent0,
+                                bytes_received=self.averager.bytes_received.value - received0, **extra)
+
+        if c.meta.weight <= 0:
+            return failed("no progress since the last sync (weight 0): not joining")
+        if self._cancelled.is_set():
+            return failed("cancelled: this peer is leaving")
+        self.averager.set_group_bits(version_group_bits(c.meta.version, c.meta.anchor))
+        with self.averager.get_tensors() as buffers:
+            for buf, name in zip(buffers, self.names):
+                buf.copy_(c.tensors[name])
+        # a lone peer gives up after two windows past the scheduled start
+        matchmaking_timeout_s = max(0.0, c.scheduled_time - get_dht_time()) + 2 * c.window_s
+        control = self.averager.step(gather=c.meta.to_wire(), weight=c.meta.weight, scheduled_time=c.scheduled_time,
+                                     timeout=matchmaking_timeout_s, allow_retries=False, wait=False)
+        give_up_at = time.monotonic() + matchmaking_timeout_s + a.allreduce_timeout_s + a.request_timeout_s
+        while True:
+            try:
+                gathered = control.result(timeout=max(0.01, min(CANCEL_POLL_S, give_up_at - time.monotonic())))
+                break
+            except TimeoutError:
+                if self._cancelled.is_set():  # we are leaving: do not make the others wait for us
+                    control.cancel()
+                    return failed("cancelled: this peer is leaving")
+                if time.monotonic() >= give_up_at:
+                    control.cancel()
+                    return failed(f"round exceeded {matchmaking_timeout_s + a.allreduce_timeout_s:.1f} s")
+            except Exception as e:  # hivemind raises on every failure; the round is discarded with its reason
+                text = str(e).strip().splitlines()
+                return failed(f"{type(e).__name__}: {text[-1] if text else ''}"[:300])
+        if not gathered:
+            return failed("all-reduce returned no group")
+        peers = tuple(str(p) for p in gathered)
+        try:
+            metas = parse_gathered(gathered)
+        except ValueError as e:
+            return failed(f"bad metadata from a member: {e}", group_size=len(peers), peers=peers)
+        weights = tuple(m.weight for m in metas)
+        spread = max(m.due for m in metas) - min(m.due for m in metas)
+        extra = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
+        decision = check_group(c.meta, metas, self.radial_names, min_group_size=a.min_group_size,
+                               weighting=self.cfg.outer.weighting)
+        averaged: dict[str, torch.Tensor] = {}
+        if decision.ok:
+            with self.averager.get_tensors() as buffers:
+                averaged = {n: b.clone() for n, b in zip(self.names, buffers)}
+            if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
+                decision = Decision(False, "averaged tensors are not finite")
+        # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
+        key = commit_key(self.prefix, dict(zip(peers, metas)))
+        verdict = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        if not decision.ok:
+            return failed(decision.reason, **extra)
+        if not verdict.ok:
+            return failed(verdict.reason, **extra)
+        merged = outer.decode_merged(averaged, [m.norms for m in metas], list(weights), self.cfg.outer.merge,
+                                     self.robust)
+        now = time.monotonic()
+        return RoundOutcome(**base, committed=True, reason="ok", own_share=c.meta.weight / sum(weights),
+                            duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
+                            bytes_received=self.averager.bytes_received.value - received0, merged=merged, **extra)
+
+    def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> Decision:
+        """Post our verdict under ``key`` (signed subkey), then read the others' until all are in or
+        ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read."""
+        from p2p_diloco.net.membership import owner_peer_id
+
+        timeout_s = self.cfg.averaging.commit_timeout_s
+        deadline = time.monotonic() + timeout_s
+        self.dht.store(key, own_verdict[:300], get_dht_time() + 10 * timeout_s + 60, subkey=self.report_subkey)
+        reports: dict[str, str] = {}
+        while True:
+            found = self.dht.get(key, latest=True)
+            if found is not None and isinstance(found.value, dict):
+                for subkey, item in found.value.items():
+                    pid = owner_peer_id(subkey)
+                    if pid is not None and isinstance(item.value, str):
+                        reports[pid] = item.value
+            decision = commit_decision(reports, peers)
+            if decision.ok or any(reports.get(p, "ok") != "ok" for p in peers) or time.monotonic() >= deadline:
+                if not decision.ok and "no verdict" in decision.reason:
+                    decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
+                return decision
+            time.sleep(0.05)
+
+    # -- state download
+    def fetch_state(self, ours: tuple[int, str]) -> "Future[Download]":
+        """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order`."""
+        return self._executor.submit(self._fetch, ours)
+
+    def _fetch(self, ours: tuple[int, str]) -> "Download":
+        """Try the donors of :func:`donor_order` in turn, each for at most ``state_timeout_s`` (silent for
+        ``next_chunk_timeout_s`` between chunks: dropped); every payload is size-capped and checked
+        (:func:`parse_state`: shapes, finite values, the anchor hash) before it is returned."""
+        a = self.cfg.averaging
+        t0 = time.monotonic()
+        deadline_s = a.state_timeout_s * MAX_DONORS_TRIED + a.request_timeout_s
+        fetched, attempts = self.averager.download_state(ours, a.state_timeout_s).result(timeout=deadline_s)
+        return Download(fetched, tuple(attempts), time.monotonic() - t0)
+
+    def set_anchor(self, version: int, anchor: str) -> None:
+        """Advertise our anchor's rank as state-sharing priority (donors ahead in :func:`anchor_order` first)."""
+        if self.averager.allow_state_sharing:
+            self.averager.state_sharing_priority = sharing_priority(version, anchor)
+
+    def refusals(self) -> int:
+        """Requests from non-members that our handlers refused so far."""
+        return int(self.averager.refused.value)
+
+    def bytes_total(self) -> tuple[int, int]:
+        return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        procguard.stop_process(self.averager, f"averager of fragment {self.fragment}")
+
+

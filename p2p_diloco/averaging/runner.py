@@ -1,0 +1,217 @@
+"""Our all-reduce runner and reducer (run in the averager process): exact part accounting, robust merge."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import (
+    aiter_with_timeout,
+    amap_in_executor,
+    attach_event_on_finished,
+)
+
+from p2p_diloco.averaging.decisions import HIVEMIND_FRAMING_BYTES, completeness_problem
+from p2p_diloco.core import faults, outer
+from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection
+from p2p_diloco.hivemind_ext.codecs import decode_part
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- hivemind subclasses (run in the averager process)
+
+
+class _RobustPart:
+    """Stands in for :class:`TensorPartReducer`'s accumulator of one part. hivemind calls
+    ``add_(part, alpha=weight)`` once per sender it counts and then ``div_(total weight)``; we keep the
+    parts and return :func:`outer.robust_mean` of them instead of the plain weighted mean."""
+
+    def __init__(self, shape: torch.Size, rule: outer.Robust) -> None:
+        self.shape, self.rule = shape, rule
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> "_RobustPart":
+        self.parts.append(part)
+        self.weights.append(float(alpha))
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:
+        if not self.parts:
+            return torch.zeros(self.shape)
+        return outer.robust_mean(self.parts, self.weights, self.rule)
+
+
+class RobustTensorPartReducer(TensorPartReducer):
+    """hivemind's reducer with a bounded influence per sender (``outer.robust``): each part is
+    :func:`outer.robust_mean` of what the senders sent (non-finite parts left out, norms capped at
+    ``clip_factor`` x the lower median, a trimmed mean with "trim"), weighted by the senders' *gathered*
+    weights after :func:`outer.clip_to_median` -- the weights every member decodes with -- not by the weight a sender
+    claims in its stream. One reducer computes each part and sends it to everyone, so all members
+    still hold bit-identical results. hivemind's own bookkeeping (which sender counts for which part,
+    bans, completion) is untouched: only the accumulator is replaced (hivemind 1.1.12 uses exactly
+    ``add_`` and ``div_`` on it)."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], sender_weights: Sequence[float], rule: outer.Robust) -> None:
+        self.sender_weights = [float(w) for w in sender_weights]
+        self.rule = rule
+        super().__init__(part_shapes, len(self.sender_weights))
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _RobustPart(self.part_shapes[self.current_part_index], self.rule)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        return await super().accumulate_part(sender_index, part_index, tensor_part,
+                                             weight=self.sender_weights[sender_index])
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, except that reducers return ``codec(average)`` (the same bytes
+    to every sender) instead of ``codec(average - x_sender)``, and every message sent or received is
+    counted. The outputs are the averaged tensors, not deltas: :class:`FragmentAverager` copies them.
+    With ``robust`` = (clipped gathered weight per peer, rule), parts are reduced by
+    :class:`RobustTensorPartReducer`.
+    """
+
+    def __init__(self, *args: Any, counters: tuple[Any, Any], fragment: int | None = None,
+                 robust: tuple[Mapping[Any, float], outer.Robust] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent, self._received = counters
+        self.fragment = fragment
+        if robust is not None:
+            weights, rule = robust
+            self.tensor_part_reducer.finished.set()  # hivemind's own reducer is replaced unused: no "0% received"
+            self.tensor_part_reducer = RobustTensorPartReducer(
+                tuple(part.shape for part in self.parts_for_local_averaging),
+                [weights[peer] for peer in self.sender_peer_ids], rule)
+
+    def _count(self, counter: Any, message: Any) -> None:
+        with counter.get_lock():
+            counter.value += message.ByteSize() + HIVEMIND_FRAMING_BYTES
+
+    def _quantized(self, averaged: torch.Tensor, compression_type: int) -> tuple[Any, torch.Tensor]:
+        message = serialize_torch_tensor(averaged, compression_type)
+        return message, deserialize_torch_tensor(message)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in faults.after_first(super()._generate_input_for_peer(peer_index), "while-sending",
+                                                self.fragment):
+            self._count(self._sent, message)
+            yield message
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            compression_type = container.compression.compression_type
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight)
+                _, decoded = await asyncio.get_event_loop().run_in_executor(
+                    None, self._quantized, averaged, compression_type)
+                container.register_processed_part(peer_index, part_index, decoded)
+            return
+        try:  # as hivemind's, plus counting the received messages
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                self._count(self._received, msg)
+                return deserialize_torch_tensor(msg.tensor_part)
+
+            part_index = 0
+            async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                                   max_prefetch=container.prefetch):
+                container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected "
+                                         f"{container.num_parts_by_peer[peer_index]}")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug("all-reduce with %s failed: %r", peer_id, e)
+            container.register_failed_reducer(peer_index)
+            raise
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                          sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As hivemind's, except that each part is decoded strictly (:func:`decode_part`: our codec's slot,
+        the part's shape and dtype, exact buffer length, finite values; a finite non-negative weight): a
+        sender whose part is refused is logged with its peer id and a reason code, and banned -- the
+        round then fails as a whole (:meth:`completeness_problem`), never half-applied."""
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        reducer, compression = self.tensor_part_reducer, self.tensor_part_container.compression
+        sender = self.sender_peer_ids[sender_index]
+
+        async def numbered() -> AsyncIterator[tuple[int, averaging_pb2.AveragingData]]:
+            index = 0
+            async for msg in stream:
+                yield index, msg
+                index += 1
+
+        def receive(item: tuple[int, averaging_pb2.AveragingData]) -> tuple[torch.Tensor, float, int]:
+            index, msg = item
+            self._count(self._received, msg)
+            if index >= reducer.num_parts:
+                raise PeerDataError(Reason.OVERSIZE, f"part {index} of only {reducer.num_parts}")
+            if not math.isfinite(msg.weight) or msg.weight < 0:
+                raise PeerDataError(Reason.NON_FINITE if not math.isfinite(msg.weight) else Reason.MALFORMED,
+                                    f"weight {msg.weight} is not a finite number >= 0")
+            local = self.parts_for_local_averaging[index]
+            part = decode_part(msg.tensor_part, reducer.part_shapes[index], local.dtype, compression.compression_type)
+            return part, msg.weight, msg.tensor_part.compression
+
+        parts = amap_in_executor(receive, numbered(), max_prefetch=self.tensor_part_container.prefetch)
+        try:
+            while True:
+                try:
+                    tensor_part, weight, compression_type = await parts.__anext__()
+                except StopAsyncIteration:
+                    break
+                except ValueError as e:  # excluded: the round fails for everyone (completeness_problem)
+                    log_rejection(logger, "a tensor part", sender, e)
+                    await self._ban_sender(sender)
+                    break
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight)
+                    part_index += 1
+                    if part_index == 1 and self.sender_peer_ids[sender_index] != self.peer_id:
+                        faults.hit("while-reducing", self.fragment)
+                except AllreduceException:  # BannedException included: this sender no longer counts
+                    logger.debug("sender %d was banned", sender_index)
+                    break
+                serialized, _ = await loop.run_in_executor(None, self._quantized, averaged, compression_type)
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self._count(self._sent, message)
+                yield message
+        finally:
+            await parts.aclose()
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def completeness_problem(self) -> str | None:
+        reducer = self.tensor_part_reducer
+        expected = reducer.num_parts * reducer.num_senders
+        return completeness_problem(self.tensor_part_container.total_size, self.tensor_part_container.failed_size,
+                                    len(self.banned_senders), expected, sum(reducer.num_parts_received))
+
+

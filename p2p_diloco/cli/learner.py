@@ -1,0 +1,229 @@
+"""``p2p-diloco join``: run a learner unit in a swarm (inner steps + background fragment averaging).
+
+Only the standard library is imported here; torch and hivemind load when the command runs, so
+``p2p-diloco --help`` stays fast. Joining, the compatibility check (config hash, protocol) and the
+graceful leave are the swarm commands' own (:func:`p2p_diloco.net.joined.joined_run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.cli.common import (
+    StopOnSignal,
+    add_config_args,
+    add_network_args,
+    add_run_id_arg,
+    out,
+    resolve_config,
+    setup_logging,
+)
+from p2p_diloco.core.console import out
+from p2p_diloco.learner.priority import JOINING_MAX_S
+from p2p_diloco.net.arguments import swarm_options
+from p2p_diloco.net.joined import joined_run
+
+logger = logging.getLogger(__name__)
+
+
+def check_shard_flags(shard: int | None, num_shards: int | None) -> None:
+    """The checks of ``--shard`` / ``--num-shards`` that need no config."""
+    if num_shards is not None and num_shards < 1:
+        raise ValueError(f"--num-shards: must be >= 1, got {num_shards}")
+    if shard is None and num_shards is not None:
+        raise ValueError(f"--num-shards {num_shards}: only with --shard I (without --shard a learner samples the "
+                         "whole training set in its own order)")
+    if shard is not None and shard < 0:
+        raise ValueError(f"--shard: must be >= 0, got {shard}")
+
+
+def shard_count(shard: int | None, num_shards: int | None, default: int) -> int:
+    """Shards the training set is dealt into: ``num_shards`` (default ``default``, the config's
+    ``sim.learners``) with an explicit ``--shard``, else 1 (the learner samples the whole set)."""
+    check_shard_flags(shard, num_shards)
+    if shard is None:
+        return 1
+    count = num_shards if num_shards is not None else default
+    if not 0 <= shard < count:
+        raise ValueError(f"--shard: must be in [0, {count}) for {count} shards, got {shard}")
+    return count
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    import time
+
+    started_at = time.monotonic()
+    setup_logging(args.verbose)
+    logging.getLogger("p2p_diloco.learner.options").setLevel(logging.INFO)  # one line per round, even without -v
+    from p2p_diloco.core.devices import check_precision, machine_device
+
+    device = machine_device(args.device)  # --device cuda on a machine without one: one line, nothing started
+    from p2p_diloco.learner.options import Profile
+    from p2p_diloco.net.records import LocalRun
+
+    # the flags first: a bad one fails before anything is looked up in the DHT
+    profile = Profile.load(args.profile) if args.profile else Profile()
+    check_shard_flags(args.shard, args.num_shards)
+    for flag, value in (("--wait-peers", args.wait_peers), ("--serve", args.serve_s),
+                        ("--eval-every", args.eval_every_s), ("--train-nice", args.train_nice),
+                        ("--checkpoint-every", args.checkpoint_every_s), ("--linger", args.linger_s)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag}: must be >= 0, got {value}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps: must be >= 1, got {args.steps}")
+    if args.max_time_s is not None and not args.max_time_s > 0:
+        raise ValueError(f"--max-time: must be > 0 seconds, got {args.max_time_s:g} (leave it out for no limit)")
+    if not args.view_period_s > 0:
+        raise ValueError(f"--view-period: must be > 0 seconds, got {args.view_period_s}")
+    if args.eval_batches < 1:
+        raise ValueError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
+    if args.train_nice > 19:
+        raise ValueError(f"--train-nice: must be at most 19 (the lowest CPU priority), got {args.train_nice}")
+    from p2p_diloco.core import faults
+
+    armed = [faults.parse_fault(spec) for spec in args.faults]  # a bad spec fails before we join
+    from p2p_diloco.learner import metrics
+
+    metrics_specs = tuple(metrics.parse_metrics_spec(spec) for spec in args.metrics)
+    metrics.check_available(metrics_specs)  # tensorboard missing: fail now, not after joining
+    chosen = args.checkpoint_dir or args.resume
+    checkpoint_dir = Path(chosen) if chosen else None
+    if args.lr_schedule == "time" and not args.max_time_s:
+        raise ValueError("--lr-schedule time: needs --max-time SECONDS")
+    if args.checkpoint_every_s and checkpoint_dir is None:
+        raise ValueError("--checkpoint-every: needs --checkpoint-dir DIR")
+    cfg = resolve_config(args)  # --config, else the config of the run that is in the DHT (verified)
+    check_precision(cfg.inner.precision, device)
+    num_shards = shard_count(args.shard, args.num_shards, cfg.sim.learners)
+    local = LocalRun.from_config(cfg)
+    resume = None
+    if args.resume:  # verified before we join: a bad checkpoint never reaches the swarm
+        from p2p_diloco.learner.checkpoint import load_checkpoint
+
+        resume = load_checkpoint(Path(args.resume), expect={"config_hash": local.config_hash, "run_id": local.run_id})
+    from p2p_diloco.learner.options import check_supported, load_splits
+
+    check_supported(cfg)
+    splits = load_splits(cfg, num_shards)  # missing, empty, binary or too small data fails here, before we join
+    incarnation = time.time_ns()
+    with StopOnSignal() as stop, joined_run(swarm_options(args, client_mode=False), args.name, local, cfg.outer.fragments,
+                                                  ttl_s=cfg.averaging.record_ttl_s,
+                                             state="joining", profile=profile.name, cfg=cfg) as joined:
+        from p2p_diloco.learner.loop import Learner
+        from p2p_diloco.learner.options import LearnerOptions
+        from p2p_diloco.net.membership import Membership
+
+        opts = LearnerOptions(
+            name=joined.name, shard=args.shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
+            max_time_s=args.max_time_s or 0.0, incarnation=incarnation,
+            lr_by_time=args.lr_schedule == "time" or (args.lr_schedule is None and bool(args.max_time_s)),
+            events_path=Path(args.events) if args.events else None, metrics=metrics_specs,
+            wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s, checkpoint_dir=checkpoint_dir,
+            checkpoint_every_s=args.checkpoint_every_s or 0.0, eval_every_s=args.eval_every_s,
+            eval_batches=args.eval_batches, view_period_s=args.view_period_s,
+            train_nice=args.train_nice, blocking=args.blocking, started_at=started_at, device=str(device),
+        )
+        if armed:  # before the averagers start: their processes are forked with the faults armed
+            faults.arm(armed)
+            out(f"faults armed: {', '.join(f.spec for f in armed)}")
+        # our averaging / state handlers are not covered by the DHT authorizer: check members there
+        membership = Membership(joined.dht, local) if joined.opts.swarm_key is not None else None
+        learner = Learner(cfg, profile, opts, joined, local, membership=membership, splits=splits)
+        try:
+            if resume is not None:
+                digest = learner.restore(resume)  # recomputed from what was restored, not copied
+                out(f"resumed from {resume.path}: step {learner.step}, model {digest}, "
+                     f"versions {[s.version for s in learner.slots]}, anchors {' '.join(s.anchor_hash for s in learner.slots)}")
+            out(f"learner {joined.name}: {learner.data_stream}, profile {profile.name}, "
+                 f"{opts.max_steps} steps, {cfg.outer.fragments} fragments, codec {cfg.outer.codec}, "
+                 f"device {opts.device} ({cfg.inner.precision})")
+            summary: dict[str, Any] = learner.run(stop.event)
+        finally:
+            learner.close()
+        out("final " + json.dumps(summary))
+        ok = joined.publisher.leave()
+        out(f"left run {local.run_id} ({stop.signal_name or 'done'}); tombstone {'published' if ok else 'NOT accepted'}")
+    return 0
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """``--device``, shared with ``p2p-diloco sim``: a per-peer choice, not part of the run's config (hash)."""
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where the model and the inner optimizer live: auto (the first CUDA GPU if there is one, "
+                        "else the CPU), cpu, cuda or cuda:N (default: auto). Anchors, outer momentum and the outer "
+                        "step stay fp32 on the CPU, so peers on different devices keep bit-identical anchors")
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``join`` on ``cli.build_parser``'s subparsers."""
+    help = ("run a learner unit: inner AdamW steps on its own data stream, fragments averaged in the background with the "
+            "live peers; SIGINT/SIGTERM leave gracefully")
+    p = subparsers.add_parser("join", help=help, description=help)
+    p.set_defaults(handler=cmd_join, identity=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO) on stderr")
+    add_network_args(p, peers_required=True, listen=True)
+    add_config_args(p)
+    add_run_id_arg(p)
+    p.add_argument("--name", default="", help="peer name shown by status (default: peer-<end of peer id>)")
+    p.add_argument("--profile", metavar="FILE", help="peer profile (TOML: name, slowdown, min_step_s, threads), "
+                   "e.g. peers/half.toml")
+    add_device_arg(p)
+    p.add_argument("--shard", type=int, metavar="I",
+                   help="train on data shard I of --num-shards disjoint shards of the training set (for benchmarks "
+                        "that need fixed, reproducible data per learner). Default: no shard, random windows of the "
+                        "whole training set in this learner's own order, seeded by the run seed, the peer id and "
+                        "this start, so any number of learners see different data without coordinating")
+    p.add_argument("--num-shards", dest="num_shards", type=int, metavar="N",
+                   help="with --shard: the number of shards (default: the config's sim.learners)")
+    p.add_argument("--steps", type=int, help="inner steps to run, >= 1 (default: inner.total_steps)")
+    p.add_argument("--max-time", dest="max_time_s", type=float, metavar="SECONDS",
+                   help="stop training this many seconds after this learner started (start-up and --wait-peers "
+                        "count too), then leave (default: no limit)")
+    p.add_argument("--lr-schedule", dest="lr_schedule", choices=("steps", "time"),
+                   help="what the inner LR's warm-up + cosine runs over: steps (inner.total_steps) or time (the cosine "
+                        "ends with --max-time if that comes first); default: time with --max-time, else steps")
+    p.add_argument("--blocking", action="store_true",
+                   help="wait for each round before the next inner step (synchronous DiLoCo, a baseline for "
+                        "benchmarks; the default never waits)")
+    p.add_argument("--train-nice", dest="train_nice", type=int, default=5, metavar="N",
+                   help="lower the training thread's CPU priority by N once it trains (default: 5), so that this "
+                        "peer's networking is not starved; also our session's autogroup's, when this process leads "
+                        "its session (as under p2p-diloco swarm), once it has joined (its first committed round, "
+                        f"or {JOINING_MAX_S:.0f} s into training), so that a newcomer on the same machine is not; "
+                        "0: no change")
+    p.add_argument("--view-period", dest="view_period_s", type=float, default=3.0, metavar="SECONDS",
+                   help="while training, read the swarm's records and sync clock this often (default: 3). Each read "
+                        "is answered by every DHT node that holds the run's records, with all of them: at 1 s, "
+                        "on a 4-peer swarm, more bytes than the pseudo-gradients")
+    p.add_argument("--eval-every", dest="eval_every_s", type=float, default=0.0, metavar="SECONDS",
+                   help="evaluate the global model on --eval-batches held-out batches this often while training, "
+                        "as 'eval' events in --events (default: 0, only at the start and the end)")
+    p.add_argument("--eval-batches", type=int, default=2, metavar="N",
+                   help="held-out batches per --eval-every evaluation (default: 2; data.eval_batches: the whole "
+                        "set, as at the end)")
+    p.add_argument("--events", metavar="FILE", help="append one JSON line per round / resync to FILE")
+    p.add_argument("--metrics", action="append", default=[], metavar="KIND:PATH",
+                   help="also send the --events records to a metrics sink (repeatable): tensorboard:DIR writes "
+                        "scalars (inner loss, eval loss, tokens/s, round outcomes, group sizes, bytes; x-axis: "
+                        "inner step) for `tensorboard --logdir DIR`; jsonl:FILE is like --events")
+    p.add_argument("--wait-peers", dest="wait_peers", type=int, metavar="N",
+                   help="wait until N learners (us included) are live before the first step")
+    p.add_argument("--serve", dest="serve_s", type=float, default=0.0, metavar="SECONDS",
+                   help="after training and the linger, stay this long so newcomers can download our state "
+                        "(default: 0, leave at once)")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR",
+                   help="save checkpoints here (safetensors + manifest, atomic): when leaving, and every "
+                        "--checkpoint-every seconds")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds between checkpoints, written in the background (default: only when leaving)")
+    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (checked against "
+                   "the config hash); later checkpoints go there too unless --checkpoint-dir says otherwise")
+    p.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
+                   help="for tests and drills: fail at a chosen point, e.g. kill@while-reducing:fragment=0:at=2, "
+                        "stall@inner-step:at=40:seconds=20 or raise@inner-step:at=3 (see p2p_diloco/faults.py)")
+    p.add_argument("--linger", dest="linger_s", type=float, default=20.0, metavar="SECONDS",
+                   help="after the final rounds, wait up to this long for the peers to agree (default: 20)")

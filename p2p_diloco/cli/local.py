@@ -1,0 +1,170 @@
+"""`swarm`: a local swarm of learner processes on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, Child, LocalSwarm, unlimited_steps
+from p2p_diloco.local.run import (
+    DEFAULT_CONFIG,
+    DEFAULT_MINUTES,
+    DEFAULT_PROFILES,
+    EVAL_EVERY_S,
+    FINISH_SLACK_S,
+    LINGER_S,
+    ROOT,
+    VIEW_PERIOD_S,
+    Chaos,
+    Ending,
+    LiveView,
+    build_report,
+    compute_reference,
+    ending,
+    estimate_s,
+    plot,
+    reference_action,
+    stored_reference,
+    write_report,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def cmd_swarm(args: argparse.Namespace) -> int:
+    from p2p_diloco.core.config import config_hash, load_config
+
+    config_path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
+    if args.peers < 2:
+        raise ValueError(f"--peers: a swarm needs at least 2 learners, got {args.peers}")
+    if args.minutes < 0:
+        raise ValueError(f"--minutes: must be >= 0, got {args.minutes}")
+    seconds = args.minutes * 60 if args.minutes > 0 else None
+    # a time budget alone ends the training, whatever the machine's speed: no step cap, and the LR's
+    # warm-up + cosine runs over the time (an explicit --set inner.total_steps=N still caps it)
+    overrides = unlimited_steps(args.overrides) if seconds else list(args.overrides)
+    cfg = load_config(config_path, overrides)
+    profiles = [Path(p) for p in args.profiles.split(",")] if args.profiles else list(DEFAULT_PROFILES)
+    from p2p_diloco.learner.options import Profile
+
+    loaded = [Profile.load(p) for p in profiles]  # a bad profile fails before anything starts
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    step_capped = cfg.inner.total_steps < NO_STEP_LIMIT
+    budget_tokens = args.peers * cfg.inner.total_steps * cfg.inner.batch_size * cfg.model.block_size if step_capped else None
+    common = ["--config", config_path] if config_path else []
+    common += [a for o in overrides for a in ("--set", o)]
+    network = ["--swarm-key", args.swarm_key] if args.swarm_key else []
+    budget = " or ".join(([f"{cfg.inner.total_steps} steps"] if step_capped else [])
+                         + ([f"{args.minutes:g} min of training"] if seconds else []))
+    out(f"swarm: {args.peers} learners ({', '.join(p.name for p in loaded)}), config {config_path or 'defaults'} "
+         f"(hash {config_hash(cfg)}), budget {budget} per learner"
+         + ("" if step_capped else " (no step limit)") + f"; output in {out}")
+    t0 = time.monotonic()
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    events: list[dict[str, Any]] = []
+    finals: dict[str, dict[str, Any]] = {}
+    endings: list[Ending] = []
+    try:
+        with LocalSwarm(out / "logs", grace_s=LINGER_S + 30) as swarm:
+            peers = swarm.start_bootstrap("--host", args.host, *network, *common)
+            out(f"bootstrap: {peers}")
+            if args.host not in ("127.0.0.1", "localhost"):
+                out(f"other machines join with: p2p-diloco join --initial-peers {peers} "
+                     + " ".join(common + network))
+
+            def start_learner(i: int, *, wait: int, max_time_s: float | None, suffix: str = "") -> Child:
+                name = f"{loaded[i % len(loaded)].name}-{i}{suffix}"
+                argv = ["join", "--initial-peers", peers, *common, *network, "--host", args.host, "--name", name,
+                        "--profile", str(profiles[i % len(profiles)]), "--shard", str(i), "--num-shards",
+                        str(args.peers), "--wait-peers", str(wait), "--linger", str(LINGER_S),
+                        "--events", str(out / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
+                if max_time_s is not None:
+                    argv += ["--max-time", f"{max_time_s:.1f}"]
+                return swarm.start(name, argv)
+
+            learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]
+            chaos = Chaos(args.chaos, seconds or estimate_s(cfg))
+            view = LiveView(args, cfg, peers, budget_tokens, seconds)
+            try:
+                deadline = t0 + (seconds or 24 * 3600) + 120 + FINISH_SLACK_S
+                while not stop.is_set() and time.monotonic() < deadline:
+                    done = [c for c in swarm.learners() if not c.alive or c.final() is not None]
+                    if len(done) == len(swarm.learners()):
+                        break
+                    chaos.tick(swarm, learners, start_learner, seconds, events)
+                    view.update(time.monotonic() - t0, events)
+                    stop.wait(VIEW_PERIOD_S)
+            finally:
+                view.close()
+            if stop.is_set():
+                out("swarm: interrupted; stopping every learner gracefully (they leave the swarm and report)")
+            swarm.close()
+            for c in swarm.learners():
+                summary = c.final()
+                if summary is not None:
+                    finals[c.name] = summary
+                elif c not in chaos.killed:
+                    out(f"swarm: {c.name} ended without a final summary (exit {c.popen.poll()}); see {c.log_path}")
+                endings.append(ending(c, t0, chaos))
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    report = build_report(cfg, config_path, args, finals, events, out, time.monotonic() - t0, endings)
+    ref_cfg = load_config(config_path, [*args.overrides, f"sim.learners={args.peers}"])  # K replicas: the swarm's
+    tokens = report["tokens"]
+    stored, why = stored_reference(ref_cfg, tokens)
+    action, why = reference_action(stored is not None, why, tokens, args.no_reference, stop.is_set())
+    if action == "use":
+        report["reference"] = stored
+    elif action == "compute":
+        write_report(report, out)  # on disk before the reference is computed (Ctrl+C there keeps it)
+        try:
+            report["reference"] = compute_reference(config_path, args, ref_cfg, tokens, why, time.monotonic() - t0)
+        except KeyboardInterrupt:
+            stop.set()
+            out("data-parallel reference: interrupted; the report has none")
+            report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why + "; computing one was interrupted"}
+    elif tokens > 0:
+        report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why}
+    out(write_report(report, out))
+    try:
+        plot(out)
+        out(f"swarm: wrote {out}/summary.json, summary.md, loss.png, rounds.png")
+    except Exception as e:  # plots are a convenience: the report is already on disk
+        out(f"swarm: could not draw the plots ({type(e).__name__}: {e}); the report is in {out}/summary.json")
+    return 130 if stop.is_set() else 0
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``swarm`` on ``cli.build_parser``'s subparsers."""
+    help = ("run a whole swarm here: a bootstrap peer and N learner processes with mixed profiles, a live view, "
+            "and a report with plots; Ctrl+C stops everything cleanly")
+    p = subparsers.add_parser("swarm", help=help, description=help)
+    p.set_defaults(handler=cmd_swarm)
+    p.add_argument("--peers", type=int, default=4, help="learner processes (default: 4)")
+    p.add_argument("--profiles", metavar="FILES",
+                   help="comma-separated peer profiles, used in turn (default: peers/fast.toml,peers/half.toml)")
+    p.add_argument("--config", metavar="FILE", help=f"run config (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config value (repeatable)")
+    p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
+                   help=f"training time of every learner, in minutes, however fast the machine (no step limit "
+                        f"unless --set inner.total_steps=N; default: {DEFAULT_MINUTES:g}; 0 = the config's step "
+                        "budget, inner.total_steps, however long that takes)")
+    p.add_argument("--host", default="127.0.0.1", help="address the peers listen on (a LAN address lets other machines "
+                   "join; default 127.0.0.1)")
+    p.add_argument("--swarm-key", dest="swarm_key", metavar="FILE", help="private swarm: the key file from keygen")
+    p.add_argument("--chaos", action="store_true", help="kill -9 one learner a third into the run, restart it at half")
+    p.add_argument("--out", default="runs/swarm", help="output folder for the report, plots and logs (default: runs/swarm)")
+    p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    p.add_argument("--no-reference", dest="no_reference", action="store_true",
+                   help="when no stored data-parallel curve covers the run's tokens, do not compute one (computing "
+                        "takes about a third of the training time on an idle 2-core machine; computed curves are cached in "
+                        "~/.cache/p2p-diloco)")

@@ -1,0 +1,300 @@
+"""Learner checkpoints on local disk: atomic save, verified load, fallback past a corrupt newest one.
+
+Layout under a root directory::
+
+    root/ckpt-00000120/tensors.safetensors   every tensor, contiguous, on CPU (safetensors format)
+    root/ckpt-00000120/manifest.json         caller's meta + format, step, created, tensors_sha256,
+                                             tensor_names (sorted), bytes (size of the tensors file);
+                                             a learner's meta holds its run config under ``config``
+                                             (:func:`portable_config`), which ``p2p-diloco export`` reads
+    root/.tmp-ckpt-<step>-<pid>/             a save in progress, or left behind by a kill -9
+
+Atomicity: a save writes both files into a temp folder, fsyncs each file and the folder, renames
+the folder to ``ckpt-<step:08d>`` (one atomic ``rename(2)``) and fsyncs the root so the rename is
+durable. A crash before the rename leaves only a ``.tmp-*`` folder, which loaders never look at
+and the next save deletes; after it, the checkpoint is complete. Loaders only consider ``ckpt-*``
+folders and verify the manifest and the sha256 of the tensors file, so a checkpoint damaged later
+(bit rot, a truncated copy) is skipped in favour of the previous one. Saving a step that already
+exists raises ``ValueError``: POSIX has no atomic replace of a non-empty directory, and a swap
+through a second rename would leave a window with no checkpoint of that step at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from p2p_diloco.core.config import Config
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+TENSORS_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
+RESERVED_KEYS = ("format", "step", "created", "tensors_sha256", "tensor_names", "bytes")
+_CKPT_RE = re.compile(r"ckpt-(\d{8,})")
+_TMP_RE = re.compile(r"\.tmp-ckpt-(\d+)-(\d+)")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint: its folder, its manifest and its tensors (on CPU)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """First 16 hex chars of a sha256 over sorted names, dtypes, shapes and bytes (pure, for "same state?")."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def portable_config(cfg: Config) -> dict[str, Any]:
+    """The run config as plain JSON data for a manifest's ``config``, self-contained so that a checkpoint
+    rebuilds its model on a machine without the run's local files: an hf model's ``model.hf_config`` is the
+    resolved transformers architecture inline (a table, whatever file it came from) and ``model.init_from``
+    is dropped (every weight is in the checkpoint). The model it builds is the run's; its
+    :func:`~p2p_diloco.core.config.config_hash` differs from the run's only where ``init_from`` was set. The data are
+    pinned (:func:`~p2p_diloco.core.config.pin_data`: dataset fingerprint, tokenizer hash), so the hash needs no data."""
+    from p2p_diloco.core.config import pin_data
+
+    data = pin_data(cfg).to_dict()
+    if cfg.model.kind == "hf":
+        from p2p_diloco.core import hfmodel
+
+        data["model"] = {**data["model"], "hf_config": hfmodel.architecture(cfg.model), "init_from": ""}
+    return json.loads(json.dumps(data))  # tuples become lists: what a manifest reads back
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    keep: int = 2,
+    *,
+    _before_rename: Callable[[Path], None] | None = None,
+) -> Path:
+    """Atomically write ``root/ckpt-<step:08d>``, then prune to the ``keep`` newest valid ones (corrupt ones
+    are deleted: a loader skips them anyway) and remove stale temps. An existing checkpoint of the same
+    step is replaced only if it is corrupt (after ``--resume`` fell back past it).
+
+    On any error the temp folder is removed, earlier checkpoints are untouched and the error propagates.
+    ``_before_rename`` (tests only) is called with the temp folder once its files are durable.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    clash = sorted(set(meta) & set(RESERVED_KEYS))
+    if clash:
+        raise ValueError(f"meta keys {clash} are reserved for the manifest")
+    bad = sorted(str(k) for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if bad:
+        raise ValueError(f"tensors must map str to torch.Tensor; bad entries: {bad}")
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta is not JSON-serializable: {e}") from e
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"ckpt-{step:08d}"
+    if final.exists():
+        try:
+            _verified(final, load=False)
+        except ValueError as e:  # nothing valid is lost: loaders skip it
+            log.warning("replacing corrupt checkpoint %s: %s", final, e)
+            shutil.rmtree(final)
+        else:
+            raise ValueError(f"checkpoint {final} already exists; steps are saved once")
+    # Clone: contiguous, detached, on CPU, never sharing storage with the caller (or with each other,
+    # which safetensors refuses).
+    cpu = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
+    tmp = root / f".tmp-ckpt-{step}-{os.getpid()}"
+    if tmp.exists():  # our own pid, from an earlier process that had it
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        save_file(cpu, str(tmp / TENSORS_FILE))
+        _fsync_path(tmp / TENSORS_FILE)
+        manifest = {
+            **meta,
+            "format": FORMAT_VERSION,
+            "step": step,
+            "created": time.time(),
+            "tensors_sha256": _sha256_file(tmp / TENSORS_FILE),
+            "tensor_names": sorted(cpu),
+            "bytes": (tmp / TENSORS_FILE).stat().st_size,
+        }
+        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if _before_rename is not None:
+            _before_rename(tmp)
+        os.rename(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        raise
+    _prune(root, keep, final)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete ``ckpt-*`` folders under ``root``, highest step first (``[]`` if root does not exist)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CKPT_RE.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
+
+
+def load_checkpoint(path: Path, expect: dict[str, Any] | None = None) -> Checkpoint:
+    """Load one ``ckpt-*`` folder, or the newest checkpoint under a root that verifies.
+
+    Under a root, checkpoints that fail verification are skipped with a warning. ``expect`` maps
+    manifest keys to required values; a mismatch raises (it is never a reason to fall back).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint path {path} does not exist")
+    if _CKPT_RE.fullmatch(path.name) or (path / MANIFEST_FILE).exists():
+        ckpt = _verified(path)
+    else:
+        candidates = list_checkpoints(path)
+        if not candidates:
+            raise ValueError(f"checkpoint root {path}: no complete ckpt-* folder")
+        reasons: list[str] = []
+        for candidate in candidates:
+            try:
+                ckpt = _verified(candidate)
+                break
+            except ValueError as e:
+                log.warning("skipping checkpoint %s: %s", candidate, e)
+                reasons.append(str(e))
+        else:
+            raise ValueError(f"checkpoint root {path}: none of {len(candidates)} verifies; newest: {reasons[0]}")
+    for key, want in (expect or {}).items():
+        have = ckpt.manifest.get(key, "<missing>")
+        if have != want:
+            raise ValueError(f"checkpoint {ckpt.path}: {key} is {have!r}, expected {want!r}")
+    return ckpt
+
+
+def _verified(folder: Path, load: bool = True) -> Checkpoint:
+    """Read and verify one checkpoint folder; ``ValueError`` naming the folder and the fault. Without
+    ``load`` the tensors are hashed but not loaded (``tensors`` is empty)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {folder}: manifest.json unreadable: {e}") from e
+    if not isinstance(manifest, dict) or any(k not in manifest for k in RESERVED_KEYS):
+        raise ValueError(f"checkpoint {folder}: manifest.json lacks one of {list(RESERVED_KEYS)}")
+    if manifest["format"] != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {folder}: format is {manifest['format']!r}, expected {FORMAT_VERSION}")
+    m = _CKPT_RE.fullmatch(folder.name)
+    if m and int(m.group(1)) != manifest["step"]:
+        raise ValueError(f"checkpoint {folder}: manifest step {manifest['step']!r} does not match the folder name")
+    try:
+        digest = _sha256_file(folder / TENSORS_FILE)
+    except OSError as e:
+        raise ValueError(f"checkpoint {folder}: {TENSORS_FILE} unreadable: {e}") from e
+    if digest != manifest["tensors_sha256"]:
+        raise ValueError(f"checkpoint {folder}: {TENSORS_FILE} sha256 mismatch (corrupt or truncated)")
+    if not load:
+        return Checkpoint(path=folder, manifest=manifest, tensors={})
+    tensors = load_file(str(folder / TENSORS_FILE), device="cpu")
+    if sorted(tensors) != manifest["tensor_names"]:
+        raise ValueError(f"checkpoint {folder}: tensor names differ from the manifest's")
+    return Checkpoint(path=folder, manifest=manifest, tensors=tensors)
+
+
+def _prune(root: Path, keep: int, just_saved: Path) -> None:
+    """Keep the ``keep`` newest checkpoints that verify (``just_saved`` always counts as one); delete the
+    ones that do not verify and everything older than the kept ones, and temps of dead processes.
+
+    By step, not by validity, a corrupt newer checkpoint (one ``--resume`` fell back past) would be kept
+    and the valid ones deleted. Newest first, each is verified until ``keep`` valid ones are found: one
+    hash of the previous checkpoint per save in the usual case. Housekeeping after a successful save: a
+    failure here is logged, not raised, because the new checkpoint is complete and durable and the caller
+    must not think the save failed.
+    """
+    doomed: list[Path] = []
+    valid = 0
+    for p in list_checkpoints(root):
+        if p == just_saved:
+            valid += 1
+        elif valid >= keep:
+            doomed.append(p)
+        else:
+            try:
+                _verified(p, load=False)
+            except ValueError as e:
+                log.warning("deleting corrupt checkpoint %s: %s", p, e)
+                doomed.append(p)
+            else:
+                valid += 1
+    for p in root.iterdir():
+        m = _TMP_RE.fullmatch(p.name)
+        if m and p.is_dir() and not _pid_alive(int(m.group(2))):
+            doomed.append(p)
+    for p in doomed:
+        try:
+            shutil.rmtree(p)
+        except OSError as e:
+            log.warning("could not delete old checkpoint folder %s: %s", p, e)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether another live process has this pid (its temp folder may be a save in progress)."""
+    if pid == os.getpid():
+        return False  # our own save has renamed its temp already: anything left is stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (the latter makes renames and new entries in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

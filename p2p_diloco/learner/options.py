@@ -1,0 +1,228 @@
+"""The learner unit: inner AdamW steps on its own data stream, fragments averaged in the background.
+
+Decoupled DiLoCo (arXiv 2604.21428) without its syncer. The loop below reads top to bottom:
+
+1. one inner AdamW step on this learner's data stream (the whole training split in its own order, or an
+   explicit shard; padded to the profile's speed);
+2. which fragments are due: at instants of the swarm's DHT clock (:mod:`p2p_diloco.net.clock`; its
+   period fixed, or derived from the learners' step times and published by one of them), or by
+   our own step count (numbered like the swarm's when we join one that is training);
+3. hand each due fragment's encoded pseudo-gradient ``anchor - theta`` to its averager -- a
+   background round, never waited for;
+4. apply what came back: a committed round moves the anchor by the outer Nesterov step and is
+   alpha-mixed into the weights at least ``outer.overlap`` (tau) steps after it was sent; a
+   discarded round changes nothing (the pseudo-gradient is still measured against the unchanged
+   anchor and goes out again at the next round);
+5. catch up: a fragment whose anchor the swarm has moved past (a newer version in the peer
+   records, or -- after a fork -- the winning anchor of our version) is downloaded from a peer
+   that has it and our progress is *rebased* onto it, ``theta <- new_anchor + (theta - old_anchor)``,
+   so no local work is lost; a fragment being downloaded sits out its due round;
+6. publish our record (step, tokens, speed, versions, bytes, loss) from a background thread.
+
+The time the loop spends on 3-5 (copies, outer steps; never network waits) is measured as
+*blocked* time. At the end every fragment with unsynced progress gets a final round, then the
+learner lingers until the live peers agree on the fragment versions, and prints one ``final``
+JSON line (anchor hashes, eval loss of the anchors before and after, rounds, blocked time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from p2p_diloco.core import data
+from p2p_diloco.core.config import Config
+from p2p_diloco.learner.metrics import MetricsSpec
+
+logger = logging.getLogger(__name__)
+
+START_MARGIN_S = 2.0
+"""How far ahead a learner proposes the common start (covers DHT propagation of the proposals)."""
+CLOCK_START_MARGIN_S = 2.0
+"""A newly derived sync clock starts this far beyond the leader's ``view_period_s`` in the future: the
+followers read the clock with the swarm, once per view period, and the read itself takes time."""
+CLOCK_WARMUP_STEPS = 3
+"""The clock leader derives a period only after this many of its own steps (step times are measured)."""
+CLOCK_REPUBLISH_S = 60.0
+"""The clock leader re-stores the current clock this often (it expires after ``clock.CLOCK_TTL_S``)."""
+SPEED_WINDOW_S = 10.0
+"""Published tokens/s are measured over this much recent wall time (one status period is too noisy)."""
+JOIN_VIEW_FRESH_S = 3.0
+"""A newcomer acts on the swarm view it read when joining if it is at most this old (a read under load
+takes 0.5-0.8 s), else it reads again."""
+ROUND_POLL_S = 0.25
+"""Blocking mode: how often a wait for a round checks for a stop signal."""
+QUICK_EVAL_BATCHES = 2
+"""Held-out batches of a periodic evaluation (``--eval-every``): a quarter of the default eval set, cheap."""
+AVERAGER_START_TIMEOUT_S = 120.0
+"""How long a fragment's averager process may take to come up (generous: a loaded 2-core machine)."""
+LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
+"""Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
+
+
+# ---------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A kind of machine (``peers/NAME.toml``): how fast this learner steps and how many threads it uses."""
+
+    name: str = "default"
+    slowdown: float = 1.0
+    """Each inner step takes this many times its natural time (the rest is slept): 3.0 = a 3x slower machine."""
+    min_step_s: float = 0.0
+    """Pad every inner step to at least this many seconds before ``slowdown`` (a steady pace for tests)."""
+    threads: int = 0
+    """torch threads; 0 = one (several learners share a machine; more would measure thread thrashing)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or self.slowdown < 1.0 or self.min_step_s < 0 or self.threads < 0:
+            raise ValueError(f"profile needs a name, slowdown >= 1, min_step_s >= 0, threads >= 0; got {self}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"{p}: profile not found") from None
+        except IsADirectoryError:
+            raise ValueError(f"{p}: a folder, not a profile file") from None
+        except OSError as e:
+            raise ValueError(f"{p}: cannot read the profile ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{p}: not a text file (a profile is TOML)") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{p}: not valid TOML ({e})") from None
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = set(raw) - set(known)
+        if unknown:
+            raise ValueError(f"{p}: unknown profile key(s) {sorted(unknown)} (known: {sorted(known)})")
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            kind, what = {"str": (str, "a string"), "float": (float, "a number"), "int": (int, "an integer")}[str(known[key])]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{p}: {key} must be {what}, got {value!r}")
+            values[key] = value
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+
+
+@dataclass(frozen=True)
+class LearnerOptions:
+    """Per-learner choices that are not part of the run's config (they do not change its hash)."""
+
+    name: str
+    shard: int | None
+    """An explicit data shard (``--shard``), or None: random windows of the whole training split in this
+    learner's own order (:func:`p2p_diloco.core.data.stream_seed`)."""
+    num_shards: int
+    """Shards the training split is dealt into (1 without an explicit shard)."""
+    max_steps: int
+    """Inner steps this learner runs (the LR schedule still spans ``inner.total_steps``)."""
+    max_time_s: float = 0.0
+    """Stop training this many seconds after ``started_at`` (0 = no limit): the wait for peers and the
+    start-up count too, so that a learner is done when its user expects it."""
+    incarnation: int = 0
+    """This start of the learner (wall time in ns): with the peer id, it seeds our data stream, so a peer
+    restarted with the same identity does not see the same batches again."""
+    lr_by_time: bool = False
+    """With ``max_time_s``: the LR's cosine ends when the time does, if that comes before its steps
+    (:func:`p2p_diloco.core.inner.schedule_step`)."""
+    events_path: Path | None = None
+    metrics: tuple[MetricsSpec, ...] = ()
+    """Metric sinks fed from the same events as ``events_path`` (``--metrics tensorboard:DIR``)."""
+    wait_peers: int = 0
+    """Wait until this many learners (us included) are live before the first step."""
+    wait_peers_timeout_s: float = 120.0
+    """Give up waiting for ``wait_peers`` (an error) after this many seconds, unless ``max_time_s`` ends first."""
+    wait_peers_report_s: float = 10.0
+    """While waiting for peers, log how many are live this often."""
+    linger_s: float = 20.0
+    """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
+    status_period_s: float = 1.0
+    """How often the background thread wakes: it publishes our record when :func:`publish_due` and reads
+    the swarm when :func:`view_due`."""
+    view_period_s: float = 3.0
+    """While training: seconds between reads of the swarm and of the sync clock (:func:`view_due`)."""
+    serve_s: float = 0.0
+    """After the linger, stay this long (record alive, state shared) for newcomers to download from us."""
+    checkpoint_dir: Path | None = None
+    """Save checkpoints here (:mod:`p2p_diloco.learner.checkpoint`): every ``checkpoint_every_s`` and when leaving."""
+    checkpoint_every_s: float = 0.0
+    """Seconds between periodic checkpoints (0: only the final one)."""
+    blocking: bool = False
+    """Wait for every round handed off before the next inner step (synchronous, OpenDiLoCo-style DiLoCo:
+    a baseline for the benchmarks; the decoupled default never waits)."""
+    train_nice: int = 5
+    """Niceness added to the training thread once it trains (Linux: per thread), so that the swarm's
+    communication (the DHT and averager processes) is not starved by inner steps, and to our session's
+    autogroup once we have joined (our first committed round), so that a newcomer starting on the same
+    machine is not; 0 leaves both as they are."""
+    eval_every_s: float = 0.0
+    """Seconds between quick held-out evaluations of the anchors while training (``eval`` events; 0: none)."""
+    eval_batches: int = QUICK_EVAL_BATCHES
+    """Held-out batches per evaluation while training (the first ones of the eval set; at most all of it)."""
+    started_at: float = field(default_factory=time.monotonic)
+    """When the learner process started (monotonic): time to first contribution is measured from here."""
+    device: str = "cpu"
+    """Where the model and the inner optimizer live (``--device``, resolved: ``cpu`` or ``cuda:N``); anchors,
+    outer momentum and the outer step stay fp32 on the CPU whatever it is (:mod:`p2p_diloco.core.devices`)."""
+
+
+def wait_verdict(now: float, waited_from: float, started_at: float, max_time_s: float, timeout_s: float) -> str:
+    """While waiting for peers (``--wait-peers``): ``"wait"``; ``"max-time"`` once ``max_time_s`` (counted
+    from the learner's start ``started_at``; 0: no limit) has run out, so the learner leaves without
+    training; ``"timeout"`` once the wait itself has lasted ``timeout_s`` (an error). Monotonic seconds."""
+    if max_time_s > 0 and now - started_at >= max_time_s:
+        return "max-time"
+    if now - waited_from >= timeout_s:
+        return "timeout"
+    return "wait"
+
+
+def waiting_line(live: int, needed: int, waited_s: float) -> str:
+    """The progress line logged while waiting for peers."""
+    return f"waiting for peers: {live} of {needed} live ({waited_s:.0f} s)"
+
+
+def publish_due(now: float, last_at: float, refresh_s: float, key: tuple[Any, ...], last_key: tuple[Any, ...] | None) -> bool:
+    """Whether the status thread publishes our record now: at once when what peers act on (``key``: state,
+    fragment versions, anchor hashes) changed since the last publish, else once per ``refresh_s`` (a third of
+    the record's TTL) for its counters. Publishing is two DHT stores, each replicated: every status period
+    (1 s) it cost each learner's DHT process about 7% of a core on a 2-core machine."""
+    return key != last_key or now - last_at >= refresh_s
+
+
+def view_due(now: float, last_at: float, period_s: float, training: bool) -> bool:
+    """Whether the status thread reads the swarm (and the sync clock) now. Training, once per ``period_s``:
+    each read is a DHT search that every node holding the run's records answers with all of them (on a
+    4-peer emulated WAN, reads every second were a third of all bytes sent, more than the pseudo-gradients).
+    Not training (waiting for peers, lingering until they agree, leaving), at every status tick: those
+    waits end on what the view says."""
+    return not training or now - last_at >= period_s
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse config options the networked learner does not implement (checked before joining)."""
+    for key, value in (("outer.error_feedback", cfg.outer.error_feedback), ("outer.final_average", cfg.outer.final_average)):
+        if value:  # the simulator has them; silently ignoring them would make the runs differ
+            raise ValueError(f"{key} = true is not supported by the networked learner yet (simulator only)")
+
+
+def load_splits(cfg: Config, num_shards: int) -> data.TrainingData:
+    """The training data (the byte corpus cut into the held-out split and ``num_shards`` training shards, or a
+    streamed dataset), with every check that needs the data (missing, empty, binary, too small, a fingerprint
+    or tokenizer other than the run's) done here, before a learner joins (:func:`data.load_training_data`)."""
+    return data.load_training_data(cfg, num_shards)
+
+

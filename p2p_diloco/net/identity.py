@@ -1,0 +1,162 @@
+"""A peer's identity (one RSA key file) and the swarm secret file of a private swarm.
+
+Identity: one RSA key file that gives both the libp2p peer id and the record-signing key.
+
+Using the same key for the libp2p daemon (``identity_path``) and for signing DHT records
+(``RSASignatureValidator``) ties a record's owner to the peer id of its connections, so a
+handler that knows the (authenticated) remote peer id can check it against the records
+(:func:`p2p_diloco.net.membership.Membership.is_member`).
+
+The file is libp2p's ``PrivateKey`` protobuf (RSA, DER), the format hivemind's daemon reads. It
+is created on first use with mode 0600 and never overwritten; an existing file readable by
+others is refused, as ssh does. hivemind is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey
+
+logger = logging.getLogger(__name__)
+
+SWARM_KEY_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A loaded identity file."""
+
+    path: Path
+    peer_id: str
+    """Base58 libp2p peer id derived from the key."""
+    key_der: bytes
+    """The RSA private key, DER (TraditionalOpenSSL), as hivemind's ``RSAPrivateKey`` pickles it."""
+
+    def private_key(self) -> "RSAPrivateKey":
+        """The key as hivemind's ``RSAPrivateKey`` (for the record validator and the authorizer)."""
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": self.key_der})  # hivemind's own (un)pickling path
+        return key
+
+
+def _write_new_key(path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.proto import crypto_pb2
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    der = key.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+    )
+    blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # O_EXCL: two processes starting at once must not both write; 0600 from the first byte.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+    logger.info("created identity %s", path)
+
+
+def load_or_create_identity(path: str | Path) -> Identity:
+    """Load the key at ``path``, creating it (mode 0600) if it does not exist."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"identity file {path}: a folder, not a key file")
+    if not path.exists():
+        try:
+            _write_new_key(path)
+        except FileExistsError:
+            logger.debug("identity %s appeared while creating it; loading it", path)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ValueError(f"identity file {path} is readable by others (mode {mode:04o}); run: chmod 600 {path}")
+    blob = path.read_bytes()
+    try:
+        pb = crypto_pb2.PrivateKey.FromString(blob)
+        if pb.key_type != crypto_pb2.KeyType.RSA or not pb.data:
+            raise ValueError("not an RSA key")
+        peer_id = PeerID.from_identity(blob).to_base58()
+    except Exception as e:  # protobuf DecodeError, cryptography ValueError: all mean "not our key file"
+        raise ValueError(f"identity file {path} is not a p2p-diloco/libp2p RSA key ({e}); move it away to create a new one") from None
+    return Identity(path, peer_id, bytes(pb.data))
+
+
+def peer_id_from_public_key(ssh_public_key: bytes) -> str:
+    """The libp2p peer id (base58) of an RSA public key in OpenSSH format (as records carry it).
+
+    Mirrors ``hivemind.p2p.PeerID.from_identity``, which only accepts private keys.
+    """
+    import multihash
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    public_key = serialization.load_ssh_public_key(ssh_public_key)
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+# ---------------------------------------------------------------- swarm secret (private swarms)
+
+
+def write_swarm_key(path: str | Path, flag: str = "--out") -> str:
+    """Write a new random swarm secret (hex, mode 0600); refuse to overwrite, and refuse a folder that does
+    not exist (a typo in the path would otherwise create a tree of folders). Returns its fingerprint."""
+    path = Path(path).expanduser()
+    secret = secrets.token_bytes(SWARM_KEY_BYTES)
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {path.parent} does not exist; create it first or choose another path")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ValueError(f"{path} already exists; keep it (every peer needs the same secret) or choose another path") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    return swarm_key_fingerprint(secret)
+
+
+def read_swarm_key(path: str | Path) -> bytes:
+    """Read a swarm secret written by :func:`write_swarm_key` (one line of hex)."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        raise ValueError(f"--swarm-key {path}: file not found (create one with: p2p-diloco keygen --out {path})") from None
+    except IsADirectoryError:
+        raise ValueError(f"--swarm-key {path}: a folder, not a swarm key file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--swarm-key {path}: not a swarm key (binary; expected one line of hex written by "
+                         "p2p-diloco keygen)") from None
+    except OSError as e:
+        raise ValueError(f"--swarm-key {path}: cannot read it ({e.strerror})") from None
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ValueError(f"--swarm-key {path}: readable by others (mode {mode:04o}); run: chmod 600 {path}")
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"--swarm-key {path}: not a swarm key (expected one line of hex written by p2p-diloco keygen)") from None
+    if len(secret) < 16:
+        raise ValueError(f"--swarm-key {path}: too short ({len(secret)} bytes, need >= 16)")
+    return secret
+
+
+def swarm_key_fingerprint(secret: bytes) -> str:
+    """A short public name for a secret (safe to print and compare)."""
+    return hashlib.sha256(b"p2p-diloco swarm key fingerprint\0" + secret).hexdigest()[:12]

@@ -1,0 +1,449 @@
+"""Swarm membership: start or join the DHT, publish signed peer records, read the swarm, decide membership.
+
+The DHT *is* the swarm's memory; there is no server. A peer:
+
+1. starts a hivemind DHT node (``start_dht``): loopback or a given LAN address, relay / auto-NAT /
+   UPnP off, an RSA identity shared by libp2p and the record signer, and, for a private swarm, a
+   shared-secret token authorizer (:class:`SwarmKeyAuthorizer`). Failures to join become one-line
+   :class:`JoinError` messages that say what was tried and what to check, within a bounded time.
+2. publishes its :class:`~p2p_diloco.net.records.PeerRecord` every ``ttl_s / 3`` seconds with
+   ``expiration_time = now + ttl_s`` (:class:`RecordPublisher`), and a tombstone on a graceful leave.
+3. reads the swarm (:func:`read_swarm`) and answers :meth:`Membership.is_member` for the averaging
+   and state handlers (the DHT authorizer does not cover their RPCs; the remote peer id that
+   libp2p reports there is authenticated, and records are owned by the same key).
+
+hivemind 1.1.12 facts this relies on are in ``shared/notes/hivemind.md``; the ones found while
+writing this module are marked "verified here".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2p_diloco.hivemind_ext import procguard
+from p2p_diloco.net.addresses import PeerAddress, host_multiaddr
+from p2p_diloco.net.authorizer import MAX_DHT_CLOCK_SKEW_S, SwarmKeyAuthorizer
+from p2p_diloco.net.identity import (
+    Identity,
+    peer_id_from_public_key,
+)
+from p2p_diloco.net.records import (
+    ANNOUNCE_STATE,
+    INDEX_KEY,
+    OWNER_MARKER_RE,
+    IndexEntry,
+    LocalRun,
+    PeerRecord,
+    PeerView,
+    adopt_majority,
+    classify,
+    merge_index,
+    peer_schemas,
+    run_key,
+    tombstone,
+)
+from p2p_diloco.net.runs import RunInfo, runs_in_index
+
+logger = logging.getLogger(__name__)
+
+
+
+class JoinError(ValueError):
+    """Could not join the swarm; the message is one line saying what was tried and what to check."""
+
+
+class SwarmKeyError(JoinError):
+    """The initial peers answered at the network level but refused our DHT requests (or we theirs)."""
+
+
+class ClockSkewError(JoinError):
+    """An initial peer's clock differs from ours by more than the DHT tolerates (:data:`MAX_DHT_CLOCK_SKEW_S`)."""
+
+
+@dataclass(frozen=True)
+class SwarmOptions:
+    """How this peer takes part in the DHT."""
+
+    initial_peers: tuple[PeerAddress, ...] = ()
+    """Validated multiaddrs of live peers; empty = start a new swarm (a bootstrap peer)."""
+    host: str = "127.0.0.1"
+    """Address to listen on: 127.0.0.1 (this machine), a LAN address, or 0.0.0.0 (then set announce)."""
+    port: int = 0
+    """TCP port to listen on; 0 = any free port (fine unless others must reach a fixed address)."""
+    announce: tuple[str, ...] = ()
+    """Multiaddrs to announce instead of the listening ones (explicit ports), e.g. /ip4/192.168.1.5/tcp/31337."""
+    identity: Identity | None = None
+    """Key file: stable peer id and record-signing key. None = a fresh key for this process."""
+    check_identity_free: bool = True
+    """Ask the initial peers whether our identity is already in use (hivemind starts a second daemon for
+    it, ~0.3 s); pointless for a freshly generated key."""
+    client_mode: bool = False
+    """Take part without serving the DHT (status, doctor): others never route to us."""
+    swarm_key: bytes | None = None
+    """Shared secret of a private swarm (``keygen``); None = open swarm."""
+    join_timeout_s: float = 10.0
+    """Bound on starting the daemon and joining the initial peers."""
+    rpc_timeout_s: float = 3.0
+    """hivemind's ``wait_timeout``: how long one DHT request waits for an answer."""
+
+
+# ---------------------------------------------------------------- joining
+
+
+def owner_subkey(private_key: RSAPrivateKey) -> bytes:
+    """The subkey under which this key's owner publishes (RSASignatureValidator's owner marker)."""
+    return RSASignatureValidator(private_key).local_public_key
+
+
+def owner_peer_id(subkey: bytes) -> str | None:
+    """The peer id of an owner-marker subkey, or None if it is not one."""
+    m = OWNER_MARKER_RE.match(subkey) if isinstance(subkey, bytes) else None
+    if m is None:
+        return None
+    try:
+        return peer_id_from_public_key(m.group(1))
+    except ValueError:
+        return None
+
+
+def tcp_probe(addr: PeerAddress, timeout_s: float = 2.0) -> str | None:
+    """None if a TCP connection to the address opens, else the OS error (for messages)."""
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def _tried(opts: SwarmOptions) -> str:
+    return ", ".join(a.text for a in opts.initial_peers)
+
+
+_HIVEMIND_SKEW_RE = re.compile(r"local:\s*(-?[\d.]+),\s*peer:\s*(-?[\d.]+)")
+
+
+def clock_skew_in(text: str) -> float | None:
+    """Our clock minus the peer's (s) from hivemind's bootstrap error "local time must be within 3
+    seconds of others(local: L, peer: P)", or None if the text does not carry both times."""
+    m = _HIVEMIND_SKEW_RE.search(text)
+    return float(m.group(1)) - float(m.group(2)) if m else None
+
+
+def skew_verdict(skew_s: float, ok_below_s: float = 1.0) -> bool | None:
+    """``doctor``'s verdict on one measured clock offset: True (fine), None (works, but close to the
+    DHT's limit), False (the DHT refuses this peer's records: above :data:`MAX_DHT_CLOCK_SKEW_S`)."""
+    if abs(skew_s) <= ok_below_s:
+        return True
+    return None if abs(skew_s) < MAX_DHT_CLOCK_SKEW_S else False
+
+
+def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
+    """Turn what hivemind raised while joining into one line for a user (probes TCP to say more)."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    key_hint = "our --swarm-key" if opts.swarm_key else "a --swarm-key (the swarm may be private)"
+    if "failed to connect to bootstrap peers" in text:
+        parts = []
+        for addr in opts.initial_peers:
+            why = tcp_probe(addr)
+            parts.append(f"{addr.text} ({'port open, but the libp2p handshake failed: is the /p2p/ peer id current?' if why is None else why})")
+        return JoinError(f"could not join: no initial peer reachable; tried {'; '.join(parts)}. "
+                         f"Check that a peer runs at that address (p2p-diloco bootstrap prints it), the port and firewall.")
+    if "none of the initial_peers responded" in text:
+        return SwarmKeyError(f"could not join: swarm key mismatch: {_tried(opts)} answered but refused our DHT requests. "
+                             f"Check {key_hint}: every peer needs the same secret file (p2p-diloco keygen), or none.")
+    if "local time must be within" in text:
+        skew_s = clock_skew_in(text)
+        measured = (f"our clock is {abs(skew_s):.1f} s {'ahead of' if skew_s > 0 else 'behind'} an initial peer"
+                    if skew_s is not None else text)
+        return ClockSkewError(f"could not join: clock skew above {MAX_DHT_CLOCK_SKEW_S:.0f} s: {measured} "
+                              f"(tried {_tried(opts)}). Synchronise both machines' clocks (NTP: timedatectl set-ntp true).")
+    if isinstance(error, TimeoutError):
+        return JoinError(f"could not join within {opts.join_timeout_s:.0f} s: tried {_tried(opts)}. "
+                         f"Check that they are up (p2p-diloco doctor --initial-peers …) and not overloaded.")
+    return JoinError(f"could not join: {text} (tried {_tried(opts) or 'no initial peers'})")
+
+
+def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: RSAPrivateKey | None = None) -> DHT:
+    """Start this peer's DHT node and join ``opts.initial_peers``; raise :class:`JoinError` on failure.
+
+    Records of ``run_id`` and the run index are schema-checked and signature-checked by this node
+    (``run_id`` None: a client that does not know its run yet checks the index only).
+    ``private_key`` signs our records; it must be the identity's key (pass None to use it).
+    """
+    if private_key is None:
+        private_key = opts.identity.private_key() if opts.identity is not None else RSAPrivateKey()
+    validators = [RSASignatureValidator(private_key), *peer_schemas(run_id)]
+    kwargs: dict[str, Any] = dict(
+        host_maddrs=[host_multiaddr(opts.host, opts.port)],
+        client_mode=opts.client_mode,
+        use_relay=False,
+        use_auto_relay=False,
+        auto_nat=False,
+        nat_port_map=False,
+        wait_timeout=opts.rpc_timeout_s,
+        bootstrap_timeout=opts.rpc_timeout_s,
+        startup_timeout=opts.join_timeout_s,
+    )
+    if opts.announce:
+        kwargs["announce_maddrs"] = list(opts.announce)
+    if opts.identity is not None:
+        kwargs["identity_path"] = str(opts.identity.path)
+        kwargs["check_if_identity_free"] = opts.check_identity_free
+    if opts.swarm_key is not None:
+        kwargs["authorizer"] = SwarmKeyAuthorizer(opts.swarm_key, private_key)
+    procguard.install()  # the DHT process and its p2pd must not outlive us, even after kill -9
+    t0 = time.monotonic()
+    dht = DHT(
+        initial_peers=[a.text for a in opts.initial_peers] or None,
+        start=True,
+        await_ready=False,
+        record_validators=validators,
+        **kwargs,
+    )
+    try:
+        dht.wait_until_ready(timeout=opts.join_timeout_s)
+    except BaseException as e:
+        _stop_quietly(dht)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise explain_join_failure(e, opts) from None
+    logger.info("DHT up in %.2f s as %s (%s)", time.monotonic() - t0, dht.peer_id,
+                "client" if opts.client_mode else "server")
+    return dht
+
+
+def _stop_quietly(dht: DHT) -> None:
+    """Shut a DHT down after a failed start (its process may already have exited)."""
+    stop_dht(dht)
+
+
+def stop_dht(dht: DHT) -> None:
+    """Shut our DHT process (and with it its ``p2pd``) down within bounded time (:func:`procguard.stop_process`)."""
+    procguard.stop_process(dht, "DHT process")
+
+
+def visible_addresses(dht: DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+# ---------------------------------------------------------------- reading the swarm
+
+
+@dataclass(frozen=True)
+class SwarmSnapshot:
+    """What one read of the DHT showed."""
+
+    now: float
+    local: LocalRun
+    """The run we looked at (with the majority config hash adopted if we had none)."""
+    views: tuple[PeerView, ...]
+    """Records of our run, plus foreign peers known from the index."""
+    runs: dict[str, int]
+    """Live peers per run id in this DHT (from the index; bootstraps aside)."""
+    rejected: tuple[str, ...] = ()
+    """One line per record dropped while reading (bad owner, bad schema)."""
+    runs_detail: tuple[RunInfo, ...] = ()
+    """Every run in the index (live ones first), when the index was read."""
+
+    def live(self) -> list[PeerView]:
+        return [v for v in self.views if v.status == "live"]
+
+
+def read_entries(dht: DHT, key: str, parse: Callable[[Any], Any]) -> tuple[list[tuple[Any, float]], list[str]]:
+    """One read of ``key``: (record parsed by ``parse``, expiration time) per subkey whose owner published
+    it, and one line per dropped subkey (bad schema, record of another peer id than its owner key)."""
+    rejected: list[str] = []
+    entries = _entries(dht.get(key, latest=True), parse, rejected)
+    for line in rejected:
+        logger.warning("dropped a record under %s: %s", key, line)
+    return entries, rejected
+
+
+def _entries(result: Any, parse: Any, rejected: list[str]) -> list[tuple[Any, float]]:
+    if result is None or not isinstance(result.value, dict):
+        return []
+    out = []
+    for subkey, item in result.value.items():
+        owner = owner_peer_id(subkey)
+        try:
+            record = parse(item.value)
+        except ValueError as e:
+            rejected.append(f"{owner or '?'}: {e}")
+            continue
+        if owner != record.peer_id:
+            rejected.append(f"record of {record.peer_id} is owned by another key ({owner}); ignored")
+            continue
+        out.append((record, float(item.expiration_time)))
+    return out
+
+
+def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
+    """One read of the run's records and (``index``) the run index, classified at the current DHT time.
+    A learner reading every second leaves the index out: it only needs its own run's records, and each
+    read is a DHT search that every other peer's DHT process answers."""
+    run_future = dht.get(run_key(local.run_id), latest=True, return_future=True)
+    index_future = dht.get(INDEX_KEY, latest=True, return_future=True) if index else None
+    run_result = run_future.result()
+    index_result = index_future.result() if index_future is not None else None
+    now = get_dht_time()
+    rejected: list[str] = []
+    run_entries = _entries(run_result, PeerRecord.from_wire, rejected)
+    local = adopt_majority(local, (r for r, _ in run_entries))
+    views = classify(run_entries, local, now)
+    index_entries = _entries(index_result, IndexEntry.from_wire, rejected)
+    index_views = classify(index_entries, local, now)
+    runs: dict[str, int] = {}
+    for v in index_views:
+        if v.status != "expired" and v.record.state not in ("left", ANNOUNCE_STATE):
+            runs[v.record.run_id] = runs.get(v.record.run_id, 0) + 1
+    for line in rejected:
+        logger.warning("dropped a peer record: %s", line)
+    return SwarmSnapshot(now, local, tuple(merge_index(views, index_views)), runs, tuple(rejected),
+                         tuple(runs_in_index(index_entries, now)) if index else ())
+
+
+def members_of(snapshot: SwarmSnapshot) -> frozenset[str]:
+    """Peer ids allowed in our averaging / state handlers: live, compatible, owner-verified."""
+    return frozenset(v.peer_id for v in snapshot.views if v.status == "live" and isinstance(v.record, PeerRecord))
+
+
+class Membership:
+    """``is_member(peer_id)`` for RPC handlers, from the DHT records, cached.
+
+    A peer is a member when it has a live record of our run, compatible with us, whose signing
+    key is the key behind ``peer_id``. The cache is refreshed every ``refresh_interval_s``, and
+    sooner (at most every ``min_refresh_interval_s``) when an unknown peer asks, so a newcomer
+    is admitted as soon as its first record is visible.
+    """
+
+    def __init__(self, dht: DHT, local: LocalRun, refresh_interval_s: float = 5.0,
+                 min_refresh_interval_s: float = 1.0):
+        self._dht, self._local = dht, local
+        self.refresh_interval_s, self.min_refresh_interval_s = refresh_interval_s, min_refresh_interval_s
+        self._members: frozenset[str] = frozenset()
+        self._refreshed_at = -float("inf")
+        self._lock = threading.Lock()
+
+    def refresh(self) -> frozenset[str]:
+        members = members_of(read_swarm(self._dht, self._local))
+        with self._lock:
+            self._members, self._refreshed_at = members, time.monotonic()
+        return members
+
+    def is_member(self, peer_id: PeerID | str) -> bool:
+        pid = peer_id.to_base58() if isinstance(peer_id, PeerID) else str(peer_id)
+        age = time.monotonic() - self._refreshed_at
+        if age > self.refresh_interval_s or (pid not in self._members and age > self.min_refresh_interval_s):
+            self.refresh()
+        return pid in self._members
+
+
+# ---------------------------------------------------------------- publishing
+
+
+class RecordPublisher:
+    """Publishes this peer's record every ``ttl_s / 3`` s in a thread; a tombstone on :meth:`leave`.
+
+    A record that is not refreshed disappears ``ttl_s`` after its last publication (crash, kill -9,
+    lost network). The tombstone outlives it by ``tombstone_ttl_s`` so ``status`` can say who left.
+    """
+
+    def __init__(self, dht: DHT, private_key: RSAPrivateKey, record: PeerRecord,
+                 ttl_s: float = 30.0, tombstone_ttl_s: float = 600.0, store_timeout_s: float = 10.0):
+        if ttl_s <= 0 or tombstone_ttl_s < ttl_s:
+            raise ValueError(f"ttl_s must be > 0 and tombstone_ttl_s >= ttl_s, got {ttl_s} and {tombstone_ttl_s}")
+        self._dht = dht
+        self._subkey = owner_subkey(private_key)
+        self.ttl_s, self.tombstone_ttl_s, self.store_timeout_s = ttl_s, tombstone_ttl_s, store_timeout_s
+        self._record = replace(record, ttl_s=float(ttl_s))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+
+    @property
+    def record(self) -> PeerRecord:
+        with self._lock:
+            return self._record
+
+    def update(self, **changes: Any) -> None:
+        """Change fields of the record; they go out with the next heartbeat."""
+        with self._lock:
+            self._record = replace(self._record, **changes)
+
+    def publish(self, record: PeerRecord | None = None, ttl_s: float | None = None) -> bool:
+        """Store the record (and its index entry) now; True if some DHT node accepted both."""
+        now = get_dht_time()
+        record = replace(record or self.record, time=now)
+        expiration = now + (ttl_s if ttl_s is not None else self.ttl_s)
+        futures = [
+            self._dht.store(run_key(record.run_id), record.to_wire(), expiration, subkey=self._subkey, return_future=True),
+            self._dht.store(INDEX_KEY, IndexEntry.of(record).to_wire(), expiration, subkey=self._subkey, return_future=True),
+        ]
+        ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
+        if not ok:
+            self.failures += 1
+            logger.warning("publishing the peer record was not accepted by any DHT node (attempt failures: %d); if this "
+                           "persists, check this machine's clock (p2p-diloco doctor): nodes refuse records from a "
+                           "clock more than %.0f s off", self.failures, MAX_DHT_CLOCK_SKEW_S)
+        return ok
+
+    def publish_within(self, deadline_s: float, retry_interval_s: float = 1.0,
+                       record: PeerRecord | None = None, ttl_s: float | None = None) -> bool:
+        """Publish, retrying for up to ``deadline_s`` s: the first store after a join can time out
+        on a busy machine (every new peer's DHT is still filling its routing table)."""
+        give_up_at = time.monotonic() + deadline_s
+        while True:
+            try:
+                if self.publish(record, ttl_s):
+                    return True
+            except Exception as e:  # a timed-out store future: retried like a refusal
+                self.failures += 1
+                logger.warning("publishing the peer record failed (%s: %s); retrying", type(e).__name__, e)
+            if time.monotonic() + retry_interval_s >= give_up_at:
+                return False
+            time.sleep(retry_interval_s)
+            retry_interval_s = min(2 * retry_interval_s, 8.0)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="record-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def period_s(self) -> float:
+        return self.ttl_s / 3
+
+    def beat(self) -> bool:
+        """One heartbeat: publish, and on any error log it whole and carry on (the next beat retries)."""
+        try:
+            return self.publish()
+        except Exception:  # a DHT hiccup must not end the heartbeat; the record survives until its TTL
+            self.failures += 1
+            logger.exception("heartbeat failed; retrying in %.1f s", self.period_s)
+            return False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.beat()
+
+    def leave(self) -> bool:
+        """Stop the heartbeat and publish a tombstone (state ``left``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.store_timeout_s)
+        return self.publish_within(self.store_timeout_s, record=tombstone(self.record, get_dht_time()),
+                                   ttl_s=self.tombstone_ttl_s)
+
+

@@ -1,0 +1,163 @@
+"""The data-parallel reference of a run: the held-out eval loss conventional training reaches on the same tokens.
+
+Data-parallel here is one replica trained in one process with fp32 gradients averaged every step over
+K x the per-learner batch (what data-parallel training over K machines computes), on all shards, with
+the run's model, data, inner optimizer and seed, and a warm-up + cosine over exactly the steps that reach
+its tokens (:func:`compute_curve`). Its eval loss is recorded at points along the way: a *curve*.
+
+A curve depends on the model, data, inner optimizer, seed and K (:func:`reference_key`), not on the outer
+algorithm. Because its LR schedule ends at the curve's last point, a curve is only a fair reference near
+that end (:data:`SPAN`): far before it, its learning rate has not decayed yet and its loss is not that of a
+run of that length. So the curves of one key form a ladder of lengths, and :func:`plan` picks the one that
+covers a run's tokens, or says that one must be computed. Curves are looked up in the committed folder
+(``results/reference``, made by ``scripts/bench_reference.py``) and in the cache
+(:func:`cache_dir`), where ``p2p-diloco swarm`` stores the curves it computes.
+
+Only the standard library is imported at module level (``p2p-diloco --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED_DIR = ROOT / "results" / "reference"
+"""Curves that come with the repository (``scripts/bench_reference.py``)."""
+SPAN = (0.75, 1.1)
+"""A curve ending at E tokens is the reference at T tokens when ``SPAN[0] * E <= T <= SPAN[1] * E``: inside
+its last quarter (at 3/4 of the cosine the LR is 0.23 of its peak, at the end ``inner.min_lr_ratio`` = 0.1)
+or up to 10% past its end (its last point is taken: slightly pessimistic for data-parallel)."""
+CURVE_NAME_RE = re.compile(r"^dp-([0-9a-f]{16})(?:-(\d+))?\.json$")
+"""``dp-<reference key>.json`` (the first committed curve) or ``dp-<reference key>-<tokens>.json``."""
+
+
+def reference_key(cfg: Any) -> str:
+    """What a data-parallel reference depends on: the model, data, inner optimizer, seed and number of
+    replicas (not the outer algorithm, averaging or the step budget), as a 16-hex-digit hash."""
+    from p2p_diloco.core.config import (
+        inner_identity,
+        model_identity,
+        reference_data_identity,
+    )
+
+    d = cfg.to_dict()
+    inner = {k: v for k, v in inner_identity(cfg.inner).items() if k != "total_steps"}
+    blob = json.dumps({"model": model_identity(cfg.model), "data": reference_data_identity(cfg.data), "inner": inner, "seed": d["run"]["seed"],
+                       "replicas": d["sim"]["learners"]}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where computed curves are kept: ``$P2P_DILOCO_CACHE/reference``, else
+    ``$XDG_CACHE_HOME/p2p-diloco/reference``, else ``~/.cache/p2p-diloco/reference``."""
+    if os.environ.get("P2P_DILOCO_CACHE"):
+        return Path(os.environ["P2P_DILOCO_CACHE"]) / "reference"
+    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "p2p-diloco" / "reference"
+
+
+def curve_end(curve: dict[str, Any]) -> int:
+    """The tokens of a curve's last point (where its LR schedule ends)."""
+    return int(max(float(p["tokens"]) for p in curve["curve"]))
+
+
+def load_curves(key: str, folders: Sequence[Path]) -> list[dict[str, Any]]:
+    """Every curve for ``key`` in ``folders`` (``dp-<key>.json``, ``dp-<key>-<tokens>.json``), each with its
+    ``path``; ValueError naming the file if one is not a curve for ``key``."""
+    out = []
+    for folder in folders:
+        for path in sorted(folder.glob(f"dp-{key}*.json")) if folder.is_dir() else []:
+            m = CURVE_NAME_RE.match(path.name)
+            if not m or m.group(1) != key:
+                continue
+            ref = json.loads(path.read_text())
+            if ref.get("reference_key") != key or not ref.get("curve"):
+                raise ValueError(f"{path}: not a reference curve for reference key {key}")
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            out.append({**ref, "path": str(shown)})
+    return out
+
+
+def plan(ends: Sequence[int], tokens: int) -> tuple[int | None, str]:
+    """Which curve is the reference at ``tokens``, given the curves' end tokens: (index into ``ends``, why),
+    or (None, why) when none covers it (:data:`SPAN`) and one must be computed. Of those that cover it, the
+    one ending nearest ``tokens`` (ratio), the longer on a tie."""
+    if tokens <= 0:
+        return None, f"no tokens to compare at ({tokens})"
+    fits = [(abs(math.log(e / tokens)), -e, i) for i, e in enumerate(ends) if e > 0 and SPAN[0] * e <= tokens <= SPAN[1] * e]
+    if fits:
+        i = min(fits)[2]
+        return i, f"the curve of {ends[i]:,} tokens covers {tokens:,}"
+    if not ends:
+        return None, "no curve for this model, data, optimizer and number of learners"
+    shown = ", ".join(f"{e:,}" for e in sorted(ends))
+    return None, (f"no curve covers {tokens:,} tokens (curves end at {shown}; one is the reference from "
+                  f"{SPAN[0]:g}x to {SPAN[1]:g}x its length)")
+
+
+def reference_at(ref: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """The curve's eval loss at ``tokens`` (linear between its points; its last point up to 10% past its end)."""
+    from p2p_diloco.sim.curves import value_at
+
+    points = sorted((float(p["tokens"]), float(p["eval_loss"])) for p in ref["curve"])
+    loss = value_at(points, tokens)
+    if loss is None:  # past the last point (plan() allows 10%)
+        loss = points[-1][1]
+    return {"path": ref["path"], "tokens": tokens, "eval_loss": loss, "command": ref.get("command"),
+            "reference_tokens": int(points[-1][0]), "reference_final_eval_loss": points[-1][1]}
+
+
+def lookup(key: str, tokens: int, folders: Sequence[Path]) -> tuple[dict[str, Any] | None, str]:
+    """The reference at ``tokens`` from the stored curves, or (None, why none covers it)."""
+    curves = load_curves(key, folders)
+    i, why = plan([curve_end(c) for c in curves], tokens)
+    return (reference_at(curves[i], tokens) if i is not None else None), why
+
+
+def steps_for(cfg: Any, tokens: int) -> int:
+    """Data-parallel steps (of ``sim.learners`` x batch) that reach ``tokens``; at least the warm-up + 1."""
+    per_step = cfg.sim.learners * cfg.inner.batch_size * cfg.model.block_size
+    return max(cfg.inner.warmup_steps + 1, math.ceil(tokens / per_step))
+
+
+def compute_curve(config: str | None, overrides: Sequence[str], tokens: int, eval_points: int = 12,
+                  progress: bool = True, command: str | None = None) -> dict[str, Any]:
+    """Train the data-parallel reference of ``tokens`` (rounded up to whole steps) in this process; its
+    curve as stored (``dp-<key>-<tokens>.json``). ``progress``: a line on stderr at every eval point."""
+    if tokens <= 0 or eval_points <= 0:
+        raise ValueError(f"reference: tokens and eval points must be > 0, got {tokens} and {eval_points}")
+    from p2p_diloco.core import data
+    from p2p_diloco.core.config import config_hash, load_config
+    from p2p_diloco.sim import simulator as sim
+
+    cfg = load_config(config, list(overrides))
+    steps = steps_for(cfg, tokens)
+    ref_cfg = load_config(config, [*overrides, f"inner.total_steps={steps}"])
+    t0 = time.monotonic()
+    splits = data.load_training_data(cfg, cfg.sim.learners)
+    result = sim.run_reference(ref_cfg, splits, "data-parallel", eval_points=eval_points, progress=progress)
+    return {
+        "config": config, "overrides": list(overrides), "config_hash": config_hash(cfg),
+        "reference_key": reference_key(cfg), "mode": "data-parallel",
+        "replicas": cfg.sim.learners, "steps": steps, "tokens": result.tokens, "final_eval_loss": result.final_eval_loss,
+        "curve": result.curve, "wall_s": round(time.monotonic() - t0, 1), "command": command,
+    }
+
+
+def save_curve(payload: dict[str, Any], folder: Path) -> Path:
+    """Write a curve as ``folder/dp-<key>-<tokens>.json``; returns the path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"dp-{payload['reference_key']}-{payload['tokens']}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

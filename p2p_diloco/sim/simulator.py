@@ -1,0 +1,462 @@
+"""In-process simulation of K learner units, and the data-parallel / single-learner references.
+
+The simulator runs the same fragment, merge, outer-optimizer and codec code as the networked
+learner, with no network: a round of fragment f is the weighted all-reduce of the pseudo-
+gradients of whichever learners are alive and delivered, reproduced by
+:func:`p2p_diloco.hivemind_ext.codecs.simulate_allreduce` (each tensor through the codec as hivemind's
+butterfly all-reduce would send it). It is how we measure what quality to expect from the
+network and how tests pin the maths.
+
+Time is counted in *ticks* of the swarm clock: a learner of speed s does s inner steps per tick
+on average, so slower learners bring fewer tokens to the same round (weighting by progress),
+exactly as with the DHT-clock schedule of the networked learner. Fragments are due on the
+staggered :class:`~p2p_diloco.core.fragments.SyncSchedule`; a merged result is applied ``tau`` ticks later.
+
+Protocol rules reproduced here:
+- participants of a round alpha-mix the new anchor into their weights; live learners that were
+  not in it (contribution lost, or joined meanwhile) *rebase* onto it and keep their progress,
+  which they contribute at the next round;
+- a learner that leaves loses its unsynced work; one that (re)joins starts from the current
+  anchors with a fresh inner optimizer;
+- at the end every live learner contributes its remaining progress in a final round of every
+  fragment, and the anchors (the global model) are evaluated;
+- a learner whose own pseudo-gradient is non-finite or absurd (:func:`outer.local_problem`) drops it
+  and re-anchors the fragment; a round whose merged result is not finite is discarded by everyone
+  and its members keep their progress (as a networked round that fails);
+- the robust merge (``outer.robust``) uses the same functions as the networked reducers and members
+  (:func:`outer.robust_mean`, :func:`outer.decode_merged`), with each whole tensor as one reducer
+  part (decoded from the codec, reduced, and sent back through the codec). The networked reducers
+  refuse a non-finite part before it gets there (the round fails); here it is left out.
+
+An :class:`Attack` makes one learner poison what it sends every round (the poisoning benchmark).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from p2p_diloco.core import data, fragments, outer
+from p2p_diloco.core.config import Config
+from p2p_diloco.core.devices import load_into, to_host
+from p2p_diloco.core.inner import CPU, InnerOptimizer, build_optimizer, train_step
+from p2p_diloco.core.model import build_model
+from p2p_diloco.hivemind_ext import codecs as compression
+
+log = logging.getLogger(__name__)
+
+MODES = ("diloco", "data-parallel", "single")
+ATTACKS = ("sign-flip", "random", "nan")
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One learner poisons its contribution to every round, on every surface a peer controls.
+
+    ``sign-flip``: it sends ``-scale`` x its encoded tensors and ``scale`` x its radial norms (with the
+    mean merge, ``-scale`` x its pseudo-gradient); ``random``: each tensor replaced by a random one of
+    ``scale`` x its norm, norms ``scale`` x; ``nan``: tensors full of NaN. Its claimed progress is honest.
+    """
+
+    learner: int
+    mode: str
+    scale: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ATTACKS:
+            raise ValueError(f"unknown attack {self.mode!r} (expected one of {', '.join(ATTACKS)})")
+        if self.learner < 0 or not math.isfinite(self.scale) or self.scale <= 0:
+            raise ValueError(f"attack needs a learner index >= 0 and a finite scale > 0, got {self}")
+
+
+def poison(sent: dict[str, torch.Tensor], norms: dict[str, float], attack: Attack,
+           generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """What the attacker sends instead of its honest encoded contribution ``(sent, norms)``."""
+    k = attack.scale
+    if attack.mode == "nan":
+        return {n: torch.full_like(t, float("nan")) for n, t in sent.items()}, dict(norms)
+    if attack.mode == "sign-flip":
+        return {n: -k * t for n, t in sent.items()}, {n: k * v for n, v in norms.items()}
+    out = {}
+    for n, t in sent.items():
+        r = torch.randn(t.shape, generator=generator)
+        out[n] = r * (k * float(t.norm()) / max(float(r.norm()), 1e-12))
+    return out, {n: k * v for n, v in norms.items()}
+
+
+@dataclass(frozen=True)
+class Event:
+    """A learner leaving or (re)joining at a tick (``kind`` is "leave" or "join")."""
+
+    tick: int
+    learner: int
+    kind: str
+
+
+@dataclass
+class SimResult:
+    mode: str
+    learners: int
+    curve: list[dict[str, float]] = field(default_factory=list)  # {"tokens", "eval_loss"}
+    final_eval_loss: float = float("nan")
+    tokens: int = 0
+    bytes_sent: float = 0.0  # all learners together, as the butterfly all-reduce would send them
+    dp_fp32_bytes: float = 0.0  # what fp32 data-parallel would send for the same tokens
+    rounds: int = 0
+    empty_rounds: int = 0
+    discarded_rounds: int = 0  # merged result not finite: nobody applied it
+    local_drops: int = 0  # own pseudo-gradients refused by outer.local_problem (fragment re-anchored)
+    max_delta_ratio: float = 0.0  # largest ||own pseudo-gradient|| / ||fragment anchor|| that was sent
+    contributed_tokens: int = 0  # tokens whose progress reached the anchors through some round
+    weight_shares: list[list[float]] = field(default_factory=list)  # per round, per learner (0 if absent)
+    token_shares: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "learners": self.learners,
+            "final_eval_loss": round(self.final_eval_loss, 4),
+            "tokens": self.tokens,
+            "bytes_sent": self.bytes_sent,
+            "dp_fp32_bytes": self.dp_fp32_bytes,
+            "bytes_saved_vs_dp_fp32": (self.dp_fp32_bytes / self.bytes_sent) if self.bytes_sent else None,
+            "rounds": self.rounds,
+            "empty_rounds": self.empty_rounds,
+            "discarded_rounds": self.discarded_rounds,
+            "local_drops": self.local_drops,
+            "max_delta_ratio": round(self.max_delta_ratio, 4),
+            "contributed_tokens": self.contributed_tokens,
+            "wall_s": round(self.wall_s, 1),
+            "curve": self.curve,
+        }
+
+
+class _Learner:
+    """One simulated learner unit: its replica and inner AdamW (on ``device``), and its data stream."""
+
+    def __init__(self, idx: int, cfg: Config, splits: data.TrainingData, speed: float, total_steps: int,
+                 device: torch.device = CPU) -> None:
+        self.idx = idx
+        self.cfg = cfg
+        self.speed = speed
+        self.total_steps = total_steps
+        self.device = device
+        self.model = build_model(cfg.model, cfg.run.seed).to(device)
+        self.params = dict(self.model.named_parameters())
+        self.batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = splits.train_batches(
+            idx, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
+        self.opt = self._new_optimizer()
+        self.alive = True
+        self.credit = 0.0
+        self.steps = 0
+        self.tokens = 0
+        self.since_tokens = [0] * cfg.outer.fragments
+        self.since_steps = [0] * cfg.outer.fragments
+        self.error_feedback = compression.ErrorFeedback(cfg.outer.codec) if cfg.outer.error_feedback else None
+
+    def _new_optimizer(self) -> InnerOptimizer:
+        return build_optimizer(self.model, self.cfg.inner, self.device)
+
+    def reset_from(self, anchor: dict[str, torch.Tensor]) -> None:
+        """(Re)join: take the current anchors, a fresh inner optimizer, no unsynced progress."""
+        load_into(self.params, {name: anchor[name] for name in self.params})
+        self.opt = self._new_optimizer()
+        self.since_tokens = [0] * len(self.since_tokens)
+        self.since_steps = [0] * len(self.since_steps)
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+
+    def tick(self) -> None:
+        self.credit += self.speed
+        while self.credit >= 1.0:
+            self.credit -= 1.0
+            self.step()
+
+    def step(self) -> None:
+        x, y = next(self.batches)
+        train_step(self.model, self.opt, (x, y), self.steps, self.total_steps, self.cfg.inner, self.device)
+        self.steps += 1
+        n = x.numel()
+        self.tokens += n
+        self.since_tokens = [t + n for t in self.since_tokens]
+        self.since_steps = [s + 1 for s in self.since_steps]
+
+
+def _butterfly_bytes(numel: int, group: int, codec: str, n_tensors: int, radial: bool) -> float:
+    """Bytes all members of a butterfly all-reduce send together: 2 (n-1) V, plus gathered norms."""
+    if group < 2:
+        return 0.0
+    payload = numel * compression.bits_per_element(codec) / 8
+    meta = 8 * n_tensors if radial else 0
+    return 2 * (group - 1) * payload + group * (group - 1) * meta
+
+
+class Simulator:
+    """K learners and the shared anchors; :meth:`run` trains to the token budget and evaluates."""
+
+    def __init__(self, cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
+                 stop_after_ticks: int = 0, attack: Attack | None = None, device: torch.device = CPU) -> None:
+        """``stop_after_ticks`` > 0 ends the run early (the LR schedule still spans ``inner.total_steps``):
+        what a time-limited networked run does, for comparisons at equal tokens. ``attack``: one learner
+        poisons every contribution it sends. ``device``: where the learners' replicas and inner optimizers
+        live; the anchors, outer states and merges stay fp32 on the CPU, as in a networked learner."""
+        self.cfg = cfg
+        self.device = device
+        o, k = cfg.outer, cfg.sim.learners
+        speeds = list(cfg.sim.speeds) or [1.0] * k
+        # equal tokens whatever the speeds: run until K * total_steps inner steps are done in all
+        self.schedule_ticks = math.ceil(k * cfg.inner.total_steps / sum(speeds))
+        self.ticks = min(self.schedule_ticks, stop_after_ticks) if stop_after_ticks > 0 else self.schedule_ticks
+        self.global_model = build_model(cfg.model, cfg.run.seed)
+        self.anchor = {n: p.detach() for n, p in self.global_model.named_parameters()}
+        sizes = {n: p.numel() for n, p in self.anchor.items()}
+        self.fragments = fragments.make_fragments(sizes, o.fragments, fragments.block_map(self.global_model))
+        self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
+        self.outer_states = [outer.OuterState() for _ in self.fragments]
+        self.learners = [_Learner(i, cfg, splits, speeds[i], max(1, round(self.schedule_ticks * speeds[i])),
+                                  device) for i in range(k)]
+        # the anchors are evaluated where the learners compute (a copy of the global model there, fp32)
+        self.eval_model = self.global_model if device.type == "cpu" else build_model(cfg.model, cfg.run.seed).to(device)
+        self.events = sorted(events, key=lambda e: e.tick)
+        self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
+        self.eval_every = max(1, self.ticks // eval_points)
+        self.rng = random.Random(cfg.run.seed)
+        self.pending: list[tuple[int, int, dict[str, torch.Tensor], list[int], bool]] = []
+        self.result = SimResult(mode="diloco", learners=k)
+        self.n_params = sum(sizes.values())
+        if attack is not None and attack.learner >= k:
+            raise ValueError(f"attack.learner {attack.learner} is not one of the {k} learners")
+        self.attack = attack
+        self.attack_rng = torch.Generator().manual_seed(cfg.run.seed + 7919)
+        self.robust = outer.robust_rule(o.robust, o.clip_factor)
+
+    # ------------------------------------------------------------ one round of one fragment
+    def _local_ok(self, m: _Learner, f: int) -> bool:
+        """The learner's own check before sending: a non-finite or absurd pseudo-gradient is dropped and the
+        fragment re-anchored (weights <- anchor, fresh AdamW moments for them, no unsynced progress)."""
+        names = self.fragments[f].names
+        with torch.no_grad():
+            delta = {n: self.anchor[n] - theta for n, theta in to_host(m.params, names).items()}
+            anchor = {n: self.anchor[n] for n in names}
+            problem = outer.local_problem(delta, anchor, self.cfg.outer.max_delta_ratio)
+            if problem is None:
+                ratio = outer.delta_ratio(delta, anchor)
+                self.result.max_delta_ratio = max(self.result.max_delta_ratio, ratio)
+                return True
+            log.debug("learner %d fragment %d: %s; dropped, fragment re-anchored", m.idx, f, problem)  # counted
+            load_into(m.params, anchor)
+            for n in names:
+                m.opt.state.pop(m.params[n], None)
+        m.since_tokens[f] = 0
+        m.since_steps[f] = 0
+        self.result.local_drops += 1
+        return False
+
+    def _merge_round(self, f: int, members: list[_Learner]) -> dict[str, torch.Tensor] | None:
+        """The merged pseudo-gradient of ``members`` for fragment f (codec, merge and robust merge as
+        configured); None if it is not finite (the round is discarded, the members keep their progress)."""
+        o = self.cfg.outer
+        names = self.fragments[f].names
+        weights = [outer.contribution_weight(m.since_tokens[f], m.since_steps[f], o.weighting) for m in members]
+        encoded = []
+        for m in members:
+            delta = {n: self.anchor[n] - theta for n, theta in to_host(m.params, names).items()}
+            sent, meta = outer.encode_contribution(delta, o.merge)
+            if m.error_feedback is not None:
+                sent = {n: m.error_feedback.encode(n, t) for n, t in sent.items()}
+            if self.attack is not None and m.idx == self.attack.learner:
+                sent, meta = poison(sent, meta, self.attack, self.attack_rng)
+            encoded.append((sent, meta))
+        rule = self.robust
+        averaged = {}
+        for n in names:
+            tensors = [e[0][n] for e in encoded]
+            if rule.active:  # as a robust reducer: the parts it decodes, its rule, codec(result) back to all
+                received = [compression.roundtrip(o.codec, t) for t in tensors]
+                reduced = outer.robust_mean(received, outer.clip_to_median(weights, rule.clip_factor), rule)
+                averaged[n] = compression.roundtrip(o.codec, reduced)
+            else:
+                averaged[n] = compression.simulate_allreduce(o.codec, tensors, weights)
+        self.result.rounds += 1
+        if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
+            self.result.discarded_rounds += 1  # as the networked members do: "averaged tensors are not finite"
+            return None
+        merged = outer.decode_merged(averaged, [e[1] for e in encoded], weights, o.merge, rule)
+        self.result.bytes_sent += _butterfly_bytes(self.fragments[f].numel, len(members), o.codec, len(names),
+                                                   o.merge == "radial")
+        total = sum(weights)
+        share = {m.idx: w / total for m, w in zip(members, weights)}
+        self.result.weight_shares.append([share.get(i, 0.0) for i in range(len(self.learners))])
+        self.result.contributed_tokens += sum(m.since_tokens[f] for m in members) // len(self.fragments)
+        for m in members:
+            m.since_tokens[f] = 0
+            m.since_steps[f] = 0
+        return merged
+
+    def _start_round(self, f: int, tick: int, final: bool = False) -> None:
+        drop = 0.0 if final else self.cfg.sim.drop_prob
+        members = [m for m in self.learners if m.alive and m.since_steps[f] > 0 and self.rng.random() >= drop]
+        members = [m for m in members if self._local_ok(m, f)]
+        if not members:
+            if not final:  # at the final flush a fragment synced on the last tick has nothing left
+                self.result.empty_rounds += 1
+            return
+        merged = self._merge_round(f, members)
+        if merged is None:
+            return
+        apply_at = tick if final else tick + self.cfg.outer.overlap
+        plain = final and self.cfg.outer.final_average
+        self.pending.append((apply_at, f, merged, [m.idx for m in members], plain))
+
+    def _apply_due(self, tick: int) -> None:
+        o = self.cfg.outer
+        due = [p for p in self.pending if p[0] <= tick]
+        self.pending = [p for p in self.pending if p[0] > tick]
+        for _, f, merged, member_ids, plain in due:
+            names = self.fragments[f].names
+            old = {n: self.anchor[n].clone() for n in names}
+            with torch.no_grad():
+                frag_anchor = {n: self.anchor[n] for n in names}
+                if plain:  # anchor <- anchor - mean delta = the weighted average of the members' weights
+                    outer.nesterov_step(frag_anchor, merged, outer.OuterState(), lr=1.0, momentum=0.0)
+                    self.outer_states[f].version += 1
+                else:
+                    outer.nesterov_step(frag_anchor, merged, self.outer_states[f], o.lr, o.momentum)
+                for m in self.learners:
+                    if not m.alive:
+                        continue
+                    local = to_host(m.params, names)  # on the CPU, then loaded onto the learner's device
+                    if m.idx in member_ids:
+                        outer.alpha_mix(local, frag_anchor, o.alpha)
+                    else:
+                        outer.rebase(local, old, frag_anchor)
+                    load_into(m.params, local)
+
+    def _handle_events(self, tick: int) -> None:
+        while self.events and self.events[0].tick <= tick:
+            ev = self.events.pop(0)
+            learner = self.learners[ev.learner]
+            if ev.kind == "leave":
+                learner.alive = False
+            elif ev.kind == "join":
+                learner.reset_from(self.anchor)
+                learner.alive = True
+            else:
+                raise ValueError(f"unknown event kind {ev.kind!r}")
+
+    def _evaluate(self) -> None:
+        tokens = sum(m.tokens for m in self.learners)
+        if self.eval_model is not self.global_model:
+            load_into(dict(self.eval_model.named_parameters()), self.anchor)
+        loss = _evaluate_on(self.eval_model, self.eval_set, self.device)
+        self.result.curve.append({"tokens": tokens, "eval_loss": loss})
+
+    def run(self, progress: bool = False) -> SimResult:
+        t0 = time.monotonic()
+        self._evaluate()
+        for tick in range(1, self.ticks + 1):
+            self._handle_events(tick)
+            for m in self.learners:
+                if m.alive:
+                    m.tick()
+            self._apply_due(tick)  # results of rounds sent tau ticks ago
+            for f in self.schedule.due(tick):
+                self._start_round(f, tick)
+            self._apply_due(tick)  # tau = 0: apply at once
+            if tick % self.eval_every == 0 and tick < self.ticks:
+                self._evaluate()
+                if progress:
+                    _progress(f"sim tick {tick}/{self.ticks} eval_loss {self.result.curve[-1]['eval_loss']:.3f}")
+        # final flush: pending results, then every live learner's remaining progress
+        self._apply_due(self.ticks + self.cfg.outer.overlap)
+        for f in range(len(self.fragments)):
+            self._start_round(f, self.ticks, final=True)
+        self._apply_due(self.ticks)
+        self._evaluate()
+        r = self.result
+        r.final_eval_loss = r.curve[-1]["eval_loss"]
+        r.tokens = sum(m.tokens for m in self.learners)
+        r.token_shares = [m.tokens / max(1, r.tokens) for m in self.learners]
+        r.dp_fp32_bytes = dp_fp32_bytes(r.tokens, self.cfg, self.n_params)
+        r.wall_s = time.monotonic() - t0
+        return r
+
+
+def dp_fp32_bytes(tokens: int, cfg: Config, n_params: int, learners: int | None = None) -> float:
+    """Bytes K data-parallel workers send all-reducing fp32 gradients every step for ``tokens``
+    (K = ``learners``, by default ``sim.learners``)."""
+    k = learners or cfg.sim.learners
+    steps = tokens / (k * cfg.inner.batch_size * cfg.model.block_size)
+    return steps * 2 * (k - 1) * 4 * n_params
+
+
+def run_reference(cfg: Config, splits: data.TrainingData, mode: str, eval_points: int = 10, progress: bool = False,
+                  device: torch.device = CPU) -> SimResult:
+    """``data-parallel``: one replica with K x batch on all shards; ``single``: one learner on shard 0."""
+    if mode not in ("data-parallel", "single"):
+        raise ValueError(f"unknown reference mode {mode!r}")
+    t0 = time.monotonic()
+    k, i = cfg.sim.learners, cfg.inner
+    batch = i.batch_size * k if mode == "data-parallel" else i.batch_size
+    model = build_model(cfg.model, cfg.run.seed).to(device)
+    opt = build_optimizer(model, i, device)
+    # "single" sees exactly learner 0's batches, so DiLoCo with one learner, outer lr 1 and no
+    # momentum reproduces it bit for bit (a test pins this)
+    seed = cfg.run.seed * 1000 + (999 if mode == "data-parallel" else 0)
+    it = splits.train_batches(None if mode == "data-parallel" else 0, batch, cfg.model.block_size, seed=seed)
+    eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
+    result = SimResult(mode=mode, learners=k if mode == "data-parallel" else 1)
+    every = max(1, i.total_steps // eval_points)
+    tokens = 0
+    result.curve.append({"tokens": 0, "eval_loss": _evaluate_on(model, eval_set, device)})
+    for step in range(i.total_steps):
+        x, y = next(it)
+        train_step(model, opt, (x, y), step, i.total_steps, i, device)
+        tokens += x.numel()
+        if (step + 1) % every == 0 or step + 1 == i.total_steps:
+            result.curve.append({"tokens": tokens, "eval_loss": _evaluate_on(model, eval_set, device)})
+            if progress:
+                _progress(f"{mode} step {step + 1}/{i.total_steps} eval_loss {result.curve[-1]['eval_loss']:.3f}")
+    result.final_eval_loss = result.curve[-1]["eval_loss"]
+    result.tokens = tokens
+    n_params = sum(p.numel() for p in model.parameters())
+    if mode == "data-parallel":
+        result.bytes_sent = result.dp_fp32_bytes = dp_fp32_bytes(tokens, cfg, n_params)
+    result.wall_s = time.monotonic() - t0
+    return result
+
+
+def run(cfg: Config, splits: data.TrainingData, mode: str = "diloco", events: Sequence[Event] = (),
+        eval_points: int = 10, progress: bool = False, attack: Attack | None = None,
+        device: torch.device = CPU) -> SimResult:
+    if mode == "diloco":
+        return Simulator(cfg, splits, events, eval_points, attack=attack, device=device).run(progress)
+    if attack is not None:
+        raise ValueError(f"an attack needs the diloco mode, not {mode!r}")
+    return run_reference(cfg, splits, mode, eval_points, progress, device)
+
+
+def run_from_config(cfg: Config, mode: str = "diloco", data_path: str | None = None, progress: bool = False,
+                    device: torch.device = CPU) -> SimResult:
+    splits = data.load_training_data(cfg, cfg.sim.learners, data_path)
+    return run(cfg, splits, mode, progress=progress, device=device)
+
+
+def _evaluate_on(model: torch.nn.Module, eval_set: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """:func:`p2p_diloco.core.data.evaluate` on ``device`` (the CPU batches moved there), fp32, without autograd."""
+    if device.type != "cpu":
+        eval_set = [(x.to(device), y.to(device)) for x, y in eval_set]
+    with torch.no_grad():
+        return data.evaluate(model, eval_set)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

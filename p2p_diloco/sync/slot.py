@@ -1,0 +1,61 @@
+"""One fragment's sync state on a learner."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.core import outer
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- per-fragment state
+
+
+@dataclass
+class FragmentSlot:
+    """The learner's view of one fragment: its anchor, outer state, progress, and what is in flight."""
+
+    index: int
+    names: tuple[str, ...]
+    anchor: dict[str, torch.Tensor]
+    state: outer.OuterState = field(default_factory=outer.OuterState)
+    anchor_hash: str = ""
+    since_tokens: int = 0
+    since_steps: int = 0
+    inflight: Future | None = None
+    inflight_kind: str = ""  # "round" or "fetch"
+    sent_step: int = 0
+    sent_tokens: int = 0
+    sent_steps: int = 0
+    committed: int = 0
+    discarded: int = 0
+    resynced: int = 0
+    forks_healed: int = 0
+    consensus_distance: float = 0.0
+    """``||ours - winner|| / ||winner||`` at the last fork we healed (0.0: none yet)."""
+    busy_skips: int = 0
+    behind_skips: int = 0
+    """Due rounds not started because a live peer was ahead and none at our version (see round_is_doomed)."""
+    restored: bool = False
+    """Progress restored from a checkpoint and not yet in a round we committed: rounds that committed after
+    the checkpoint (before the crash) may already hold part of it, so it is not rebased (see apply_fetched)."""
+    last_fetch_try: float = -math.inf
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def rank(self) -> tuple[int, str]:
+        """(version, anchor hash): what :func:`~p2p_diloco.averaging.decisions.anchor_order` compares."""
+        return self.state.version, self.anchor_hash
+
+
