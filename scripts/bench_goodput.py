@@ -9,14 +9,14 @@ several seeds each, on the same failure timelines for every protocol; reports me
     python scripts/bench_goodput.py                 # 2, 8, 16, 1000 units, 2 failure rates, 5 seeds (~1-2 min)
     python scripts/bench_goodput.py --quick         # 2 seeds, shorter horizons: checks the pipeline
 
+    python scripts/bench_goodput.py --render-only   # rewrite the page (README.md) from goodput.json
+
 Writes ``goodput.json`` (calibration and its sources, every run's breakdown, medians, the command),
-``goodput.md`` (the table) and ``goodput.png`` (goodput against units) into ``--out``
-(default results/goodput).
+``README.md`` (the page) and ``goodput.png`` (goodput against units) into ``--out`` (default results/goodput).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
@@ -27,17 +27,48 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
+from p2p_diloco.sim.calibration import calibration_from_results
 from p2p_diloco.sim.goodput import (
-    Breakdown, Calibration, DPParams, Failures, GoodputError, P2PParams, Timelines, simulate_dp, simulate_p2p,
+    Breakdown,
+    Calibration,
+    DPParams,
+    Failures,
+    GoodputError,
+    P2PParams,
+    Timelines,
+    simulate_dp,
+    simulate_p2p,
     unit_timelines,
 )
-from p2p_diloco.sim.calibration import calibration_from_results
 
 UNITS = (2, 8, 16, 1000)
 GROUP_CAP = 16
+BENCH = _bench.Bench("goodput", "goodput", "Goodput at scale (simulated, calibrated on this machine)",
+                     "scripts/bench_goodput.py", """\
+An event-driven simulation (`p2p_diloco/sim/goodput.py`, the model stated in full in its docstring) of N learner
+units that fail and come back. It compares our protocol with elastic synchronous data-parallel on the **same** seeded
+failure timelines, and reports the median over seeds. *Goodput* is the share of allocated learner-time whose work
+reached the model.
+
+- **Ours.** A unit trains and never waits; fragment rounds fall on the swarm clock, staggered every period / F. A
+  round is discarded for its group when a member dies within it, or when fewer than 2 units are live; the survivors'
+  pseudo-gradients go out again at the next round. A unit that dies loses, per fragment, the work since its last
+  committed round; after its repair it restarts (process start-up plus state download) and contributes at the next
+  boundary.
+- **DP restart** (torchelastic-style): any membership change stops every worker; they restart from the last
+  checkpoint (every 300 s, asynchronous, free), a failure first waits out the detection timeout and rolls back
+  everyone's work since the checkpoint; a rejoin restarts everyone without a rollback.
+- **DP in-memory** (torchft-style): a failure costs everyone the detection timeout plus one group re-formation, and
+  the step in flight is lost; a rejoin costs everyone one re-formation.
+- Data-parallel's per-step communication and checkpoint writes are not charged (both favour the baseline).
+
+Failure rates per unit: **heavy**, MTBF 1 h, repair 5 min (a unit is up 92.3% of the time: the ceiling for any
+protocol); **mild**, MTBF 24 h, repair 30 min (up 98.0%); failures exponential, repairs fixed. The calibration (step
+time, round time, restart and download times, detection timeout, blocked share) is read at run time from
+`results/learners`, `results/chaos`, `results/rejoin` and `configs/demo.toml`, and listed below with its sources. The
+model is also replayed on the real chaos run's own kill schedule and compared with what that run measured.""")
 
 
 @dataclass(frozen=True)
@@ -146,7 +177,7 @@ def markdown(payload: dict[str, Any]) -> str:
     cal, med = payload["calibration"], payload["medians"]
     names = list(next(iter(next(iter(med.values())).values())))
     lines = [f"Goodput (median of {payload['seeds']} seeds): share of allocated learner-time whose work reached the "
-             "model. Simulated (`p2p_diloco/goodput.py`), calibrated from this machine's measurements.", ""]
+             "model. Simulated (`p2p_diloco/sim/goodput.py`), calibrated from this machine's measurements.", ""]
     for sc in payload["scenarios"]:
         lines += [f"**{sc['name']}** failures: {sc['describe']}; a unit is up {100 * sc['availability']:.1f}% of "
                   "the time (the ceiling for any protocol).", "",
@@ -190,43 +221,33 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     med = payload["medians"]
-    fig, axes = plt.subplots(1, len(med), figsize=(6 * len(med), 4.2), squeeze=False)
     styles = {"ours": "o-", "DP in-memory": "s--", "DP restart": "^:"}
-    for ax, sc in zip(axes[0], payload["scenarios"]):
-        by_n = med[sc["name"]]
-        units = [int(n) for n in by_n]
-        for name in next(iter(by_n.values())):
-            ax.plot(units, [100 * by_n[str(n)][name]["goodput"] for n in units], styles.get(name, "x-."), label=name)
-        ax.axhline(100 * sc["availability"], color="grey", lw=0.8, ls="--", label="units up (ceiling)")
-        ax.set_xscale("log")
-        ax.set_xticks(units, [str(n) for n in units])
-        ax.set_ylim(0, 100)
-        ax.set_xlabel("learner units")
-        ax.set_ylabel("goodput (%)")
-        ax.set_title(f"{sc['name']}: {sc['describe']}", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _bench.figure(path, len(med), (6 * len(med), 4.2)) as axes:
+        for ax, sc in zip(axes, payload["scenarios"]):
+            by_n = med[sc["name"]]
+            units = [int(n) for n in by_n]
+            for name in next(iter(by_n.values())):
+                ax.plot(units, [100 * by_n[str(n)][name]["goodput"] for n in units], styles.get(name, "x-."), label=name)
+            ax.axhline(100 * sc["availability"], color="grey", lw=0.8, ls="--", label="units up (ceiling)")
+            ax.set_xscale("log")
+            ax.set_xticks(units, [str(n) for n in units])
+            ax.set_ylim(0, 100)
+            ax.set_xlabel("learner units")
+            ax.set_ylabel("goodput (%)")
+            ax.set_title(f"{sc['name']}: {sc['describe']}", fontsize=9)
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", default=str(ROOT / "results"), help="where the measured results are (default: results)")
-    p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"),
-                   help="the config of those runs (default: configs/demo.toml)")
+    p = _bench.parser(__doc__, BENCH, config="demo.toml", overrides=False,
+                      quick="2 seeds, horizons of 10 MTBFs: checks the pipeline")
+    p.add_argument("--results", type=Path, default=_bench.RESULTS, help="where the measured results are (default: results)")
     p.add_argument("--seeds", type=int, default=5, help="seeds per point (default: 5)")
     p.add_argument("--units", type=int, nargs="+", default=list(UNITS), help="unit counts (default: 2 8 16 1000)")
-    p.add_argument("--out", default=str(ROOT / "results" / "goodput"), help="output folder (default: results/goodput)")
-    p.add_argument("--quick", action="store_true", help="2 seeds, horizons of 10 MTBFs: checks the pipeline")
     args = p.parse_args(argv)
+    if _bench.rerender(args, BENCH, markdown, plot):
+        return 0
     if args.seeds < 1 or any(n < 1 for n in args.units):
         p.error(f"need --seeds >= 1 and --units >= 1, got {args.seeds} and {args.units}")
     scenarios = SCENARIOS
@@ -235,14 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = tuple(Scenario(s.name, s.failures, 10.0) for s in SCENARIOS)
     t0 = time.monotonic()
     try:
-        cal, sources = calibration_from_results(Path(args.results), Path(args.config))
+        cal, sources = calibration_from_results(args.results, Path(args.config))
     except GoodputError as e:
         print(f"bench_goodput: {e}", file=sys.stderr)
         return 2
     print("goodput: calibration " + ", ".join(f"{k}={v:.4g}" for k, v in asdict(cal).items()), file=sys.stderr,
           flush=True)
-    sources = {k: v.replace(str(ROOT) + "/", "") for k, v in sources.items()}
-    replay = chaos_replay(Path(args.results) / "chaos" / "chaos.json", cal)
+    sources = {k: v.replace(f"{_bench.ROOT}/", "") for k, v in sources.items()}
+    replay = chaos_replay(args.results / "chaos" / "chaos.json", cal)
     print(f"goodput: the model on the chaos run's schedule: {100 * replay['model']['goodput_committed_minus_stops']:.1f}%, "
           f"measured {100 * replay['measured']['goodput']:.1f}%", file=sys.stderr, flush=True)
     result = run(cal, scenarios, tuple(args.units), args.seeds)
@@ -256,13 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         "dp_params": [asdict(DPParams("in-memory")), asdict(DPParams("restart"))],
         "chaos_replay": replay, **result, "wall_s": time.monotonic() - t0,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "goodput.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / "goodput.md").write_text(markdown(payload))
-    plot(payload, out / "goodput.png")
-    print(markdown(payload))
-    print(f"goodput: wrote {out}/goodput.{{json,md,png}} in {payload['wall_s']:.0f} s", file=sys.stderr)
+    _bench.publish(BENCH, args.out, payload, markdown, plot, indent=1)
+    print(f"goodput: wrote {args.out} in {payload['wall_s']:.0f} s", file=sys.stderr)
     return 0
 
 

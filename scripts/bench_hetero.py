@@ -18,9 +18,9 @@ the swarm), so the fast learners' idle time is visible.
 
     python scripts/bench_hetero.py                  # 2 swarms x 5 min of training (about 14 min)
     python scripts/bench_hetero.py --minutes 1      # a quick look at the pipeline, not the numbers
-    python scripts/bench_hetero.py --replot         # rewrite hetero.md / hetero.png from hetero.json
+    python scripts/bench_hetero.py --render-only    # rewrite the page (README.md) from hetero.json
 
-Writes ``hetero.json``, ``hetero.md`` and ``hetero.png`` into ``--out`` (default ``results/hetero``);
+Writes ``hetero.json``, ``README.md`` (the page) and ``hetero.png`` into ``--out`` (default ``results/hetero``);
 each run's learner logs and events go to ``--out/logs/<run>``. Needs the whole machine: other load
 changes the speeds.
 """
@@ -28,18 +28,30 @@ changes the speeds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
-from p2p_diloco.sim.curves import value_at
 from p2p_diloco.local.launcher import START_TIMEOUT_S, LocalSwarm, read_jsonl, unlimited_steps
+from p2p_diloco.sim.curves import value_at
+
+BENCH = _bench.Bench("hetero", "hetero", "Mixed hardware: 2 full-speed + 2 half-speed learners", "scripts/bench_hetero.py", """\
+Two real swarms on this machine, one after the other, each a bootstrap peer and 4 `p2p-diloco join` learners on
+127.0.0.1 training for the same time on `configs/demo.toml`:
+
+- `homogeneous`: 4 x `peers/fast.toml`;
+- `mixed`: fast, half, fast, half (`peers/half.toml`: every inner step takes twice as long).
+
+Every learner trains for the whole time (no step cap). Learner 0 of each run evaluates the global model on the whole
+held-out set every `--eval-every` seconds. The mixed swarm processes fewer tokens in the same time, so its final eval
+loss is compared with the homogeneous swarm's eval curve *at the same number of tokens* (linear between evaluations;
+a swarm's tokens at a time are its total tokens x that time / its training time). A fast learner's idle time is its
+training time not spent in inner steps; blocked is the time its inner loop waited for the swarm. Needs the whole
+machine: other load changes the speeds.""")
 
 RUNS = {"homogeneous": ("fast", "fast", "fast", "fast"), "mixed": ("fast", "half", "fast", "half")}
 """Each run's learner profiles (``peers/<name>.toml``), learner i on data shard i."""
@@ -113,7 +125,7 @@ def run_swarm(name: str, profiles: Sequence[str], args: argparse.Namespace, logs
         for i, (n, profile) in enumerate(zip(names, profiles)):
             evals = ["--eval-every", f"{args.eval_every:g}", "--eval-batches", str(EVAL_ALL)] if i == 0 else []
             swarm.start(n, ["join", "--initial-peers", peers, "--config", args.config, *sets, "--name", n,
-                            "--profile", str(ROOT / "peers" / f"{profile}.toml"), "--shard", str(i), "--num-shards",
+                            "--profile", str(_bench.ROOT / "peers" / f"{profile}.toml"), "--shard", str(i), "--num-shards",
                             str(len(profiles)), "--wait-peers", str(len(profiles)), "--max-time", f"{seconds:g}",
                             "--linger", f"{LINGER_S:g}", "--events", str(logs / f"{n}.jsonl"), *evals])
 
@@ -157,20 +169,22 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    with _bench.figure(path, 2, (12, 4.5)) as (ax1, ax2):
+        _plot_curves(payload, ax1)
+        _plot_learners(payload, ax2)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+def _plot_curves(payload: dict[str, Any], ax1: Any) -> None:
     for run, style in (("homogeneous", "o-"), ("mixed", "s-")):
         pts = payload["runs"][run]["curve"][1:]  # the start (5.3) flattens the plot
         ax1.plot([x / 1e6 for x, _ in pts], [y for _, y in pts], style, markersize=3, label=run)
     ax1.set_xlabel("swarm tokens (M)")
     ax1.set_ylabel("held-out eval loss of the global model (nats/byte)")
     ax1.set_title("eval loss vs tokens")
-    ax1.grid(alpha=0.3)
     ax1.legend()
+
+
+def _plot_learners(payload: dict[str, Any], ax2: Any) -> None:
     bars = [(f"{run[:4]} {n} ({v['profile']})", v) for run in RUNS for n, v in payload["runs"][run]["learners"].items()]
     xs = range(len(bars))
     ax2.bar([x - 0.2 for x in xs], [v["steps"] for _, v in bars], 0.4, label="inner steps")
@@ -180,33 +194,16 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax2.set_title("steps and idle share per learner")
     ax2.legend(loc="upper left", fontsize=7)
     ax2b.legend(loc="upper right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write(payload: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hetero.json").write_text(json.dumps(payload, indent=2))
-    (out / "hetero.md").write_text(markdown(payload))
-    plot(payload, out / "hetero.png")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"), help="run config (default: configs/demo.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p = _bench.parser(__doc__, BENCH, config="demo.toml")
     p.add_argument("--minutes", type=float, default=5.0, help="training time of each run (default: 5)")
     p.add_argument("--eval-every", type=float, default=20.0, metavar="SECONDS",
                    help="learner 0 evaluates the global model this often (default: 20)")
-    p.add_argument("--out", default=str(ROOT / "results" / "hetero"), help="output folder (default: results/hetero)")
-    p.add_argument("--replot", action="store_true", help="rewrite hetero.md and hetero.png from --out/hetero.json")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if args.replot:
-        payload = json.loads((out / "hetero.json").read_text())
-        write(payload, out)
-        print(markdown(payload))
+    out = args.out
+    if _bench.rerender(args, BENCH, markdown, plot):
         return 0
     if args.minutes <= 0 or args.eval_every <= 0:
         p.error(f"--minutes and --eval-every must be > 0, got {args.minutes} and {args.eval_every}")
@@ -219,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                "eval_every_s": args.eval_every, "runs": runs,
                "comparison": compare(runs["homogeneous"], runs["mixed"]), "wall_s": round(time.monotonic() - t0, 1),
                "command": "python scripts/bench_hetero.py" + (f" --minutes {args.minutes:g}" if args.minutes != 5 else "")}
-    write(payload, out)
-    print(markdown(payload))
+    _bench.publish(BENCH, out, payload, markdown, plot)
     return 0
 
 

@@ -14,30 +14,40 @@ swarm's figures are medians over learners.
 
     python scripts/bench_learners.py                 # 4 learners x 10 minutes on demo.toml, then the simulator
     python scripts/bench_learners.py --quick         # tiny.toml, 60 s: checks the pipeline, not the numbers
-    python scripts/bench_learners.py --replot        # rewrite learners.md / learners.png from learners.json
+    python scripts/bench_learners.py --render-only   # rewrite the page (README.md) from learners.json
 
-Writes ``learners.json``, ``learners.md`` (the README's table) and ``learners.png`` into ``--out``;
+Writes ``learners.json``, ``README.md`` (the page) and ``learners.png`` into ``--out``;
 each learner's round events (JSONL) and log go to ``--out/logs``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, read_jsonl
 
 FINISH_SLACK_S = 300.0
 """After the training time: final rounds, linger, evaluation and exit."""
 PROGRESS_PERIOD_S = 30.0
+BENCH = _bench.Bench("learners", "learners", "Networked learners against the simulator", "scripts/bench_learners.py", """\
+A bootstrap peer and 4 `p2p-diloco join` processes on 127.0.0.1 (real processes, real hivemind DHT and all-reduce)
+train for a fixed wall time (10 minutes by default) on `configs/demo.toml` (0.86M parameters, F=4, H=25, int4, radial
+merge); all learners share this machine's cores. Then the in-process simulator runs with the same config, learners,
+fragments and data shards for the same number of inner steps per learner (the median the learners reached), and the
+global models' held-out losses are compared. Every learner trains for the whole wall time whatever the machine's
+speed (no step cap); the LR's warm-up + cosine runs over `inner.total_steps` steps in both (`--lr-schedule steps`),
+then stays at its floor.
+
+Per learner: inner steps, utilization (time in inner steps / wall time), the share of time the inner loop was
+blocked on the swarm, rounds committed / discarded, forks healed, the eval loss of its anchors at the end, and bytes
+sent. The swarm's figures are medians over learners. Overrides of the run (for instance `averaging.schedule = "steps"`,
+each learner due every H of its *own* steps) are listed in the JSON.""")
 
 
 def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, logs: Path) -> dict[str, Any]:
@@ -108,7 +118,8 @@ def analyse(swarm: dict[str, Any], sim: dict[str, Any] | None) -> dict[str, Any]
 def markdown(payload: dict[str, Any]) -> str:
     a = payload["analysis"]
     lines = [
-        f"Networked learners vs the simulator ({payload['config']}, {a['learners']} learners, "
+        f"Networked learners vs the simulator ({payload['config']}"
+        + "".join(f", `{o}`" for o in payload.get("overrides", [])) + f", {a['learners']} learners, "
         f"{payload['seconds']:.0f} s of training, {'quick' if payload['quick'] else 'full'} run):",
         "",
         "| learner | steps | utilization | blocked | committed | discarded | forks healed | eval loss (anchors) | MB out |",
@@ -130,27 +141,30 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    with _bench.figure(path, 2, (12, 4.5)) as (ax1, ax2):
+        _plot_losses(payload, ax1)
+        _plot_utilization(payload, ax2)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _plot_losses(payload: dict[str, Any], ax1: Any) -> None:
     finals = payload["swarm"]["finals"]
-    names = sorted(finals)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     sim = payload.get("sim")
     if sim:
         per_step = sim["tokens"] / max(1, sim["steps_per_learner"])
         ax1.plot([p["tokens"] / per_step for p in sim["curve"]], [p["eval_loss"] for p in sim["curve"]], "-",
                  label=f"simulator ({sim['final_eval_loss']:.3f})")
-    for name in names:
+    for name in sorted(finals):
         f = finals[name]
         ax1.plot([f["steps"]], [f["eval_loss_end"]], "o", label=f"{name} networked ({f['eval_loss_end']:.3f})")
     ax1.set_xlabel("inner steps per learner")
     ax1.set_ylabel("held-out loss of the anchors (nats/byte)")
     ax1.set_title("global model: networked vs simulator")
-    ax1.grid(alpha=0.3)
     ax1.legend(fontsize=7)
+
+
+def _plot_utilization(payload: dict[str, Any], ax2: Any) -> None:
+    finals = payload["swarm"]["finals"]
+    names = sorted(finals)
     xs = range(len(names))
     ax2.bar([x - 0.2 for x in xs], [100 * finals[n]["utilization"] for n in names], 0.4, label="utilization %")
     ax2.bar([x + 0.2 for x in xs], [100 * finals[n]["blocked_share"] for n in names], 0.4, label="blocked %")
@@ -158,38 +172,21 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax2.set_xticks(list(xs), names)
     ax2.set_title("time in inner steps / blocked, per learner")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write(payload: dict[str, Any], out: Path) -> None:
-    (out / "learners.json").write_text(json.dumps(payload, indent=2))
-    (out / "learners.md").write_text(markdown(payload))
-    plot(payload, out / "learners.png")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"), help="run config (default: configs/demo.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p = _bench.parser(__doc__, BENCH, config="demo.toml", quick="tiny.toml for 60 s: checks the pipeline, not the numbers")
     p.add_argument("--learners", type=int, default=4, help="learner processes (default: 4)")
     p.add_argument("--seconds", type=float, default=600.0, help="training wall time of each learner (default: 600)")
-    p.add_argument("--out", default=str(ROOT / "results" / "learners"), help="output folder")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
-    p.add_argument("--quick", action="store_true", help="tiny.toml for 60 s: checks the pipeline, not the numbers")
-    p.add_argument("--replot", action="store_true", help="rewrite learners.md and learners.png from --out/learners.json")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if args.replot:
-        payload = json.loads((out / "learners.json").read_text())
-        write(payload, out)
-        print(markdown(payload))
+    out = args.out
+    if _bench.rerender(args, BENCH, markdown, plot):
         return 0
     if args.learners < 2 or args.seconds <= 0:
         p.error(f"need --learners >= 2 and --seconds > 0, got {args.learners} and {args.seconds}")
     if args.quick:
-        args.config, args.seconds = str(ROOT / "configs" / "tiny.toml"), 60.0
+        args.config, args.seconds = str(_bench.ROOT / "configs" / "tiny.toml"), 60.0
         args.overrides = ["inner.total_steps=100000", *args.overrides]
     from p2p_diloco.core.config import load_config
 
@@ -210,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"config": args.config, "overrides": args.overrides, "quick": args.quick, "seconds": args.seconds,
                "swarm": swarm, "sim": sim}
     payload["analysis"] = analyse(swarm, sim)
-    write(payload, out)
-    print(markdown(payload))
+    _bench.publish(BENCH, out, payload, markdown, plot)
     return 0
 
 

@@ -19,17 +19,16 @@ The arms alternate in short blocks (plain, learner, learner, plain, ...) so that
 machine hits both; each block's steps/s is measured. The headline ratio is the median over block pairs of
 learner / plain (each pair measured back to back, so a load change between pairs cancels); the medians of
 each arm's steps/s, and their ratio, are reported beside it. Writes
-``overhead.json``, ``overhead.md`` (the README's table) and ``overhead.png`` into ``--out``.
+``overhead.json``, ``README.md`` (the page) and ``overhead.png`` into ``--out`` (default ``results/overhead``).
 
-    python scripts/bench_overhead.py            # about 2 minutes on 2 idle cores: threads 1 and 2
-    python scripts/bench_overhead.py --quick    # a smoke run on a tiny Llama (seconds): checks the pipeline
+    python scripts/bench_overhead.py                # about 2 minutes on 2 idle cores: threads 1 and 2
+    python scripts/bench_overhead.py --quick        # a smoke run on a tiny Llama (seconds): checks the pipeline
+    python scripts/bench_overhead.py --render-only  # rewrite the page (README.md) from overhead.json
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
 import os
 import platform
@@ -44,20 +43,17 @@ from types import SimpleNamespace
 from typing import Any, Callable
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from p2p_diloco.learner import loop
-from p2p_diloco.learner import options
-from p2p_diloco.core import data, outer
 from p2p_diloco.averaging.host import Contribution, RoundOutcome
+from p2p_diloco.core import data, outer
 from p2p_diloco.core.config import Config, config_hash, load_config
 from p2p_diloco.core.devices import autocast, machine_device
 from p2p_diloco.core.inner import lr_at
 from p2p_diloco.core.model import build_model, count_parameters
+from p2p_diloco.learner import loop, options, rounds
 
 LLAMA_3M = ["model.block_size=128", "model.hf_config.hidden_size=256", "model.hf_config.intermediate_size=768",
             "model.hf_config.num_hidden_layers=4", "model.hf_config.num_attention_heads=4",
@@ -69,10 +65,27 @@ COMMON = ["inner.batch_size=8", "inner.total_steps=1000", "inner.warmup_steps=10
 is part of what the learner arm pays for."""
 TARGET = 0.95
 """The acceptance bar (issue 19): learner steps/s >= 0.95 x the plain loop's."""
+BENCH = _bench.Bench("overhead", "overhead", "Learner overhead against a plain PyTorch loop", "scripts/bench_overhead.py", """\
+Both arms train the same Hugging Face Llama (3.5M parameters: hidden 256, 4 layers, vocabulary 256, context 128,
+batch 8; `configs/llama-tiny.toml` with overrides) from the same initial weights, on the same precomputed batches,
+with the same precision, warm-up + cosine learning rate, gradient clipping and number of torch threads:
+
+- **plain**: `model(input_ids).logits`, cross-entropy, `zero_grad`, `backward`, `clip_grad_norm_`,
+  `torch.optim.AdamW` -- the loop anyone would write;
+- **learner**: `Learner.train_once`, exactly what a learner's loop runs per step: the inner step, then its
+  bookkeeping -- finished rounds collected, catch-up checks, which fragments are due (a fragment every 5 steps),
+  each due fragment's pseudo-gradient computed and handed off, the result applied (an outer Nesterov step,
+  alpha-mixed into the weights) and an event written. Only the network is replaced: the averagers are stand-ins
+  whose rounds commit at once with the learner's own pseudo-gradient as the group's.
+
+The arms alternate in short blocks (plain, learner, learner, plain, ...) so that the noise of a shared machine hits
+both. The headline is the median over block pairs of learner / plain steps/s (each pair measured back to back);
+each arm's median steps/s and their ratio are reported beside it. The bar (issue 19): at least 0.95 x the plain
+loop's steps/s at every thread count.""")
 
 
 class IdleAveraging:
-    """Stands in for :class:`p2p_diloco.averaging.host.FragmentAveraging` without a network: every round commits at
+    """Stands in for :class:`p2p_diloco.averaging.host.FragmentAveragerHost` without a network: every round commits at
     once, the merged pseudo-gradient being the learner's own (a group of one), so the learner's loop applies a
     real outer step."""
 
@@ -108,7 +121,7 @@ class IdleAveraging:
 
 
 def bench_config(quick: bool, precision: str) -> Config:
-    return load_config(ROOT / "configs" / "llama-tiny.toml",
+    return load_config(_bench.ROOT / "configs" / "llama-tiny.toml",
                        [*([] if quick else LLAMA_3M), *COMMON, f"inner.precision={precision}"])
 
 
@@ -156,10 +169,10 @@ def learner_loop(cfg: Config, device: torch.device, threads: int, batches: list[
     local = SimpleNamespace(run_id=cfg.run.run_id, config_hash=config_hash(cfg))
     opts = options.LearnerOptions(name="bench", shard=None, num_shards=1, max_steps=10**9, events_path=events,
                                   train_nice=0, device=str(device))
-    with mock.patch.object(loop, "FragmentAveraging", IdleAveraging):
+    with mock.patch.object(rounds, "FragmentAveragerHost", IdleAveraging):
         unit = loop.Learner(cfg, options.Profile(name="bench", threads=threads), opts, joined, local, splits=splits)
     unit.batches = itertools.cycle(batches)  # the same batches as the plain loop
-    unit.swarm_reads = 1  # as if the status thread had looked at the swarm: due fragments are handed off
+    unit.view.swarm_reads = 1  # as if the status thread had looked at the swarm: due fragments are handed off
     unit.training = True
     unit.t_start = time.monotonic()
     stop = threading.Event()
@@ -225,13 +238,12 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    with _bench.figure(path, 1, (6.5, 4)) as (ax,):
+        _plot_arms(payload, ax)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _plot_arms(payload: dict[str, Any], ax: Any) -> None:
     results = payload["results"]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
     width = 0.38
     for k, (arm, color) in enumerate((("plain", "#888888"), ("learner", "#1f77b4"))):
         xs = [i + (k - 0.5) * width for i in range(len(results))]
@@ -248,21 +260,18 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Learner vs plain loop: {payload['model']['description']}, {payload['precision']}")
     ax.legend(loc="upper left")
     ax.set_ylim(0, max(max(r["plain_median"], r["learner_median"]) for r in results) * 1.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(ROOT / "results" / "overhead"), help="output folder")
+    p = _bench.parser(__doc__, BENCH, quick="a tiny Llama, few blocks: checks the pipeline, not the numbers")
     p.add_argument("--threads", type=int, nargs="+", default=None, help="torch thread counts (default: 1 2)")
     p.add_argument("--blocks", type=int, default=None, help="timed blocks per arm (default: 20; --quick 3)")
     p.add_argument("--steps", type=int, default=None, help="steps per block (default: 4; --quick 3)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="inner.precision of both arms")
     p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--quick", action="store_true", help="a tiny Llama, few blocks: checks the pipeline, not the numbers")
     args = p.parse_args(argv)
+    if _bench.rerender(args, BENCH, markdown, plot):
+        return 0
     try:
         device = machine_device(args.device)
     except ValueError as e:
@@ -276,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = bench_config(args.quick, args.precision)
     batches = make_batches(cfg, 16)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     h = cfg.model.hf_config
     assert isinstance(h, dict)
     model = {"description": f"Llama hidden {h['hidden_size']} x {h['num_hidden_layers']} layers, vocab {h['vocab_size']}",
@@ -305,12 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     if not all(math.isfinite(r["ratio"]) for r in results):
         print("bench_overhead: error: a ratio is not finite", file=sys.stderr)
         return 1
-    (out / "overhead.json").write_text(json.dumps(payload, indent=2))
-    (out / "overhead.md").write_text(markdown(payload))
-    plot(payload, out / "overhead.png")
-    print(markdown(payload))
-    print(f"bench_overhead: done in {payload['wall_s']:.0f} s; wrote {out}/overhead.json, overhead.md, overhead.png",
-          file=sys.stderr)
+    _bench.publish(BENCH, args.out, payload, markdown, plot)
+    print(f"bench_overhead: done in {payload['wall_s']:.0f} s; wrote {args.out}", file=sys.stderr)
     return 0
 
 

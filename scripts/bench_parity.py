@@ -11,13 +11,13 @@ is the share of the gap between one learner and data-parallel that the decoupled
     python scripts/bench_parity.py --quick          # a smoke run of the whole pipeline (~1 minute)
     python scripts/bench_parity.py --only decoupled # runs whose name contains "decoupled"
 
-Writes ``parity.json``, ``parity.md`` (the README's table) and ``parity.png`` into ``--out``.
+    python scripts/bench_parity.py --render-only    # rewrite the page (README.md) from parity.json
+
+Writes ``parity.json``, ``README.md`` (the page) and ``parity.png`` into ``--out`` (default ``results/parity``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -26,10 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
 from p2p_diloco.core.config import Config, load_config
+
+BENCH = _bench.Bench("parity", "parity", "ML parity at equal tokens (simulator, no network)", "scripts/bench_parity.py", """\
+4 learners in the in-process simulator (the same fragment, codec, merge and outer code as the networked learner) on
+the embedded corpus, the 0.22M-parameter byte GPT of `configs/bench.toml` (4 blocks, width 64, context 64, batch 8 x
+64 bytes per learner, AdamW 3e-3 with warm-up + cosine), against data-parallel training of the same model with a 4x
+batch (the same tokens) and one learner alone (the same steps). Two budgets: 600 and 1,200 inner steps per learner.
+
+"Gap closed" is the share of the single -> data-parallel gap that a method closes (100% = data-parallel quality);
+bytes are counted as the butterfly all-reduce sends them. The decoupled default is F=4 fragments, H=32, tau=1,
+alpha=0.5, int4, radial-directional merge, token weighting; plain DiLoCo is F=1, no overlap, fp32, mean merge,
+alpha=0; Streaming DiLoCo is F=4 with overlap, int4, mean merge.""")
 
 BUDGETS = {"short": 600, "long": 1200}
 DECOUPLED = ["outer.fragments=4", "outer.overlap=1", "outer.codec=int4", "outer.merge=radial", "outer.weighting=tokens"]
@@ -176,48 +186,37 @@ def markdown(analysis: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(payload: dict[str, Any], path: Path) -> None:
+    results = payload["results"]
     budgets = [b for b in BUDGETS if any(r["budget"] == b for r in results)]
-    fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 5), squeeze=False)
-    for ax, budget in zip(axes[0], budgets):
-        for r in sorted((r for r in results if r["budget"] == budget), key=lambda r: r["name"]):
-            per_step = r["tokens"] / r["total_steps"]  # tokens per (nominal) inner step, all learners together
-            xs = [p["tokens"] / per_step for p in r["curve"]]
-            ys = [p["eval_loss"] for p in r["curve"]]
-            style = "-" if r["name"] in ("data-parallel", "single") or r["headline"] else "--"
-            ax.plot(xs, ys, style, label=f"{r['name']} ({r['final_eval_loss']:.3f})", linewidth=2 if r["headline"] else 1)
-        ax.set_title(f"{budget} budget: held-out loss of the global model")
-        ax.set_xlabel("inner steps per learner (single: 1/4 of the tokens of the others)")
-        ax.set_ylabel("held-out loss (nats/byte)")
-        ax.set_ylim(top=3.0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _bench.figure(path, len(budgets), (7 * len(budgets), 5)) as axes:
+        for ax, budget in zip(axes, budgets):
+            for r in sorted((r for r in results if r["budget"] == budget), key=lambda r: r["name"]):
+                per_step = r["tokens"] / r["total_steps"]  # tokens per (nominal) inner step, all learners together
+                xs = [p["tokens"] / per_step for p in r["curve"]]
+                ys = [p["eval_loss"] for p in r["curve"]]
+                style = "-" if r["name"] in ("data-parallel", "single") or r["headline"] else "--"
+                ax.plot(xs, ys, style, label=f"{r['name']} ({r['final_eval_loss']:.3f})",
+                        linewidth=2 if r["headline"] else 1)
+            ax.set_title(f"{budget} budget: held-out loss of the global model")
+            ax.set_xlabel("inner steps per learner (single: 1/4 of the tokens of the others)")
+            ax.set_ylabel("held-out loss (nats/byte)")
+            ax.set_ylim(top=3.0)
+            ax.legend(fontsize=7)
+
+
+def table(payload: dict[str, Any]) -> str:
+    return markdown(analyse(payload["results"]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"), help="base config (default: configs/bench.toml)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
-    p.add_argument("--out", default=str(ROOT / "results" / "parity"), help="output folder")
+    p = _bench.parser(__doc__, BENCH, config="bench.toml", quick="1/15 of the steps: checks the pipeline, not the numbers")
     p.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="parallel simulations")
     p.add_argument("--decoupled-h", type=int, default=32, help="H of the decoupled default (default: 32)")
     p.add_argument("--only", action="append", default=[], help="run only methods whose name contains this (repeatable)")
     p.add_argument("--budget", choices=list(BUDGETS), help="run only this budget")
-    p.add_argument("--quick", action="store_true", help="1/15 of the steps: checks the pipeline, not the numbers")
-    p.add_argument("--replot", action="store_true", help="rewrite parity.md and parity.png from --out/parity.json")
     args = p.parse_args(argv)
-    if args.replot:
-        payload = json.loads((Path(args.out) / "parity.json").read_text())
-        (Path(args.out) / "parity.md").write_text(markdown(analyse(payload["results"])))
-        plot(payload["results"], Path(args.out) / "parity.png")
+    if _bench.rerender(args, BENCH, table, plot):
         return 0
 
     runs = grid(args.decoupled_h)
@@ -226,22 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget:
         runs = [r for r in runs if r.budget == args.budget]
     runs.sort(key=_cost, reverse=True)  # longest first balances the pool
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    load_config(args.config, args.extra)  # fail fast on a bad config, before forking workers
+    out = args.out
+    load_config(args.config, args.overrides)  # fail fast on a bad config, before forking workers
     print(f"bench_parity: {len(runs)} runs on {args.workers} workers -> {out}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     ctx = mp.get_context("fork")
     with ctx.Pool(args.workers, maxtasksperchild=1) as pool:
-        results = pool.map(_worker, [(r, args.config, args.extra, args.quick) for r in runs], chunksize=1)
+        results = pool.map(_worker, [(r, args.config, args.overrides, args.quick) for r in runs], chunksize=1)
     analysis = analyse(results)
-    payload = {"config": args.config, "overrides": args.extra, "quick": args.quick, "wall_s": round(time.monotonic() - t0, 1),
-               "results": results, **analysis}
-    (out / "parity.json").write_text(json.dumps(payload, indent=2))
-    (out / "parity.md").write_text(markdown(analysis))
-    plot(results, out / "parity.png")
-    print(markdown(analysis))
-    print(f"bench_parity: done in {payload['wall_s']:.0f} s; wrote {out}/parity.json, parity.md, parity.png", file=sys.stderr)
+    payload = {"config": args.config, "overrides": args.overrides, "quick": args.quick,
+               "wall_s": round(time.monotonic() - t0, 1), "results": results, **analysis}
+    _bench.publish(BENCH, out, payload, table, plot)
+    print(f"bench_parity: done in {payload['wall_s']:.0f} s; wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -16,13 +16,14 @@ merge without an attacker). The verdict: with the robust merge, the final eval l
     python scripts/bench_poison.py               # 6 runs of 300 steps: 15 minutes on 2 busy cores (load 5-14)
     python scripts/bench_poison.py --quick       # a smoke run of the whole pipeline (~1 minute)
 
-Writes ``poison.json``, ``poison.md`` (the README's table) and ``poison.png`` into ``--out``.
+    python scripts/bench_poison.py --render-only # rewrite the page (README.md) from poison.json
+
+Writes ``poison.json``, ``README.md`` (the page) and ``poison.png`` into ``--out`` (default ``results/poison``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
@@ -32,10 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
 from p2p_diloco.core.config import Config, load_config
+
+BENCH = _bench.Bench("poison", "poison", "Poisoned contributions", "scripts/bench_poison.py", """\
+The in-process simulator (the same fragment, codec, merge, robust-merge and outer code as the networked learner) on
+`configs/bench.toml`, 4 learners x 300 inner steps each (`--steps`). One learner (`--attacker`, default 3) poisons
+every contribution it sends, on every surface a peer controls -- its streamed tensors and the radial norms in its
+metadata; its claimed progress is honest:
+
+- *sign-flip*: -1000 x its encoded tensors, 1000 x its norms;
+- *random*: a random tensor of 1000 x the norm of each, 1000 x its norms.
+
+Each attack runs with the robust merge off (`outer.robust = "none"`: the damage) and on (`--robust`, default
+`"trim"`), next to the clean run with each setting (the cost of the robust merge without an attacker). Same seed and
+steps in every run. The bar: with the robust merge, the final eval loss is within 3% of the clean run's.""")
 
 TOLERANCE = 0.03
 """Acceptance: a robust run's final eval loss may exceed the clean run's by at most this share."""
@@ -66,7 +79,7 @@ def runs(robust: str) -> list[Run]:
 def _config(run: Run, args: argparse.Namespace) -> Config:
     steps = max(30, args.steps // 10) if args.quick else args.steps
     overrides = [f"inner.total_steps={steps}", f"outer.robust={run.robust}", f"outer.clip_factor={args.clip_factor}",
-                 *(["inner.warmup_steps=5"] if args.quick else []), *args.extra]
+                 *(["inner.warmup_steps=5"] if args.quick else []), *args.overrides]
     return load_config(args.config, overrides)
 
 
@@ -156,43 +169,37 @@ def markdown(analysis: dict[str, Any], steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot(payload: dict[str, Any], path: Path) -> None:
     """Left: every run on a log scale (the undefended runs leave the chart); right: a close-up."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    results = payload["results"]
     clean = next(r for r in results if r["name"] == "clean")
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     colors = {None: "black", "sign-flip": "tab:red", "random": "tab:blue"}
-    for ax, log_scale in zip(axes, (True, False)):
-        for r in results:
-            per_step = r["tokens"] / r["total_steps"]
-            points = [(p["tokens"] / per_step, p["eval_loss"]) for p in r["curve"] if p["eval_loss"] is not None]
-            ax.plot([x for x, _ in points], [y for _, y in points], "--" if r["robust"] == "none" else "-",
-                    color=colors[r["attack"]], label=f"{r['name']} ({_loss_text(r['final_eval_loss'])})",
-                    linewidth=1 if r["robust"] == "none" else 2)
-        ax.set_xlabel("inner steps per learner")
-        ax.set_ylabel("held-out loss of the global model (nats/byte)")
-        ax.grid(alpha=0.3)
-        if log_scale:
-            ax.set_yscale("log")
-            ax.set_title("1 of 4 learners sends 1000x pseudo-gradients every round")
-            ax.legend(fontsize=8)
-        else:
-            losses = [p["eval_loss"] for p in clean["curve"]]
-            ax.set_ylim(bottom=min(losses) * 0.97, top=min(losses) * 1.5)
-            ax.set_title("close-up: the robust merge against the clean run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _bench.figure(path, 2, (14, 5)) as axes:
+        for ax, log_scale in zip(axes, (True, False)):
+            for r in results:
+                per_step = r["tokens"] / r["total_steps"]
+                points = [(p["tokens"] / per_step, p["eval_loss"]) for p in r["curve"] if p["eval_loss"] is not None]
+                ax.plot([x for x, _ in points], [y for _, y in points], "--" if r["robust"] == "none" else "-",
+                        color=colors[r["attack"]], label=f"{r['name']} ({_loss_text(r['final_eval_loss'])})",
+                        linewidth=1 if r["robust"] == "none" else 2)
+            ax.set_xlabel("inner steps per learner")
+            ax.set_ylabel("held-out loss of the global model (nats/byte)")
+            if log_scale:
+                ax.set_yscale("log")
+                ax.set_title("1 of 4 learners sends 1000x pseudo-gradients every round")
+                ax.legend(fontsize=8)
+            else:
+                losses = [p["eval_loss"] for p in clean["curve"]]
+                ax.set_ylim(bottom=min(losses) * 0.97, top=min(losses) * 1.5)
+                ax.set_title("close-up: the robust merge against the clean run")
+
+
+def table(payload: dict[str, Any]) -> str:
+    return markdown(analyse(payload["results"]), payload["steps"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "bench.toml"), help="base config (default: configs/bench.toml)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    p = _bench.parser(__doc__, BENCH, config="bench.toml", quick="1/10 of the steps: checks the pipeline, not the numbers")
     p.add_argument("--steps", type=int, default=300, help="inner steps per learner (default: 300)")
     p.add_argument("--attacker", type=int, default=3, help="index of the poisoning learner (default: 3)")
     p.add_argument("--scale", type=float, default=1000.0, help="attack magnitude (default: 1000)")
@@ -200,16 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: trim)")
     p.add_argument("--clip-factor", type=float, default=2.0, help="outer.clip_factor of the robust runs (default: 2)")
     p.add_argument("--eval-points", type=int, default=8, help="evaluations per run (default: 8)")
-    p.add_argument("--out", default=str(ROOT / "results" / "poison"), help="output folder")
     p.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)), help="parallel simulations")
-    p.add_argument("--quick", action="store_true", help="1/10 of the steps: checks the pipeline, not the numbers")
-    p.add_argument("--replot", action="store_true", help="rewrite poison.md and poison.png from --out/poison.json")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if args.replot:
-        payload = json.loads((out / "poison.json").read_text())
-        (out / "poison.md").write_text(markdown(analyse(payload["results"]), payload["steps"]))
-        plot(payload["results"], out / "poison.png")
+    out = args.out
+    if _bench.rerender(args, BENCH, table, plot):
         return 0
     if args.steps < 1 or args.scale <= 0 or args.workers < 1:
         p.error("--steps, --scale and --workers must be positive")
@@ -217,21 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _config(plan[0], args)  # fail fast on a bad config, before forking workers
     if not 0 <= args.attacker < cfg.sim.learners:
         p.error(f"--attacker must be in 0..{cfg.sim.learners - 1}")
-    out.mkdir(parents=True, exist_ok=True)
     print(f"bench_poison: {len(plan)} runs of {cfg.inner.total_steps} steps/learner on {args.workers} workers -> {out}",
           file=sys.stderr, flush=True)
     t0 = time.monotonic()
     with mp.get_context("fork").Pool(args.workers, maxtasksperchild=1) as pool:
         results = pool.map(_worker, [(r, args) for r in plan], chunksize=1)
     analysis = analyse(results)
-    payload = {"config": args.config, "overrides": args.extra, "quick": args.quick, "steps": cfg.inner.total_steps,
+    payload = {"config": args.config, "overrides": args.overrides, "quick": args.quick, "steps": cfg.inner.total_steps,
                "attacker": args.attacker, "scale": args.scale, "robust": args.robust, "clip_factor": args.clip_factor,
                "tolerance": TOLERANCE, "wall_s": round(time.monotonic() - t0, 1), "results": results, **analysis}
-    (out / "poison.json").write_text(json.dumps(payload, indent=2))
-    (out / "poison.md").write_text(markdown(analysis, cfg.inner.total_steps))
-    plot(results, out / "poison.png")
-    print(markdown(analysis, cfg.inner.total_steps))
-    print(f"bench_poison: done in {payload['wall_s']:.0f} s; wrote {out}/poison.json, poison.md, poison.png", file=sys.stderr)
+    _bench.publish(BENCH, out, payload, table, plot)
+    print(f"bench_poison: done in {payload['wall_s']:.0f} s; wrote {out}", file=sys.stderr)
     return 0
 
 

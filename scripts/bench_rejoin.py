@@ -8,29 +8,34 @@ when its first round committed (its first contribution). Repeats for ``--newcome
 one after the other, each stopped gracefully before the next.
 
     python scripts/bench_rejoin.py               # 3 learners + 3 newcomers, one at a time (~4 min)
+    python scripts/bench_rejoin.py --render-only # rewrite the page (README.md) from rejoin.json
 
-Writes ``rejoin.json`` and ``rejoin.md`` into ``--out`` (default results/rejoin); logs in ``--out/logs``.
+Writes ``rejoin.json`` and ``README.md`` (the page) into ``--out`` (default results/rejoin); logs in ``--out/logs``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
+from p2p_diloco.core.waiting import WaitTimeout, poll_until
 from p2p_diloco.local.launcher import LocalSwarm, read_jsonl
 
 WARMUP_DEADLINE_S = 240.0
 """Start of the swarm to committed rounds of every fragment."""
 NEWCOMER_DEADLINE_S = 120.0
 TARGET_S = 15.0
+BENCH = _bench.Bench("rejoin", "rejoin", "Newcomers: time to a first contribution", "scripts/bench_rejoin.py", """\
+A bootstrap peer and a swarm of 3 learners (`--learners`) on `configs/demo.toml`, on 127.0.0.1, that is already
+averaging: once it has committed rounds of every fragment, brand-new learners (a fresh identity, nothing on disk)
+join it one at a time (`--newcomers`, default 3), each stopped gracefully before the next. For each newcomer,
+from its process start: when it had joined the DHT, its fragment downloads (outcome and donors tried), and when its
+first round committed -- its first contribution. The target: within 15 s.""")
 
 
 def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict[str, Any]]:
@@ -40,19 +45,14 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
         for i in reversed(range(learners)):  # l0 last: the one whose rounds we watch
             first_learner = swarm.start(f"l{i}", ["join", *common, "--name", f"l{i}", "--shard", str(i), "--wait-peers", str(learners),
                                   "--steps", "100000", "--max-time", "900", "--events", str(logs / f"l{i}.jsonl")])
-        deadline = time.monotonic() + WARMUP_DEADLINE_S
-        fragments = None
-        while time.monotonic() < deadline:
+        def every_fragment_committed() -> bool:
             done = {e["fragment"] for e in read_jsonl(logs / "l0.jsonl")
                     if e["event"] == "round" and e["outcome"] == "committed"}
             m = first_learner.find(r"(\d+) fragments, codec")
-            fragments = fragments or (int(m.group(1)) if m else None)
-            if fragments and len(done) >= fragments:
-                break
-            time.sleep(1.0)
-        else:
-            raise RuntimeError(f"the swarm committed no round of every fragment within {WARMUP_DEADLINE_S:.0f} s; "
-                               f"see {logs}")
+            return m is not None and len(done) >= int(m.group(1))
+
+        poll_until(every_fragment_committed, WARMUP_DEADLINE_S, f"a committed round of every fragment (see {logs})",
+                   interval_s=1.0)
         print(f"swarm of {learners} is averaging every fragment; newcomers join one at a time", flush=True)
         results = []
         for k in range(newcomers):
@@ -63,14 +63,17 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             t0 = child.started_at
             child.wait_for(r"^joined run ", NEWCOMER_DEADLINE_S)  # RuntimeError naming the log if it does not
             t_joined = time.monotonic() - t0
-            first = None
-            deadline = time.monotonic() + NEWCOMER_DEADLINE_S
-            while time.monotonic() < deadline and child.alive:
+            def first_contribution(child: Any = child, name: str = name, events: Path = events) -> dict[str, Any] | None:
                 found = [e for e in read_jsonl(events) if e["event"] == "first_contribution"]
-                if found:
-                    first = found[0]
-                    break
-                time.sleep(0.2)
+                if not found and not child.alive:
+                    raise WaitTimeout(f"{name}'s first contribution (it exited)", 0.0)
+                return found[0] if found else None
+
+            try:
+                first = poll_until(first_contribution, NEWCOMER_DEADLINE_S, f"{name}'s first contribution")
+            except WaitTimeout as e:  # recorded as "none" in the results: what this benchmark measures
+                print(f"{name}: {e}", flush=True)
+                first = None
             resyncs = [e for e in read_jsonl(events) if e["event"] == "resync"]
             result = {"newcomer": name, "joined_s": round(t_joined, 2),
                       "first_contribution_s": first["seconds_since_start"] if first else None,
@@ -84,32 +87,33 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
         return results
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"))
-    p.add_argument("--learners", type=int, default=3)
-    p.add_argument("--newcomers", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "results" / "rejoin"))
-    args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = measure(args.config, args.learners, args.newcomers, out / "logs")
+def markdown(summary: dict[str, Any]) -> str:
+    """The newcomers' table and the median, from ``rejoin.json``."""
+    results, med = summary["newcomers"], summary["median_first_contribution_s"]
+    return ("| newcomer | joined the DHT | downloads (donors tried) | first contribution |\n|---|---|---|---|\n"
+            + "".join(f"| {r['newcomer']} | {r['joined_s']:.1f} s | "
+                      + ", ".join(f"f{d['fragment']} {d['outcome']} ({d['donors_tried']})" for d in r["downloads"])
+                      + f" | {r['first_contribution_s'] if r['first_contribution_s'] is not None else '-'} s |\n"
+                      for r in results)
+            + "\nMedian time from process start to first committed round: "
+            + (f"**{med:.1f} s**" if med is not None else "none") + f" (target <= {summary['target_s']:.0f} s), "
+            f"{summary['contributed']} of {len(results)} newcomers contributed; swarm of {summary['learners']} on "
+            f"{Path(summary['config']).name}.\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _bench.parser(__doc__, BENCH, config="demo.toml", overrides=False)
+    p.add_argument("--learners", type=int, default=3, help="learners of the running swarm (default: 3)")
+    p.add_argument("--newcomers", type=int, default=3, help="newcomers, one after the other (default: 3)")
+    args = p.parse_args(argv)
+    if _bench.rerender(args, BENCH, markdown, None):
+        return 0
+    results = measure(args.config, args.learners, args.newcomers, args.out / "logs")
     times = [r["first_contribution_s"] for r in results if r["first_contribution_s"] is not None]
     summary = {"config": args.config, "learners": args.learners, "newcomers": results, "target_s": TARGET_S,
                "median_first_contribution_s": statistics.median(times) if times else None,
                "contributed": len(times)}
-    (out / "rejoin.json").write_text(json.dumps(summary, indent=2))
-    med = summary["median_first_contribution_s"]
-    table = ("| newcomer | joined the DHT | downloads (donors tried) | first contribution |\n|---|---|---|---|\n"
-             + "".join(f"| {r['newcomer']} | {r['joined_s']:.1f} s | "
-                       + ", ".join(f"f{d['fragment']} {d['outcome']} ({d['donors_tried']})" for d in r["downloads"])
-                       + f" | {r['first_contribution_s'] if r['first_contribution_s'] is not None else '-'} s |\n"
-                       for r in results)
-             + "\nMedian time from process start to first committed round: "
-             + (f"**{med:.1f} s**" if med is not None else "none") + f" (target <= {TARGET_S:.0f} s), "
-             f"{len(times)} of {len(results)} newcomers contributed; swarm of {args.learners} on {Path(args.config).name}.\n")
-    (out / "rejoin.md").write_text(table)
-    print(table)
+    _bench.publish(BENCH, args.out, summary, markdown, None)
     return 0
 
 

@@ -68,15 +68,15 @@ schedule, AdamW state and data order at step 0 again; the baseline does not.
 
     python scripts/chaos.py                 # 4 learners x 10 minutes on demo.toml, a kill or stop every ~60 s, then the baseline
     python scripts/chaos.py --quick         # tiny.toml, 3 learners, 90 s, every ~20 s: checks the pipeline, not the numbers
-    python scripts/chaos.py --replot        # rewrite chaos.md / chaos.png from chaos.json
+    python scripts/chaos.py --render-only   # rewrite the page (README.md) from chaos.json
+    python scripts/chaos.py --reanalyse     # analyse the run in chaos.json again: rewrite it, the page and the figure
 
-Writes ``chaos.json``, ``chaos.md`` (the README's table), ``chaos.png`` (a timeline per learner) and
+Writes ``chaos.json``, ``README.md`` (the page), ``chaos.png`` (a timeline per learner) and
 ``chaos_events.jsonl`` into ``--out``; logs and round events of every incarnation go to ``--out/logs``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -91,12 +91,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import _bench
 
+from p2p_diloco.core.waiting import poll_until
+from p2p_diloco.hivemind_ext.procguard import signal_session
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, Child, LocalSwarm, read_jsonl
 from p2p_diloco.local.run import Ending, finished_together
-from p2p_diloco.hivemind_ext.procguard import signal_session
 
 TARGET_GOODPUT = 0.85
 TARGET_STALL_S = 5.0
@@ -114,18 +114,39 @@ EXIT_GRACE_S = 15.0
 TICK_S = 0.25
 """The harness's loop period: how late an action may be, at most."""
 MIN_RESTART_TRAIN_S = 10.0
+"""A restart with less training time than this left is skipped (the schedule keeps restarts earlier)."""
 STARTUP_ALLOWANCE_S = 30.0
 """``join --max-time`` counts from the learner's start, start-up and the wait for peers included: the first
 incarnations get the training window plus this (generous) allowance, so that they train at least until the
 window's end; restarts get what is left until the same end (their own start-up is inside it)."""
-"""A restart with less training time than this left is skipped (the schedule keeps restarts earlier)."""
 STOP_TOLERANCE_S = 0.5
+"""A stopped incarnation's stall within this of one of its stops may contain that stop."""
 TOGETHER_WINDOW_S = LINGER_S + 30.0
 """Incarnations whose final summaries arrive within this of the last one finished together (the end state,
 anchors, is compared among them): those training until the end linger up to ``LINGER_S``, then evaluate."""
-"""A stopped incarnation's stall within this of one of its stops may contain that stop."""
 RESUMED_RE = re.compile(r"^resumed from \S+: step (\d+)")
 TRAINING_START_RE = re.compile(r"learners ready; starting together in (-?[\d.]+) s")
+BENCH = _bench.Bench("chaos", "chaos", "Under chaos: kill -9, SIGSTOP and restarts", "scripts/chaos.py", """\
+A bootstrap peer and K `p2p-diloco join` learners (real processes on 127.0.0.1; 4 x 10 minutes on
+`configs/demo.toml` by default) train for a fixed time while a seeded schedule, every ~`--every` seconds, either
+**kills** one learner with kill -9 of its whole process group and starts it again after a down time as the *same
+peer* (same identity and name; it resumes from its newest checkpoint, taken every `--checkpoint-every` seconds,
+downloads the fragments the live peers moved on and rejoins by itself), or **stops** one with SIGSTOP and SIGCONTs
+it after a while. Never more than one learner is down or stopped at a time, and nothing happens in the first ~45 s
+(start-up) or the last 60 s (final rounds). Every incarnation trains until the end of the window (no step cap). Then
+the same learners run again without chaos for the same number of inner steps each (equal tokens): the baseline.
+
+- **Goodput (tokens)**: tokens whose work reached the global model (each incarnation's `tokens_sent` over its
+  committed rounds, averaged over fragments) / tokens the allocated learner-time (every learner for the whole
+  window) would have produced at the no-chaos run's speed. The survivors step faster while one learner is down
+  (they share the CPU), which pushes it up.
+- **Goodput (learner-time)**: the share of allocated learner-time spent training (not down, starting up or stopped)
+  x the share of that work which reached the model; it needs no throughput from another run.
+- **Longest inner-loop stall** of a survivor (a SIGSTOPped incarnation's stall that may be the stop itself is left
+  out); rounds committed / discarded and why; anchors identical among the incarnations that finished together; the
+  global model's eval loss, chaos vs baseline at equal tokens.
+
+Targets: goodput >= 85%, stall <= 5 s, eval loss within +3% of the baseline's.""")
 
 
 # ---------------------------------------------------------------- the schedule (pure)
@@ -593,8 +614,7 @@ class ChaosRun:
         self.end_at = self.now() + self.duration_s + STARTUP_ALLOWANCE_S
         for name in self.names:
             self.spawn(name, wait_peers=len(self.names), max_time_s=self.duration_s + STARTUP_ALLOWANCE_S)
-        deadline = self.now() + START_TIMEOUT_S + WAIT_PEERS_TIMEOUT_S
-        while self.train0 is None:
+        def training_started() -> bool:
             self._note_up()
             for inc in self.incarnations:
                 if not inc.child.alive:
@@ -606,10 +626,11 @@ class ChaosRun:
                     self.train0 = self.now() + max(0.0, float(m.group(1)))
             if self.stop.is_set():
                 raise RuntimeError("chaos: interrupted while the learners were starting")
-            if self.now() > deadline:
-                raise RuntimeError(f"chaos: the learners did not start training within "
-                                   f"{START_TIMEOUT_S + WAIT_PEERS_TIMEOUT_S:.0f} s; see {self.swarm.logs}")
-            time.sleep(TICK_S)
+            return self.train0 is not None
+
+        poll_until(training_started, START_TIMEOUT_S + WAIT_PEERS_TIMEOUT_S,
+                   f"chaos: the learners' start of training (see {self.swarm.logs})", interval_s=TICK_S)
+        assert self.train0 is not None
         self.train0_wall = time.time() + (self.train0 - self.now())
         self.record("training_start", self.train0, learners=self.names, duration_s=self.duration_s)
         for inc in self.incarnations:
@@ -1003,14 +1024,16 @@ def _yes(x: bool | None) -> str:
 
 def plot(payload: dict[str, Any], path: Path) -> None:
     """A timeline per learner: down (killed -> restarted incarnation up) and stopped intervals, rounds as dots."""
-    import matplotlib
+    learners = sorted({i["learner"] for i in payload["chaos"]["incarnations"]})
+    with _bench.figure(path, 1, (12, 1.0 + 0.8 * len(learners))) as (ax,):
+        _plot_timeline(payload, learners, ax)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _plot_timeline(payload: dict[str, Any], learners: list[str], ax: Any) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
 
     incs = payload["chaos"]["incarnations"]
-    learners = sorted({i["learner"] for i in incs})
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * len(learners)))
     for row, name in enumerate(learners):
         mine = sorted((i for i in incs if i["learner"] == name), key=lambda i: i["spawned_s"])
         y = row * 10
@@ -1034,33 +1057,29 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_xlim(left=0)
     ax.set_yticks([row * 10 + 5 for row in range(len(learners))], learners)
     ax.set_xlabel("seconds since training started (dashed: end of training)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color="tab:red", alpha=0.35), plt.Rectangle((0, 0), 1, 1, color="tab:orange", alpha=0.5),
-               plt.Line2D([], [], marker=".", color="tab:green", linestyle=""),
-               plt.Line2D([], [], marker="v", color="tab:gray", linestyle="")]
+    handles = [Rectangle((0, 0), 1, 1, color="tab:red", alpha=0.35), Rectangle((0, 0), 1, 1, color="tab:orange", alpha=0.5),
+               Line2D([], [], marker=".", color="tab:green", linestyle=""),
+               Line2D([], [], marker="v", color="tab:gray", linestyle="")]
     ax.legend(handles, ["kill -9 (x) -> restart (|) and up", "SIGSTOPped", "round committed", "round discarded"], fontsize=7,
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(learners) < 4 else -0.15), ncol=4)
     good = payload["analysis"]["goodput"]
     ax.set_title(f"chaos timeline (goodput {_pct(good['goodput'] if good else None)})")
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.grid(axis="y", visible=False)
 
 
-def write(payload: dict[str, Any], out: Path) -> None:
+def write(payload: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Analyses the run (into ``payload["analysis"]``), then writes its JSON, figure and page; returns what was
+    written."""
     payload["analysis"] = analyse(payload)
-    (out / "chaos.json").write_text(json.dumps(payload, indent=2))
-    (out / "chaos.md").write_text(markdown(payload))
-    plot(payload, out / "chaos.png")
+    return _bench.publish(BENCH, out, payload, markdown, plot)
 
 
 # ---------------------------------------------------------------- the command
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"), help="run config (default: configs/demo.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p = _bench.parser(__doc__, BENCH, config="demo.toml",
+                      quick="tiny.toml, 3 learners, 90 s, an action every ~20 s: checks the pipeline, not the numbers")
     p.add_argument("--learners", type=int, default=4, help="learner processes (default: 4)")
     p.add_argument("--minutes", type=float, default=10.0, help="training time of the chaos run, minutes (default: 10)")
     p.add_argument("--every", dest="every_s", type=float, default=60.0, metavar="SECONDS",
@@ -1069,21 +1088,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", dest="checkpoint_every_s", type=float, default=15.0, metavar="SECONDS",
                    help="learners checkpoint this often and a killed one resumes from its checkpoint (default: 15; "
                         "0: restarts start afresh and download everything)")
-    p.add_argument("--out", default=str(ROOT / "results" / "chaos"), help="output folder (default: results/chaos)")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-chaos run (no eval comparison)")
-    p.add_argument("--quick", action="store_true", help="tiny.toml, 3 learners, 90 s, an action every ~20 s: checks "
-                   "the pipeline, not the numbers")
-    p.add_argument("--replot", action="store_true", help="rewrite chaos.md and chaos.png from --out/chaos.json")
+    p.add_argument("--reanalyse", action="store_true",
+                   help="analyse the run in --out/chaos.json again, then rewrite it, the page and the figure")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    if args.replot:
-        payload = json.loads((out / "chaos.json").read_text())
-        write(payload, out)
-        print(markdown(payload))
+    out = args.out
+    if args.reanalyse:
+        write(BENCH.load(out), out)
+        return 0
+    if _bench.rerender(args, BENCH, markdown, plot):
         return 0
     params = ScheduleParams(every_s=args.every_s)
     if args.quick:
-        args.config, args.learners, args.minutes = str(ROOT / "configs" / "tiny.toml"), 3, 1.5
+        args.config, args.learners, args.minutes = str(_bench.ROOT / "configs" / "tiny.toml"), 3, 1.5
         args.overrides = ["inner.total_steps=100000", *args.overrides]
         params = QUICK_SCHEDULE
     if args.learners < 2 or args.minutes <= 0:
@@ -1121,7 +1138,6 @@ def main(argv: list[str] | None = None) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
     write(payload, out)
-    print(markdown(payload))
     return 130 if stop.is_set() else 0
 
 

@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from p2p_diloco.core.config import DataConfig
 from p2p_diloco.core.datasource import TextSource, load_corpus
 from p2p_diloco.core.tokenizer import BYTE_TOKENIZER, train_bpe

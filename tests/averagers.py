@@ -1,4 +1,4 @@
-"""Real fragment averagers for in-process tests: one hivemind DHT + one :class:`FragmentAveraging` per
+"""Real fragment averagers for in-process tests: one hivemind DHT + one :class:`FragmentAveragerHost` per
 runner class on 127.0.0.1, joined to the first one, all shut down on exit."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapping[str, torch.Size],
                     runners: Sequence[type]) -> Iterator[list[Any]]:
     from p2p_diloco.net.addresses import parse_initial_peers
-    from p2p_diloco.averaging.host import FragmentAveraging
+    from p2p_diloco.averaging.host import FragmentAveragerHost
     from p2p_diloco.net.identity import load_or_create_identity
     from p2p_diloco.net.membership import SwarmOptions, start_dht, visible_addresses
 
@@ -27,7 +27,7 @@ def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapp
             initial = parse_initial_peers(visible_addresses(dhts[0])[:1]) if dhts else ()
             opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False)
             dhts.append(start_dht(opts, cfg.run.run_id, private_key=key))
-            peers.append(FragmentAveraging(cfg, 0, names, shapes, dhts[-1], key, runner_class=runner))
+            peers.append(FragmentAveragerHost(cfg, 0, names, shapes, dhts[-1], key, runner_class=runner))
         yield peers
     finally:
         for p in peers:

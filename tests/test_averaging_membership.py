@@ -11,17 +11,17 @@ commits a round with A.
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
 
-from p2p_diloco.averaging.host import Contribution, FragmentAveraging
+from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost
 from p2p_diloco.averaging.decisions import RoundMeta, anchor_hash
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import config_hash, load_config
+from p2p_diloco.core.waiting import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def provide() -> tuple[dict[str, Any], list[torch.Tensor]]:
     return state_payload(0, 3, ANCHOR, MOMENTUM, NAMES)
 
 
-def round_of(peers: list[FragmentAveraging]) -> list[Any]:
+def round_of(peers: list[FragmentAveragerHost]) -> list[Any]:
     from hivemind.utils import get_dht_time
 
     start = get_dht_time() + CFG.averaging.window_s
@@ -53,17 +53,16 @@ def round_of(peers: list[FragmentAveraging]) -> list[Any]:
     return [f.result(timeout=DEADLINE_S) for f in futures]
 
 
-def wait_declared(dht: Any, donor: FragmentAveraging, priority: float) -> None:
+def wait_declared(dht: Any, donor: FragmentAveragerHost, priority: float) -> None:
     """Until ``donor``'s state-sharing declaration (what newcomers rank donors by) is readable at ``priority``."""
     key = f"{donor.prefix}.all_averagers"
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
+
+    def declared() -> bool:
         found = dht.get(key, latest=True)
         values = [v.value for v in found.value.values()] if found is not None and isinstance(found.value, dict) else []
-        if any(isinstance(v, float) and v >= priority for v in values):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the donor's declaration never reached {priority} within {DEADLINE_S:.0f} s")
+        return any(isinstance(v, float) and v >= priority for v in values)
+
+    poll_until(declared, DEADLINE_S, f"the donor's declaration at {priority}")
 
 
 def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -> None:
@@ -93,7 +92,7 @@ def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -
 
 
 @contextlib.contextmanager
-def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveraging, FragmentAveraging, FragmentAveraging]]:
+def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveragerHost, FragmentAveragerHost, FragmentAveragerHost]]:
     """A (member, state donor, checks membership), B (has the swarm key, publishes no record), C (member)."""
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key, write_swarm_key
@@ -104,7 +103,7 @@ def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveraging, FragmentAve
     secret = read_swarm_key(tmp_path / "swarm.secret")
     local = LocalRun.from_config(CFG)
     dhts: list[Any] = []
-    peers: list[FragmentAveraging] = []
+    peers: list[FragmentAveragerHost] = []
     try:
         for name in ("a", "b", "c"):
             identity = load_or_create_identity(tmp_path / f"{name}.id")
@@ -119,7 +118,7 @@ def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveraging, FragmentAve
                                     peer_id=dht.peer_id.to_base58(), name=name, state="training",
                                     addresses=tuple(visible_addresses(dht)))
                 assert RecordPublisher(dht, key, record, ttl_s=120.0).publish_within(30.0)
-            peers.append(FragmentAveraging(
+            peers.append(FragmentAveragerHost(
                 CFG, 0, NAMES, SHAPES, dht, key, membership=Membership(dht, local) if name == "a" else None,
                 state_provider=provide if name == "a" else None))
         peers[0].set_anchor(3, anchor_hash(ANCHOR))  # A declares itself a donor at version 3

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from scripts_loader import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_hetero.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_hetero", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_hetero"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_hetero = _load()
+bench_hetero = load_script("bench_hetero.py", "bench_hetero")
 
 
 def _final(tokens: int, utilization: float, end: float, blocked: float = 0.001) -> dict[str, Any]:

@@ -23,5 +23,5 @@ def test_bench_overhead_quick_writes_its_results(tmp_path: Path) -> None:
     assert result["threads"] == 1 and len(result["plain_steps_per_s"]) == len(result["learner_steps_per_s"]) == 3
     assert result["ratio"] > 0 and result["plain_median"] > 0 and result["learner_median"] > 0
     assert result["learner_rounds_committed"] >= 1  # the learner arm applied an outer step, as a learner does
-    assert "| torch threads |" in (tmp_path / "overhead.md").read_text()
+    assert "| torch threads |" in (tmp_path / "README.md").read_text()
     assert (tmp_path / "overhead.png").stat().st_size > 0

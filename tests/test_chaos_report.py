@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "chaos.py"
+from scripts_loader import load_script
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos_script"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _load()
+chaos = load_script("chaos.py", "chaos_script")
 NAMES = ["l0", "l1", "l2", "l3"]
 
 
@@ -170,7 +157,7 @@ def test_report_from_a_small_payload(tmp_path: Path) -> None:
     assert a["verdicts"] == {"goodput": False, "learner_time_goodput": a["learner_time_goodput"] >= 0.85,
                              "stall": True, "eval": True}
     assert a["per_learner"]["l1"]["kills"] == 1 and a["per_learner"]["l0"]["stops"] == 1
-    md = (tmp_path / "chaos.md").read_text()
+    md = (tmp_path / "README.md").read_text()
     assert "61.1%" in md and "FAIL" in md and "1 x round exceeded N s" in md
     assert "Restart l1.1: spawned at 35 s, up at 45 s (start-up 10 s), trained 100 s" in md
     assert (tmp_path / "chaos.png").stat().st_size > 0

@@ -6,10 +6,7 @@ import errno
 import json
 import logging
 import os
-import selectors
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ from p2p_diloco.learner import checkpoint as ck
 from p2p_diloco.learner.checkpoint import (
     FORMAT_VERSION, Checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, tensors_digest,
 )
+from procs import ProcGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 60.0
@@ -186,43 +184,18 @@ root = Path(sys.argv[1])
 save_checkpoint(root, 1, {"w": torch.arange(6.0).reshape(2, 3)}, {"who": "child"})
 def hang(tmp):
     print("ready", tmp, flush=True)
-    time.sleep(3600)
+    time.sleep(3600)  # the state under test: mid-save, until the test kills us
 save_checkpoint(root, 2, {"w": torch.zeros(2, 3)}, {"who": "child"}, _before_rename=hang)
 """
 
 
-def test_kill_9_during_save_leaves_previous_intact(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None and child.stderr is not None
-    try:
-        sel = selectors.DefaultSelector()
-        sel.register(child.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        line = ""
-        while not line.startswith("ready"):
-            left_s = deadline - time.monotonic()
-            assert left_s > 0, f"child not ready after {CHILD_TIMEOUT_S} s"
-            if sel.select(timeout=left_s):
-                line = child.stdout.readline()
-                assert line, f"child exited early: {child.stderr.read()}"  # EOF: it closed stdout
-        stale = Path(line.split(maxsplit=1)[1].strip())
-        child.kill()  # SIGKILL, mid-save: files written, not renamed
-        child.wait(timeout=CHILD_TIMEOUT_S)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=CHILD_TIMEOUT_S)
-        child.stdout.close()
-        child.stderr.close()
-    assert child.returncode == -9
+def test_kill_9_during_save_leaves_previous_intact(tmp_path: Path, procs: ProcGroup) -> None:
+    env = {**procs.env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = procs.start([sys.executable, "-c", _CHILD, str(tmp_path)], "saver", env)
+    stale = Path(child.wait_for(r"^ready (.+)$", CHILD_TIMEOUT_S).group(1).strip())
+    child.popen.kill()  # SIGKILL, mid-save: files written, not renamed
+    child.popen.wait(timeout=CHILD_TIMEOUT_S)
+    assert child.popen.returncode == -9
     assert stale.is_dir() and stale.name.startswith(".tmp-ckpt-2-")
     assert list_checkpoints(tmp_path) == [tmp_path / "ckpt-00000001"]
     ckpt = load_checkpoint(tmp_path)

@@ -2,73 +2,38 @@
 exit code 2, no traceback, nothing left running (issue 17, items 5-7).
 
 Most cases run ``cli.main`` in this process: the checks come before any DHT starts, which is the point,
-and :func:`_refused` asserts that no child process was left. The port already in use runs a real
+and the ``refused`` fixture (``conftest.py``) asserts that no child process was left. The port already in use runs a real
 ``p2p-diloco bootstrap`` (the check must happen in the process that would start the daemon).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from p2p_diloco.net import arguments, joined, membership
 from p2p_diloco.cli import main as cli
+from procs import UNREACHABLE_PEER as PEER
+from procs import ProcGroup, start_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
-"""A well-formed address nobody listens on: nothing in these tests gets as far as dialling it."""
-
-
-def _children() -> list[int]:
-    """Live child processes of this test process (from /proc), except torch's ``torch_shm_manager``: torch
-    starts that daemon once per process when it first shares memory, and it is not a peer's."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        comm = stat.split("(", 1)[1].rsplit(")", 1)[0]
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and not comm.startswith("torch_shm"):
-            found.append(int(entry.name))
-    return found
-
-
-def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *expected: str) -> str:
-    """Run the CLI; assert exit 2, one ``p2p-diloco: error:`` line on stderr containing every ``expected``
-    text, no traceback, nothing on stdout and no child process left. Returns the line."""
-    before = set(_children())
-    rc = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 2, (rc, out, err)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("p2p-diloco: error: "), err
-    assert "Traceback" not in err and out == "", (out, err)
-    for text in expected:
-        assert text in lines[0], (text, lines[0])
-    assert set(_children()) <= before, "a process was left running"
-    return lines[0]
+TINY = str(ROOT / "configs" / "tiny.toml")
 
 
 def _join(*extra: str) -> list[str]:
     """``join`` with a config file (without one, join would look the run's config up in the DHT first)."""
-    return ["join", "--initial-peers", PEER, "--config", str(ROOT / "configs" / "tiny.toml"), *extra]
+    return ["join", "--initial-peers", PEER, "--config", TINY, *extra]
 
 
 # ---------------------------------------------------------------- item 6: checked before joining
 
 
-def test_missing_empty_or_binary_data_path_is_refused_before_joining(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+def test_missing_empty_or_binary_data_path_is_refused_before_joining(tmp_path: Path, refused: Callable[..., str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from p2p_diloco.cli import learner as learner_cli
 
@@ -77,28 +42,28 @@ def test_missing_empty_or_binary_data_path_is_refused_before_joining(tmp_path: P
 
     monkeypatch.setattr(learner_cli, "joined_run", never)  # the name cmd_join calls
     missing = tmp_path / "missing.txt"
-    _refused(capsys, _join("--set", f"data.path={missing}"), f"data path {missing} does not exist")
+    refused(_join("--set", f"data.path={missing}"), f"data path {missing} does not exist")
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    _refused(capsys, _join("--set", f"data.path={empty}"), f"data path {empty} holds only 0 bytes")
+    refused(_join("--set", f"data.path={empty}"), f"data path {empty} holds only 0 bytes")
     binary = tmp_path / "model.bin"
     binary.write_bytes(bytes(range(256)) * 400)
-    _refused(capsys, _join("--set", f"data.path={binary}"), f"data path {binary}: a binary file")
+    refused(_join("--set", f"data.path={binary}"), f"data path {binary}: a binary file")
 
 
-def test_swarm_key_folder_or_binary_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_swarm_key_folder_or_binary_file(tmp_path: Path, refused: Callable[..., str]) -> None:
     folder = tmp_path / "keys"
     folder.mkdir()
-    _refused(capsys, ["status", "--initial-peers", PEER, "--swarm-key", str(folder)],
+    refused(["status", "--initial-peers", PEER, "--swarm-key", str(folder)],
              f"--swarm-key {folder}: a folder, not a swarm key file")
     binary = tmp_path / "swarm.secret"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 8)
     binary.chmod(0o600)
-    _refused(capsys, ["bootstrap", "--swarm-key", str(binary)], f"--swarm-key {binary}: not a swarm key (binary")
+    refused(["bootstrap", "--swarm-key", str(binary)], f"--swarm-key {binary}: not a swarm key (binary")
 
 
-def test_identity_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _refused(capsys, ["bootstrap", "--identity", str(tmp_path)], f"identity file {tmp_path}: a folder, not a key file")
+def test_identity_folder(tmp_path: Path, refused: Callable[..., str]) -> None:
+    refused(["bootstrap", "--identity", str(tmp_path)], f"identity file {tmp_path}: a folder, not a key file")
 
 
 @pytest.mark.parametrize("line, expected", [
@@ -107,67 +72,71 @@ def test_identity_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     ("name = 3", "name must be a string, got 3"),
     ("slowdown = 0.5", "slowdown >= 1"),
 ])
-def test_profile_with_a_bad_value(tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, expected: str) -> None:
+def test_profile_with_a_bad_value(tmp_path: Path, refused: Callable[..., str], line: str, expected: str) -> None:
     profile = tmp_path / "fast.toml"
     profile.write_text(f'name = "fast"\n{line}\n' if not line.startswith("name") else f"{line}\n")
-    _refused(capsys, _join("--profile", str(profile)), f"{profile}: ", expected)
+    refused(_join("--profile", str(profile)), f"{profile}: ", expected)
 
 
-def test_profile_folder_or_binary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _refused(capsys, _join("--profile", str(tmp_path)), f"{tmp_path}: a folder, not a profile file")
+def test_profile_folder_or_binary(tmp_path: Path, refused: Callable[..., str]) -> None:
+    refused(_join("--profile", str(tmp_path)), f"{tmp_path}: a folder, not a profile file")
     binary = tmp_path / "p.toml"
     binary.write_bytes(b"\xff\xfe\x00\x01")
-    _refused(capsys, _join("--profile", str(binary)), f"{binary}: not a text file")
+    refused(_join("--profile", str(binary)), f"{binary}: not a text file")
 
 
-def test_shard_options(capsys: pytest.CaptureFixture[str]) -> None:
-    _refused(capsys, _join("--num-shards", "-2"), "--num-shards: must be >= 1, got -2")
-    _refused(capsys, _join("--shard", "1", "--num-shards", "0"), "--num-shards: must be >= 1, got 0")
-    _refused(capsys, _join("--num-shards", "3"), "--num-shards 3: only with --shard I")
-    _refused(capsys, _join("--shard", "3", "--num-shards", "3"), "--shard: must be in [0, 3) for 3 shards, got 3")
-    _refused(capsys, _join("--shard", "-1"), "--shard: must be >= 0, got -1")
+def test_shard_options(refused: Callable[..., str]) -> None:
+    refused(_join("--num-shards", "-2"), "--num-shards: must be >= 1, got -2")
+    refused(_join("--shard", "1", "--num-shards", "0"), "--num-shards: must be >= 1, got 0")
+    refused(_join("--num-shards", "3"), "--num-shards 3: only with --shard I")
+    refused(_join("--shard", "3", "--num-shards", "3"), "--shard: must be in [0, 3) for 3 shards, got 3")
+    refused(_join("--shard", "-1"), "--shard: must be >= 0, got -1")
+    # the data layout is the learner's own: never sim.learners of the simulator
+    refused(_join("--shard", "1"), "--shard 1: give --num-shards N too")
+    refused(["join", "--initial-peers", PEER, "--shard", "0"], "--shard 0: give --num-shards N too")
     # without --config, join would first look the run's config up in the DHT: flags are checked before that
-    _refused(capsys, ["join", "--initial-peers", PEER, "--num-shards", "-2"], "--num-shards: must be >= 1, got -2")
-    _refused(capsys, ["join", "--initial-peers", PEER, "--steps", "0"], "--steps: must be >= 1, got 0")
+    refused(["join", "--initial-peers", PEER, "--num-shards", "-2"], "--num-shards: must be >= 1, got -2")
+    refused(["join", "--initial-peers", PEER, "--steps", "0"], "--steps: must be >= 1, got 0")
 
 
 def test_shard_count() -> None:
     from p2p_diloco.cli.learner import shard_count
 
-    assert shard_count(None, None, 4) == 1  # the whole training set
-    assert shard_count(2, None, 4) == 4  # --shard alone: the config's sim.learners
-    assert shard_count(2, 3, 4) == 3
+    assert shard_count(None, None) == 1  # the whole training set
+    assert shard_count(2, 3) == 3
+    with pytest.raises(ValueError, match="--shard 2: give --num-shards N too"):
+        shard_count(2, None)  # --shard alone: refused, whatever the config's sim.learners
 
 
 # ---------------------------------------------------------------- item 7: accepted though meaningless
 
 
-def test_empty_initial_peers(capsys: pytest.CaptureFixture[str]) -> None:
+def test_empty_initial_peers(refused: Callable[..., str]) -> None:
     for command in ("join", "heartbeat", "status", "doctor"):
-        _refused(capsys, [command, "--initial-peers", ""], "--initial-peers '': no address given")
-    _refused(capsys, ["join", "--initial-peers", " , "], "--initial-peers ' , ': no address given")
-    _refused(capsys, ["bootstrap", "--initial-peers", ""], "--initial-peers '': no address given")
+        refused([command, "--initial-peers", ""], "--initial-peers '': no address given")
+    refused(["join", "--initial-peers", " , "], "--initial-peers ' , ': no address given")
+    refused(["bootstrap", "--initial-peers", ""], "--initial-peers '': no address given")
 
 
-def test_max_time_and_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    _refused(capsys, _join("--max-time", "-1"), "--max-time: must be > 0 seconds, got -1")
-    _refused(capsys, _join("--max-time", "0"), "--max-time: must be > 0 seconds, got 0")
-    _refused(capsys, _join("--steps", "0"), "--steps: must be >= 1, got 0")
-    _refused(capsys, _join("--steps", "-5"), "--steps: must be >= 1, got -5")
-    _refused(capsys, _join("--linger", "-1"), "--linger: must be >= 0, got -1")
+def test_max_time_and_steps(refused: Callable[..., str]) -> None:
+    refused(_join("--max-time", "-1"), "--max-time: must be > 0 seconds, got -1")
+    refused(_join("--max-time", "0"), "--max-time: must be > 0 seconds, got 0")
+    refused(_join("--steps", "0"), "--steps: must be >= 1, got 0")
+    refused(_join("--steps", "-5"), "--steps: must be >= 1, got -5")
+    refused(_join("--linger", "-1"), "--linger: must be >= 0, got -1")
 
 
-def test_status_watch_interval(capsys: pytest.CaptureFixture[str]) -> None:
-    _refused(capsys, ["status", "--initial-peers", PEER, "--watch", "--interval", "0"],
+def test_status_watch_interval(refused: Callable[..., str]) -> None:
+    refused(["status", "--initial-peers", PEER, "--watch", "--interval", "0"],
              "--interval 0: must be at least 0.5 s")
-    _refused(capsys, ["status", "--initial-peers", PEER, "--watch", "--interval", "-3"], "--interval -3: ")
+    refused(["status", "--initial-peers", PEER, "--watch", "--interval", "-3"], "--interval -3: ")
 
 
-def test_keygen_into_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_keygen_into_a_missing_folder(tmp_path: Path, refused: Callable[..., str]) -> None:
     target = tmp_path / "nonexistent" / "dir" / "x"
-    _refused(capsys, ["keygen", "--out", str(target)],
+    refused(["keygen", "--out", str(target)],
              f"--out {target}: folder {target.parent} does not exist")
-    _refused(capsys, ["keygen", "--identity", str(target)],
+    refused(["keygen", "--identity", str(target)],
              f"--identity {target}: folder {target.parent} does not exist")
     assert not (tmp_path / "nonexistent").exists()
 
@@ -175,64 +144,38 @@ def test_keygen_into_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixt
 # ---------------------------------------------------------------- item 5: a port already in use
 
 
-def _held_port() -> socket.socket:
-    """A listening socket on a free loopback port, with the options another peer's daemon sets (libp2p
-    listens with SO_REUSEADDR and SO_REUSEPORT, which is why a second daemon on it starts without error)."""
-    held = socket.socket()
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    held.bind(("127.0.0.1", 0))
-    held.listen()
-    return held
+def test_port_in_use_is_refused_in_process(refused: Callable[..., str], held_port: socket.socket) -> None:
+    port = held_port.getsockname()[1]
+    expected = (f"--port {port}: 127.0.0.1:{port} is already in use (another peer?); "
+                "pick another port or 0 for any free port")
+    for argv in (["heartbeat", "--initial-peers", PEER, "--port", str(port)], _join("--port", str(port))):
+        line = refused(argv)
+        assert line == f"p2p-diloco: error: {expected}", line
 
 
-def test_port_in_use_is_refused_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    with _held_port() as held:
-        port = held.getsockname()[1]
-        expected = (f"--port {port}: 127.0.0.1:{port} is already in use (another peer?); "
-                    "pick another port or 0 for any free port")
-        for argv in (["heartbeat", "--initial-peers", PEER, "--port", str(port)], _join("--port", str(port))):
-            line = _refused(capsys, argv)
-            assert line == f"p2p-diloco: error: {expected}", line
+def test_port_in_use_is_refused_by_bootstrap(tmp_path: Path, held_port: socket.socket, procs: ProcGroup) -> None:
+    port = held_port.getsockname()[1]
+    rc, proc, _ = procs.run("bootstrap", "--port", str(port), "--identity", str(tmp_path / "boot.id"), timeout_s=120)
+    out = "\n".join(line for _, line in proc.stdout)
+    err = "\n".join(line for _, line in proc.stderr)
+    assert rc == 2, proc.output()
+    assert err.strip() == (f"p2p-diloco: error: --port {port}: 127.0.0.1:{port} is already in use "
+                           "(another peer?); pick another port or 0 for any free port"), err
+    assert "ready" not in out and "Traceback" not in err
+    assert not (tmp_path / "boot.id").exists()  # refused before anything was created
 
 
-def test_port_in_use_is_refused_by_bootstrap(tmp_path: Path) -> None:
-    with _held_port() as held:
-        port = held.getsockname()[1]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco.cli.main", "bootstrap", "--port", str(port), "--identity",
-             str(tmp_path / "boot.id")],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        try:
-            out, err = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:  # it started something after all: stop its whole session
-                os.killpg(proc.pid, 9)
-                proc.wait()
-        assert proc.returncode == 2, (out, err)
-        assert err.strip() == (f"p2p-diloco: error: --port {port}: 127.0.0.1:{port} is already in use "
-                               "(another peer?); pick another port or 0 for any free port"), err
-        assert "ready" not in out and "Traceback" not in err
-        assert not (tmp_path / "boot.id").exists()  # refused before anything was created
-
-
-def test_a_free_fixed_port_or_a_port_in_time_wait_passes() -> None:
+def test_a_free_fixed_port_or_a_port_in_time_wait_passes(held_port: socket.socket, free_port: int) -> None:
     from p2p_diloco.net.addresses import check_port_free
 
-    with _held_port() as held:
-        port = held.getsockname()[1]
-        client = socket.create_connection(("127.0.0.1", port))
-        conn, _ = held.accept()
-        conn.close()  # the server side closes first: its end of the connection stays in TIME_WAIT
-        client.close()
+    port = held_port.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = held_port.accept()
+    conn.close()  # the server side closes first: its end of the connection stays in TIME_WAIT
+    client.close()
+    held_port.close()
     check_port_free("127.0.0.1", port)  # a peer restarted on its port right away is not refused
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()
-    check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", free_port)
 
 
 # ---------------------------------------------------------------- a peer that fails after joining
@@ -319,30 +262,20 @@ def test_joined_run_leaves_before_the_dht_stops(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.integration
-def test_a_learner_that_fails_after_joining_publishes_its_tombstone(tmp_path: Path) -> None:
+def test_a_learner_that_fails_after_joining_publishes_its_tombstone(tmp_path: Path, procs: ProcGroup) -> None:
     """A real learner fails after joining (an injected error at its 3rd inner step, as a bug would): it
     publishes its tombstone before its DHT stops, so the run shows it as left at once (not live for a TTL,
     turning the next joiner away), and nothing of it is left running."""
-    import json
-    import time
-
-    from procs import ProcGroup, start_bootstrap
-
-    tiny = str(ROOT / "configs" / "tiny.toml")
     spec = "raise@inner-step:at=3"
-    with ProcGroup(tmp_path) as procs:
-        peers = start_bootstrap(procs, tmp_path, "--config", tiny)
-        doomed = procs.cli("join", "--initial-peers", peers, "--config", tiny, "--name", "doomed", "--linger", "1",
-                           "--fault", spec, name="doomed")
-        assert doomed.wait_exit(180) == 1, doomed.output()
-        assert any(f"FAULT fired: {spec}" in line for _, line in doomed.stderr), doomed.output()
-        doomed.wait_for(r"^leaving after an error \(FaultInjected\); tombstone published", timeout_s=1)
-        deadline = time.monotonic() + 20
-        while doomed.session() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not doomed.session(), doomed.session()
-        rc, status, _ = procs.run("status", "--initial-peers", peers, "--config", tiny, "--json", timeout_s=90)
-        assert rc == 0, status.output()
-        data = json.loads(status.stdout[-1][1])
-        states = [p["status"] for p in data["peers"] if p["name"] == "doomed"]
-        assert states == ["left"], data["peers"]
+    peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+    doomed = procs.cli("join", "--initial-peers", peers, "--config", TINY, "--name", "doomed", "--linger", "1",
+                       "--fault", spec, name="doomed")
+    assert doomed.wait_exit(180) == 1, doomed.output()
+    assert any(f"FAULT fired: {spec}" in line for _, line in doomed.stderr), doomed.output()
+    doomed.wait_for(r"^leaving after an error \(FaultInjected\); tombstone published", timeout_s=1)
+    doomed.wait_no_process_left()
+    rc, status, _ = procs.run("status", "--initial-peers", peers, "--config", TINY, "--json", timeout_s=90)
+    assert rc == 0, status.output()
+    data = json.loads(status.stdout[-1][1])
+    states = [p["status"] for p in data["peers"] if p["name"] == "doomed"]
+    assert states == ["left"], data["peers"]

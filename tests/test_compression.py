@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import struct
+import subprocess
+import sys
 import warnings
 
 import hypothesis.extra.numpy as hnp
@@ -24,12 +26,15 @@ from hivemind.compression import (
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+from p2p_diloco.core.codecs import (
+    BLOCK_SIZE, CODEC_NAMES, ErrorFeedback, allreduce_error_bound, bits_per_element, error_bound, local_roundtrip,
+)
 from p2p_diloco.hivemind_ext.codecs import (
-    BLOCK_SIZE, CODEC_NAMES, BlockwiseAbsmaxQuantization, ErrorFeedback, allreduce_error_bound, bits_per_element,
-    error_bound, get_codec, roundtrip, simulate_allreduce, simulate_allreduce_per_peer,
+    BlockwiseAbsmaxQuantization, get_codec, roundtrip, simulate_allreduce, simulate_allreduce_per_peer,
 )
 
 QUANTIZERS = ("int8", "int4")
+CHILD_TIMEOUT_S = 120.0  # a fresh interpreter importing torch on a busy machine
 HIVEMIND_FRAMING_BYTES = 9  # hivemind's P2P.send_protobuf: 8-byte length + 1-byte marker per message
 
 
@@ -251,6 +256,32 @@ def test_half_precision_inputs_keep_their_dtype(name: str, dtype: torch.dtype) -
 def test_fp16_codec_refuses_bf16_like_hivemind() -> None:
     with pytest.raises(ValueError, match="bfloat16"):
         roundtrip("fp16", torch.ones(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        local_roundtrip("fp16", torch.ones(4, dtype=torch.bfloat16))
+
+
+# --- the maths without hivemind -----------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(tensor=finite_tensors(), name=st.sampled_from(CODEC_NAMES))
+def test_local_roundtrip_is_bitwise_what_hivemind_decodes(tensor: torch.Tensor, name: str) -> None:
+    """core.codecs.local_roundtrip (used by ErrorFeedback, no hivemind) == compress + hivemind's decoder."""
+    if name == "fp16" and tensor.dtype == torch.bfloat16:
+        return  # both refuse it (pinned above)
+    if not bool(torch.isfinite(tensor).all()) and name in QUANTIZERS:
+        return  # both refuse it (test_non_finite_input_is_refused)
+    local, network = local_roundtrip(name, tensor), roundtrip(name, tensor)
+    assert local.dtype == network.dtype and local.shape == network.shape
+    as_int = torch.int32 if local.dtype == torch.float32 else torch.int16
+    assert torch.equal(local.contiguous().view(as_int), network.contiguous().view(as_int))  # bit for bit
+
+
+def test_the_codec_maths_import_no_hivemind() -> None:
+    code = ("import sys; import p2p_diloco.core.codecs as c, torch; "
+            "x = torch.randn(300); c.ErrorFeedback('int4').encode('w', x); c.local_roundtrip('fp16', x); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'hivemind'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                         check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("name", QUANTIZERS)

@@ -38,9 +38,8 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 
-from p2p_diloco.hivemind_ext.codecs import (
-    allreduce_error_bound, get_codec, simulate_allreduce, simulate_allreduce_per_peer,
-)
+from p2p_diloco.core.codecs import allreduce_error_bound
+from p2p_diloco.hivemind_ext.codecs import get_codec, simulate_allreduce, simulate_allreduce_per_peer
 
 pytestmark = pytest.mark.integration
 
@@ -186,7 +185,7 @@ def _run_round(swarm: Swarm, codec: str, weights: tuple[float, ...] = WEIGHTS) -
     inputs = _inputs()
     averagers: list[DecentralizedAverager] = []
     try:
-        for index, (tensor, dht) in enumerate(zip(inputs, swarm.dhts)):
+        for tensor, dht in zip(inputs, swarm.dhts):
             averagers.append(
                 DecentralizedAverager(
                     [tensor.clone()],

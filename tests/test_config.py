@@ -105,12 +105,53 @@ def test_frozen() -> None:
 
 
 def test_missing_and_invalid_files(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="config file not found"):
+    # one line that lists the bundled configs
+    with pytest.raises(ConfigError, match=r"nope.toml: no such file, and no bundled config 'nope.toml' "
+                                          r"\(bundled: bench, demo, llama-20m, llama-tiny, tiny\)$"):
         load_config(tmp_path / "nope.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[outer\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_bundled_configs_load_by_name_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    want = config_hash(load_config(TINY))
+    for name in ("configs/tiny.toml", "tiny.toml", "tiny", "elsewhere/tiny.toml"):
+        assert config_hash(load_config(name)) == want, name
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.toml").write_text(TINY.read_text().replace('run_id = "tiny"', 'run_id = "mine"'))
+    assert load_config("configs/tiny.toml").run.run_id == "mine"  # a file that exists is read, not the bundled one
+    assert load_config("tiny").run.run_id == "tiny"
+
+
+def test_a_removed_key_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``averaging.round_timeout_s`` was validated and hashed but never read. An old config (a checkpoint's
+    manifest records its run's whole config) still loads, with one warning line, and hashes as without it."""
+    old = tmp_path / "old.toml"
+    old.write_text(TINY.read_text().replace("[averaging]\n", "[averaging]\nround_timeout_s = 30.0\n"))
+    with caplog.at_level("WARNING", logger="p2p_diloco.core.config"):
+        cfg = load_config(old)
+    assert config_hash(cfg) == config_hash(load_config(TINY))
+    assert not hasattr(cfg.averaging, "round_timeout_s")
+    assert [r.getMessage() for r in caplog.records] == [
+        "config: averaging.round_timeout_s is no longer a config key (it was never read: a round is bounded by "
+        "its matchmaking window and averaging.allreduce_timeout_s); ignored"]
+    assert config_hash(load_config(TINY, ["averaging.round_timeout_s=14"])) == config_hash(cfg)
+
+
+def test_every_config_key_is_read_outside_config_py() -> None:
+    """A key nothing reads is noise in every config and in the hash: each field of each section must be read
+    (``.name``) somewhere in the package besides config.py."""
+    import dataclasses
+    import re
+
+    sources = "\n".join(p.read_text() for p in (ROOT / "p2p_diloco").rglob("*.py") if p.name != "config.py")
+    unread = [f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
+              for f in dataclasses.fields(getattr(Config(), section.name))
+              if not re.search(rf"\.{f.name}\b", sources)]
+    assert unread == []
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

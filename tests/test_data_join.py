@@ -13,13 +13,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HOME", str(Path(tempfile.gettempdir()) / "p2p-diloco-tests-hf-home"))  # not ~/.cache
 
 import pytest
 
 from procs import ProcGroup, start_bootstrap, start_member
-from test_datasources import make_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -27,13 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.toml")
 
 
-def test_same_files_elsewhere_join_and_other_files_are_refused(tmp_path: Path) -> None:
+def test_same_files_elsewhere_join_and_other_files_are_refused(tmp_path: Path, make_corpus: Callable[..., Path]) -> None:
     from p2p_diloco.core import datasource
     from p2p_diloco.core.config import config_hash, load_config
 
-    ours = make_dataset(tmp_path / "alice" / "corpus", n=16)
+    ours = make_corpus(tmp_path / "alice" / "corpus", n=16)
     same = shutil.copytree(ours, tmp_path / "bob" / "somewhere" / "else")
-    other = make_dataset(tmp_path / "carol" / "corpus", n=16, first=900)
+    other = make_corpus(tmp_path / "carol" / "corpus", n=16, first=900)
 
     def args(path: Path) -> list[str]:
         return ["--config", TINY, "--set", 'data.source="files"', "--set", f'data.path="{path}"']

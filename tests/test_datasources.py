@@ -7,15 +7,13 @@ nothing is downloaded (``datasets`` runs offline, its cache in a temp folder).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import random
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("HF_HOME", str(Path(tempfile.gettempdir()) / "p2p-diloco-tests-hf-home"))  # not ~/.cache
 
@@ -27,40 +25,17 @@ from p2p_diloco.core.config import DataConfig, config_hash, load_config, pin_dat
 from p2p_diloco.core.datasource import TextSource, doc_digest, is_held_out
 from p2p_diloco.net.runconfig import data_mismatch
 from p2p_diloco.core.tokenizer import BYTE_TOKENIZER, load_tokenizer, train_bpe
-from test_cli_inputs import PEER, _refused
+from procs import UNREACHABLE_PEER as PEER
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
 LLAMA_TINY = str(ROOT / "configs" / "llama-tiny.toml")
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jovial bumpkin "
-         "near green hills and deep rivers under bright stars").split()
 MARKER = re.compile(rb"doc-(\d{5})")
 
 
-def _doc(i: int, rng: random.Random) -> str:
-    return f"doc-{i:05d} " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(25, 60))) + "."
-
-
-def make_dataset(root: Path, n: int = 200, first: int = 0) -> Path:
-    """``root`` with 4 x ``n`` documents numbered from ``first``: ``a.txt`` and ``sub/d.txt`` (paragraphs),
-    ``sub/b.jsonl`` (field ``text``, and another), ``c.parquet`` (8 row groups: 8 shards)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = random.Random(first)
-    docs = [_doc(first + i, rng) for i in range(4 * n)]
-    (root / "sub").mkdir(parents=True)
-    (root / "a.txt").write_text("\n\n".join(docs[:n]) + "\n")
-    (root / "sub" / "d.txt").write_text("\n\n".join(docs[n : 2 * n]) + "\n")
-    (root / "sub" / "b.jsonl").write_text("".join(json.dumps({"id": k, "text": t}) + "\n"
-                                                  for k, t in enumerate(docs[2 * n : 3 * n])))
-    pq.write_table(pa.table({"text": docs[3 * n :], "n": list(range(n))}), root / "c.parquet", row_group_size=n // 8)
-    return root
-
-
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("corpus") / "data")
+def corpus(tmp_path_factory: pytest.TempPathFactory, make_corpus: Callable[..., Path]) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "data")
 
 
 def files_cfg(path: Path | str, *extra: str, base: str = TINY) -> Any:
@@ -134,12 +109,13 @@ def test_a_dataset_larger_than_max_bytes_is_streamed_whole(corpus: Path) -> None
     assert len(seen) > 400 and seen & set(range(760, 800)) and seen & set(range(360, 400))
 
 
-def test_fingerprint_and_config_hash_ignore_the_path_and_see_the_files(corpus: Path, tmp_path: Path) -> None:
+def test_fingerprint_and_config_hash_ignore_the_path_and_see_the_files(corpus: Path, tmp_path: Path,
+                                                                       make_corpus: Callable[..., Path]) -> None:
     moved = shutil.copytree(corpus, tmp_path / "elsewhere")
     same = [files_cfg(corpus), files_cfg(moved)]
     assert datasource.fingerprint(same[0].data).digest == datasource.fingerprint(same[1].data).digest
     assert config_hash(same[0]) == config_hash(same[1])
-    other = make_dataset(tmp_path / "other", first=5000)
+    other = make_corpus(tmp_path / "other", first=5000)
     changed = shutil.copytree(corpus, tmp_path / "changed")
     text = (changed / "sub" / "d.txt").read_text()
     (changed / "sub" / "d.txt").write_text(text[:-10] + "X" + text[-9:])  # one character in the last block
@@ -202,7 +178,8 @@ def test_sim_trains_on_files_with_the_byte_tokenizer(corpus: Path) -> None:
     assert result.curve[-1]["eval_loss"] < result.curve[0]["eval_loss"] - 1.5, result.curve
 
 
-def test_bad_data_is_one_line_and_a_non_zero_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_data_is_one_line_and_a_non_zero_exit(tmp_path: Path, refused: Callable[..., str],
+                                                  make_corpus: Callable[..., Path]) -> None:
     no_field = tmp_path / "nofield"
     no_field.mkdir()
     (no_field / "rows.jsonl").write_text('{"body": "some text", "id": 1}\n')
@@ -212,19 +189,19 @@ def test_bad_data_is_one_line_and_a_non_zero_exit(tmp_path: Path, capsys: pytest
     nothing = tmp_path / "nothing"
     nothing.mkdir()
     (nothing / "notes.md").write_text("not a data file\n")
-    good = make_dataset(tmp_path / "good", n=16)
+    good = make_corpus(tmp_path / "good", n=16)
     sim_argv = ["sim", "--config", TINY, "--quiet", "--set", 'data.source="files"']
-    _refused(capsys, [*sim_argv, "--set", f'data.path="{no_field}"'],
+    refused([*sim_argv, "--set", f'data.path="{no_field}"'],
              f"data.text_field: {no_field / 'rows.jsonl'} has no text field 'text' in its first row (it has: body, id)")
-    _refused(capsys, [*sim_argv, "--set", f'data.path="{empty}"'], "data.path: ", "all empty (an empty dataset)")
-    _refused(capsys, [*sim_argv, "--set", f'data.path="{nothing}"'],
+    refused([*sim_argv, "--set", f'data.path="{empty}"'], "data.path: ", "all empty (an empty dataset)")
+    refused([*sim_argv, "--set", f'data.path="{nothing}"'],
              "data.path: ", "holds no .txt, .jsonl, .parquet files (an empty dataset)")
-    _refused(capsys, [*sim_argv, "--set", f'data.path="{tmp_path / "missing"}"'],
+    refused([*sim_argv, "--set", f'data.path="{tmp_path / "missing"}"'],
              f"data.path: no such file or folder: {tmp_path / 'missing'}")
     missing_tok = ["--set", f'data.path="{good}"', "--set", f'data.tokenizer="{tmp_path / "no-tokenizer"}"']
-    _refused(capsys, [*sim_argv, *missing_tok], f"data.tokenizer: no such file or folder: {tmp_path / 'no-tokenizer'}")
+    refused([*sim_argv, *missing_tok], f"data.tokenizer: no such file or folder: {tmp_path / 'no-tokenizer'}")
     # join refuses it before anything starts (no DHT: nothing dialled, nothing left running)
-    _refused(capsys, ["join", "--initial-peers", PEER, "--config", TINY, "--set", 'data.source="files"', *missing_tok],
+    refused(["join", "--initial-peers", PEER, "--config", TINY, "--set", 'data.source="files"', *missing_tok],
              "data.tokenizer: no such file or folder")
     # a config that cannot be: a tokenizer on the byte corpus, hub keys on local files
     with pytest.raises(ValueError, match=r'^data\.tokenizer: data\.source = "embedded" is bytes'):

@@ -5,7 +5,6 @@ boundary (anchors and outer state fp32 on the CPU, whatever the model computes i
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from scripts_loader import load_script
 from p2p_diloco.core import data, devices
 from p2p_diloco.sim import simulator as sim
 from p2p_diloco.core.config import ConfigError, config_hash, inner_identity, load_config
@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 
 def _splits(shards: int) -> data.Splits:
     """Our own source code as bytes (learnable text, no dependency on the corpus loader), cut like a corpus."""
-    text = b"".join(p.read_bytes() for p in sorted((ROOT / "p2p_diloco").glob("*.py")))[:600_000]
+    text = b"".join(p.read_bytes() for p in sorted((ROOT / "p2p_diloco").rglob("*.py")))[:600_000]
     stream = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     held = len(stream) // 20
     size = (len(stream) - held) // shards
@@ -239,11 +239,7 @@ def test_sim_on_an_explicit_cpu_device_is_the_default_sim_bit_for_bit() -> None:
 
 def _bench_module() -> Any:
     """scripts/bench_overhead.py: its network-less learner (averagers that commit at once) drives the real loop."""
-    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "scripts" / "bench_overhead.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_overhead.py", "bench_overhead")
 
 
 def test_bf16_learner_keeps_anchors_and_momenta_fp32_on_the_cpu_and_checkpoints_on_the_host(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def _reference_p2p(tl: Timelines, cal: Calibration, min_group: int) -> tuple[flo
     """Boundary by boundary, one group of every live unit: (lost, pending) in unit-seconds."""
     T, F, dB = tl.horizon_s, cal.fragments, cal.boundary_s
     rows = []
-    for u, up, fail, first in zip(tl.unit, tl.up_s, tl.fail_s, tl.first):
+    for _u, up, fail, first in zip(tl.unit, tl.up_s, tl.fail_s, tl.first):
         start = up if first else min(up + cal.rejoin_s, fail, T)
         if start < min(fail, T):
             rows.append([float(start), float(fail), [float(start)] * F])

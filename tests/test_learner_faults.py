@@ -20,7 +20,7 @@ import pytest
 import torch
 from averagers import averaging_swarm
 
-from p2p_diloco.averaging.host import Contribution, FragmentAveraging, RoundOutcome
+from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost, RoundOutcome
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.decisions import RoundMeta
 from p2p_diloco.hivemind_ext.codecs import error_bound
@@ -57,7 +57,7 @@ class DropFirstRemoteSender(ExactAllReduceRunner):
             yield message
 
 
-def run_round(peers: list[FragmentAveraging], tensors: list[dict[str, torch.Tensor]], cfg: Any) -> list[RoundOutcome]:
+def run_round(peers: list[FragmentAveragerHost], tensors: list[dict[str, torch.Tensor]], cfg: Any) -> list[RoundOutcome]:
     from hivemind.utils import get_dht_time
 
     start = get_dht_time() + cfg.averaging.window_s

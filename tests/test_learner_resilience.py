@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from test_learner_swarm import START_ALLOWANCE_S, TINY, events, final_summary, p
 pytestmark = pytest.mark.integration
 
 EXIT_DEADLINE_S = 60.0
+MATCHMAKING_DEADLINE_S = 60.0
+"""Seconds a lone round may take to reach matchmaking (generous: a loaded machine)."""
 CLOCK = ("--set", "averaging.schedule=clock", "--set", "averaging.sync_period_s=4.0", "--set",
          "averaging.window_max_s=2.0", "--set", "averaging.window_s=1.5")
 
@@ -52,12 +55,12 @@ def test_kill_mid_allreduce_survivors_discard_then_go_on(tmp_path: Path) -> None
     # the round the victim dies in lasts until the all-reduce timeout, and the fragment's next rounds wait for
     # it: a short timeout and enough steps after it, so that those rounds come even on a loaded machine
     common = ("--profile", str(profile), "--wait-peers", "3", "--steps", "220", "--linger", "15",
-              "--set", "averaging.allreduce_timeout_s=12", "--set", "averaging.round_timeout_s=14")
+              "--set", "averaging.allreduce_timeout_s=12")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        survivors = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), *common)
+        survivors = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--num-shards", "3", *common)
                      for i, n in enumerate(("s0", "s1"))}
-        victim = start_learner(procs, peers, "victim", tmp_path, "--shard", "2", "--fault", spec, *common)
+        victim = start_learner(procs, peers, "victim", tmp_path, "--shard", "2", "--num-shards", "3", "--fault", spec, *common)
         assert victim.wait_exit(120) == -signal.SIGKILL, victim.output()
         finals = {n: final_summary(p) for n, p in survivors.items()}
         for p in survivors.values():
@@ -101,14 +104,14 @@ def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> No
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         # the early pair trains, syncs, then stays to serve (versions final and equal: donor ranks tie)
         early = {n: start_learner(procs, peers, n, tmp_path, "--identity", str(tmp_path / f"{n}.id"), "--shard", str(i),
-                                  "--profile", str(profile), "--wait-peers", "2", "--steps", "90", "--linger", "20",
+                                  "--num-shards", "3", "--profile", str(profile), "--wait-peers", "2", "--steps", "90", "--linger", "20",
                                   "--serve", "60",
                                   *(("--fault", spec) if n == victim else ()))
                  for i, n in enumerate(("e0", "e1"))}
         for p in early.values():
             p.wait_for(r"serving our state to newcomers", timeout_s=150, stream="stderr")
         late = start_learner(procs, peers, "late", tmp_path, "--identity", str(tmp_path / "late.id"), "--shard", "2",
-                             "--profile", str(profile), "--steps", "70", "--linger", "5")
+                             "--num-shards", "3", "--profile", str(profile), "--steps", "70", "--linger", "5")
         late_final = final_summary(late)
         assert late.wait_exit(EXIT_DEADLINE_S) == 0, late.output()
         assert early[victim].wait_exit(30) == -signal.SIGKILL, early[victim].output()
@@ -135,7 +138,7 @@ def test_stalled_straggler_does_not_hold_the_others(tmp_path: Path) -> None:
               "inner.total_steps=300", "--linger", "20", *CLOCK)
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), *common,
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--num-shards", "3", *common,
                                      *(("--fault", spec) if n == "slow" else ()))
                     for i, n in enumerate(("f0", "f1", "slow"))}
         finals = {n: final_summary(p) for n, p in learners.items()}
@@ -163,7 +166,7 @@ def test_graceful_leave_exits_cleanly_and_the_others_go_on(tmp_path: Path) -> No
               "inner.total_steps=300", "--linger", "15", *CLOCK)
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), *common)
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--num-shards", "3", *common)
                     for i, n in enumerate(("a", "b", "leaver"))}
         leaver = learners["leaver"]
         deadline = time.monotonic() + 120  # leave once the leaver has taken part in a round
@@ -203,12 +206,21 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
     from test_learner_faults import CFG, NAMES, SHAPES, swarm
 
     with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):
+        matchmaking = threading.Event()  # set once the round has asked its averager for a group
+        step = peer.averager.step
+
+        def step_and_tell(*args: Any, **kwargs: Any) -> Any:
+            control = step(*args, **kwargs)
+            matchmaking.set()
+            return control
+
+        peer.averager.step = step_and_tell
         meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(CFG), tokens=100, steps=1,
                          weight=100.0, due=get_dht_time(), norms={})
         tensors = {n: torch.ones(SHAPES[n]) for n in NAMES}
         future = peer.start_round(Contribution(meta, tensors, get_dht_time() + 60.0, CFG.averaging.window_s))
-        time.sleep(2.0)
-        assert not future.done()  # alone, scheduled a minute ahead: it would wait
+        assert matchmaking.wait(MATCHMAKING_DEADLINE_S), "the round never started matchmaking"
+        assert not future.done()  # alone, scheduled a minute ahead: it waits for its group
         t0 = time.monotonic()
         peer.cancel()
         outcome = future.result(timeout=30)

@@ -12,7 +12,8 @@ from p2p_diloco.learner.loop import Learner
 def stand_in(peer_steps: list[tuple[int, float, float]], now: float) -> SimpleNamespace:
     return SimpleNamespace(cfg=SimpleNamespace(averaging=SimpleNamespace(schedule="steps")),
                            schedule=fragments.SyncSchedule(num_fragments=2, sync_every=100),
-                           step=0, schedule_offset=0, peer_steps=peer_steps, _dht_time=lambda: now)
+                           step=0, schedule_offset=0, view=SimpleNamespace(peer_steps=peer_steps),
+                           _dht_time=lambda: now)
 
 
 def test_a_newcomer_falls_due_at_the_swarms_steps() -> None:

@@ -80,7 +80,7 @@ def test_three_learners_average_every_fragment(tmp_path: Path, config: tuple[str
         peers = start_bootstrap(procs, tmp_path, *config[:2])
         names = ("l0", "l1", "l2")
         learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(profile), "--shard", str(i),
-                                     "--wait-peers", "3", "--linger", "15", config=config)
+                                     "--num-shards", "3", "--wait-peers", "3", "--linger", "15", config=config)
                     for i, n in enumerate(names)}
         finals = {n: final_summary(p) for n, p in learners.items()}
         for p in learners.values():
@@ -131,7 +131,8 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
              "--max-time", str(20 + START_ALLOWANCE_S), "--wait-peers", "3", "--linger", "15")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(prof), "--shard", str(i), *clock)
+        learners = {n: start_learner(procs, peers, n, tmp_path, "--profile", str(prof), "--shard", str(i),
+                                     "--num-shards", "3", *clock)
                     for i, (n, prof) in enumerate((("f0", fast), ("f1", fast), ("s", slow)))}
         finals = {n: final_summary(p) for n, p in learners.items()}
         for p in learners.values():
@@ -178,7 +179,7 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
              "averaging.window_max_s=3.0", "--set", "inner.total_steps=300", "--steps", "100000", "--profile", str(profile), "--linger", "15")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        early = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--wait-peers", "2",
+        early = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--num-shards", "3", "--wait-peers", "2",
                                   "--max-time", str(45 + START_ALLOWANCE_S), *clock) for i, n in enumerate(("e0", "e1"))}
         for p in early.values():
             p.wait_for(r"^learner ")
@@ -193,8 +194,8 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
             time.sleep(0.5)
         # 25 s: on a loaded machine a download can take longer than the 4 s period, and the swarm moves on
         # meanwhile; the late joiner may need a few downloads before it is current and meets the others
-        late = start_learner(procs, peers, "late", tmp_path, "--shard", "2", "--max-time", str(25 + START_ALLOWANCE_S),
-                             *clock)
+        late = start_learner(procs, peers, "late", tmp_path, "--shard", "2", "--num-shards", "3",
+                             "--max-time", str(25 + START_ALLOWANCE_S), *clock)
         finals = {n: final_summary(p) for n, p in {**early, "late": late}.items()}
         for p in (*early.values(), late):
             assert p.wait_exit(30) == 0, p.output()

@@ -81,11 +81,11 @@ class Probe:
         from hivemind.utils.asyncio import aiter_with_timeout, as_aiter
         from hivemind.utils.multiaddr import Multiaddr
 
-        from p2p_diloco.averaging.process import FragmentAverager
+        from p2p_diloco.averaging.process import FragmentAveragerProcess
 
         pid = PeerID.from_base58(self.target)
         await node.p2p._client.connect(pid, [Multiaddr(m) for m in self.maddrs])  # hivemind has no public dial
-        stub = FragmentAverager.get_stub(node.p2p, pid, namespace=self.prefix)
+        stub = FragmentAveragerProcess.get_stub(node.p2p, pid, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         out: dict[str, Any] = {"state_messages": len([m async for m in aiter_with_timeout(stream, RPC_TIMEOUT_S)])}
         if self.state_only:
@@ -119,7 +119,7 @@ class Neighbours:
 @pytest.fixture(scope="module")
 def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     from p2p_diloco.net.addresses import parse_initial_peers
-    from p2p_diloco.averaging.host import FragmentAveraging
+    from p2p_diloco.averaging.host import FragmentAveragerHost
     from p2p_diloco.averaging.transfer import state_payload
     from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key, write_swarm_key
     from p2p_diloco.net.records import LocalRun, PeerRecord
@@ -134,10 +134,10 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
     log_path = tmp / "member-a1.log"  # a1's averager process (forked) logs its refusals here
     handler = logging.FileHandler(log_path)
     handler.setLevel(logging.WARNING)
-    averaging_log = logging.getLogger("p2p_diloco.averaging.decisions")
+    averaging_log = logging.getLogger("p2p_diloco.averaging")
     averaging_log.addHandler(handler)
     dhts: dict[str, Any] = {}
-    averagers: list[FragmentAveraging] = []
+    averagers: list[FragmentAveragerHost] = []
     try:
         for name, swarm in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("o", None)):
             identity = load_or_create_identity(tmp / f"{name}.id")
@@ -154,8 +154,8 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
                 assert RecordPublisher(dht, identity.private_key(), record, ttl_s=120.0).publish_within(30.0)
             if name == "a1":
                 state = state_payload(0, 1, {n: torch.ones(SHAPES[n]) for n in NAMES}, {}, NAMES)
-                averagers.append(FragmentAveraging(CFG, 0, NAMES, SHAPES, dht, identity.private_key(),
-                                                   membership=Membership(dht, local), state_provider=lambda: state))
+                averagers.append(FragmentAveragerHost(CFG, 0, NAMES, SHAPES, dht, identity.private_key(),
+                                                   membership=Membership(dht, local), state_provider=lambda state=state: state))
         yield SimpleNamespace(dhts=dhts, a1=averagers[0], log_path=log_path, keys=keys)
     finally:
         averaging_log.removeHandler(handler)

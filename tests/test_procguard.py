@@ -12,9 +12,15 @@ from typing import Any
 
 import pytest
 
+from p2p_diloco.core.waiting import poll_until
 from p2p_diloco.hivemind_ext import procguard
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux /proc")
+
+SESSION_DEADLINE_S = 20.0
+"""Generous: starting (or reaping) three tiny processes takes milliseconds on an idle machine."""
+SESSION_POLL_S = 0.05
+"""/proc walks are cheap: look often."""
 
 
 def test_handlers_kept_puts_back_what_hivemind_replaces() -> None:
@@ -33,17 +39,16 @@ def test_handlers_kept_puts_back_what_hivemind_replaces() -> None:
 def test_session_members_finds_a_whole_session_and_signal_session_reaches_it() -> None:
     leader = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
-        while len(procguard.session_members(leader.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        members = procguard.session_members(leader.pid)
+        def all_three() -> list[tuple[int, str]] | None:
+            found = procguard.session_members(leader.pid)
+            return found if len(found) >= 3 else None
+
+        members = poll_until(all_three, SESSION_DEADLINE_S, "sh and its two sleeps in the session", SESSION_POLL_S)
         assert sorted(comm for _, comm in members) == ["sh", "sleep", "sleep"], members
         assert procguard.signal_session(leader.pid, signal.SIGKILL) == 3
-        leader.wait(timeout=20)
-        deadline = time.monotonic() + 20
-        while procguard.session_members(leader.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert procguard.session_members(leader.pid) == []
+        leader.wait(timeout=SESSION_DEADLINE_S)
+        poll_until(lambda: procguard.session_members(leader.pid) == [], SESSION_DEADLINE_S,
+                   "every process of the session gone", SESSION_POLL_S)
     finally:
         procguard.signal_session(leader.pid, signal.SIGKILL)
 
@@ -60,7 +65,7 @@ class _Stubborn(mp.Process):
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.ignoring.set()
-        while True:
+        while True:  # the behaviour under test: alive until SIGKILL, whatever else it is sent
             time.sleep(1)
 
     def shutdown(self) -> None:

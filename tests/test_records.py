@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -175,37 +176,26 @@ def dht_tools() -> dict[str, Any]:
                 peer_schemas=peer_schemas)
 
 
-def _signed(t: dict[str, Any], signer_key: Any, owner_key: Any, key: str, value: Any) -> Any:
-    """A DHT record for ``key`` under ``owner_key``'s subkey, signed (as far as possible) by ``signer_key``."""
-    owner = t["RSASignatureValidator"](owner_key).local_public_key
-    record = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(owner),
-                            value=t["ser"].dumps(value), expiration_time=NOW + 30)
-    signer = t["RSASignatureValidator"](signer_key)
-    if signer_key is owner_key:
-        return replace(record, value=signer.sign_value(record))
-    # a forger signs with its own key (sign_value would refuse to sign someone else's subkey)
-    signature = signer_key.sign(signer._serialize_record(record))
-    return replace(record, value=record.value + b"[signature:" + signature + b"]")
-
-
-def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, Any]) -> None:
+def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, Any],
+                                                         sign_record: Callable[..., Any]) -> None:
     t = dht_tools
+    signed = functools.partial(sign_record, now=NOW)
     alice, mallory = t["RSAPrivateKey"](), t["RSAPrivateKey"]()
     node = t["CompositeValidator"]([t["RSASignatureValidator"](t["RSAPrivateKey"]()), *t["peer_schemas"]("run-a")])
     good = rec("alice").to_wire()
     key = run_key("run-a")
 
-    assert node.validate(_signed(t, alice, alice, key, good))
-    assert node.validate(_signed(t, alice, alice, INDEX_KEY, IndexEntry.of(rec("alice")).to_wire()))
+    assert node.validate(signed(t, alice, alice, key, good))
+    assert node.validate(signed(t, alice, alice, INDEX_KEY, IndexEntry.of(rec("alice")).to_wire()))
     # another peer's subkey: signed by the wrong key, or not signed at all
-    assert not node.validate(_signed(t, mallory, alice, key, good))
-    unsigned = _signed(t, alice, alice, key, good)
+    assert not node.validate(signed(t, mallory, alice, key, good))
+    unsigned = signed(t, alice, alice, key, good)
     assert not node.validate(replace(unsigned, value=t["ser"].dumps(good)))
     # the owner's own subkey but wrong types / unknown state / extra field / bad subkey shape
     for bad in ({**good, "tokens": "lots"}, {**good, "tokens_per_s": 1}, {**good, "state": "hacking"},
                 {**good, "admin": True}, "not a dict"):
-        assert not node.validate(_signed(t, mallory, mallory, key, bad)), bad
-    assert not node.validate(_signed(t, mallory, mallory, INDEX_KEY, {**IndexEntry.of(rec("m")).to_wire(), "time": 1}))
+        assert not node.validate(signed(t, mallory, mallory, key, bad)), bad
+    assert not node.validate(signed(t, mallory, mallory, INDEX_KEY, {**IndexEntry.of(rec("m")).to_wire(), "time": 1}))
     plain_subkey = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(b"mallory"),
                                   value=t["ser"].dumps(good), expiration_time=NOW + 30)
     assert not node.validate(plain_subkey)

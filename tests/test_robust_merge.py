@@ -143,7 +143,9 @@ def test_robust_none_is_the_old_merge_in_the_simulator() -> None:
                for m in members]
     averaged = {n: compression.simulate_allreduce(cfg.outer.codec, [e[0][n] for e in encoded], weights) for n in names}
     expected = outer.decode_merged(averaged, [e[1] for e in encoded], weights, cfg.outer.merge)
-    merged = s._merge_round(0, members)
+    s._start_round(0, tick=3)  # every learner hands its progress off; the in-process reducer merges it at once
+    assert len(s.pending) == 1 and s.pending[0].members == {m.idx for m in members}
+    merged = s.pending[0].outcome.merged
     assert merged is not None and all(torch.equal(merged[n], expected[n]) for n in names)
 
 
@@ -174,7 +176,8 @@ def test_a_diverged_learner_drops_its_pseudo_gradient_and_re_anchors() -> None:
     assert s.result.local_drops == 1 and s.result.rounds == 1 and s.result.discarded_rounds == 0
     assert all(torch.equal(bad.params[n], s.anchor[n]) for n in names)  # re-anchored
     assert bad.since_steps[0] == 0 and bad.since_steps[1] == 2  # only that fragment's progress is dropped
-    assert all(bool(torch.isfinite(p).all()) for _, _, merged, _, _ in s.pending for p in merged.values())
+    assert all(r.outcome.merged is not None and all(bool(torch.isfinite(p).all()) for p in r.outcome.merged.values())
+               for r in s.pending)
 
 
 # ---------------------------------------------------------------- a real all-reduce with a poisoned sender

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from procs import Proc, ProcGroup
+from p2p_diloco.core.waiting import poll_until
+from procs import EXIT_TIMEOUT_S, ProcGroup
+
+START_TIMEOUT_S = 120.0
+"""Two DHTs (each a process with its p2pd) start, store and get: 10-30 s on a busy 2-core machine."""
+TALLY_DEADLINE_S = 60.0
+"""The tallies are written every 3 s by each DHT process: generous on a busy machine."""
 
 TALLY = Path(__file__).resolve().parents[1] / "scripts" / "wan" / "rpc_tally"
 
@@ -21,6 +27,8 @@ summarize = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summarize)
 
 TWO_NODES = """
+import os
+import sys
 import time
 import hivemind
 from hivemind.utils import get_dht_time
@@ -30,26 +38,36 @@ try:
     assert second.store("tally_probe_key", "x" * 1000, get_dht_time() + 60)
     found = first.get("tally_probe_key", latest=True)
     assert found is not None and found.value == "x" * 1000
-    time.sleep(4.5)  # the tallies are written every 3 s, by the DHT processes
+    print("stored and found", flush=True)
+    while not os.path.exists(sys.argv[1]):  # until the test has seen the tallies (written every 3 s)
+        time.sleep(0.1)
 finally:
     second.shutdown()
     first.shutdown()
 """
 
 
-@pytest.mark.integration
-def test_a_real_dht_store_and_get_are_tallied_by_key(tmp_path: Path) -> None:
-    out = tmp_path / "tally"
-    with ProcGroup(tmp_path) as procs:  # kills the DHT processes and p2pd too, whatever happens
-        env = dict(procs.env, RPC_TALLY_OUT=str(out), PYTHONPATH=str(TALLY))
-        proc = Proc([sys.executable, "-c", TWO_NODES], tmp_path, env, "two-nodes")
-        procs.procs.append(proc)
-        assert proc.wait_exit(timeout_s=120) == 0, proc.output()
+def probe_tallied(out: Path) -> dict[str, list[int]] | None:
+    """The summed tallies once they show the probe's value going out in a store and back in a find."""
+    if not list(out.glob("*.json")):
+        return None
     total = summarize.summarize(out)
     stored = total.get("call:rpc_store store tally_probe_key")
-    assert stored is not None and stored[1] > 1000, total  # the value went out in the store request
     found = [v for k, v in total.items() if k.startswith("call:rpc_find get tally_probe_key")]
-    assert found and sum(v[2] for v in found) > 1000, total  # and came back in the find's answer
+    return total if stored is not None and stored[1] > 1000 and sum(v[2] for v in found) > 1000 else None
+
+
+@pytest.mark.integration
+def test_a_real_dht_store_and_get_are_tallied_by_key(tmp_path: Path, procs: ProcGroup) -> None:
+    out, stop = tmp_path / "tally", tmp_path / "stop"
+    env = dict(procs.env, RPC_TALLY_OUT=str(out), PYTHONPATH=str(TALLY))
+    proc = procs.start([sys.executable, "-c", TWO_NODES, str(stop)], "two-nodes", env)  # killed with its DHTs
+    proc.wait_for(r"^stored and found$", timeout_s=START_TIMEOUT_S)
+    # the value went out in the store request and came back in the find's answer
+    poll_until(lambda: probe_tallied(out), TALLY_DEADLINE_S, "the probe's store and find in the tallies",
+               detail=lambda: f"tallies so far: {summarize.summarize(out) if list(out.glob('*.json')) else 'none'}")
+    stop.touch()
+    assert proc.wait_exit(EXIT_TIMEOUT_S) == 0, proc.output()
 
 
 def test_without_the_output_variable_nothing_is_patched(tmp_path: Path) -> None:

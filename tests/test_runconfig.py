@@ -4,10 +4,11 @@ network, a fake clock)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_config_record_roundtrip_and_strict_parse() -> None:
     assert oversize.value.reason is Reason.OVERSIZE  # type: ignore[attr-defined]
 
 
-def test_every_node_enforces_the_config_record_and_the_bootstrap_state() -> None:
+def test_every_node_enforces_the_config_record_and_the_bootstrap_state(sign_record: Callable[..., Any]) -> None:
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.dht.protocol import DHTProtocol
     from hivemind.dht.routing import DHTID
@@ -124,7 +125,7 @@ def test_every_node_enforces_the_config_record_and_the_bootstrap_state() -> None
     from hivemind.utils.crypto import RSAPrivateKey
 
     from p2p_diloco.net.records import INDEX_KEY, peer_schemas, run_key
-    from test_records import _signed  # signs a record as its owner would
+    signed = functools.partial(sign_record, now=NOW)  # signs a record as its owner (or a forger) would
 
     t = dict(RSASignatureValidator=RSASignatureValidator, ser=DHTProtocol.serializer, DHTID=DHTID, DHTRecord=DHTRecord)
     alice = RSAPrivateKey()
@@ -132,14 +133,14 @@ def test_every_node_enforces_the_config_record_and_the_bootstrap_state() -> None
     good = config_record(TINY, "QmAlice", NOW).to_wire()
     key = config_key("tiny")
     assert key == "p2p-diloco.run.tiny_config"
-    assert node.validate(_signed(t, alice, alice, key, good))
-    assert not node.validate(_signed(t, alice, alice, key, {**good, "config": "x" * (MAX_CONFIG_CHARS + 1)}))
-    assert not node.validate(_signed(t, alice, alice, key, {**good, "time": 1}))
-    assert not node.validate(_signed(t, alice, alice, key, {**good, "admin": True}))
+    assert node.validate(signed(t, alice, alice, key, good))
+    assert not node.validate(signed(t, alice, alice, key, {**good, "config": "x" * (MAX_CONFIG_CHARS + 1)}))
+    assert not node.validate(signed(t, alice, alice, key, {**good, "time": 1}))
+    assert not node.validate(signed(t, alice, alice, key, {**good, "admin": True}))
     # a bootstrap's announcement is a valid index entry, but no peer record may claim that state
     announcement = entry("boot", state=ANNOUNCE_STATE, peer_id="QmAlice").to_wire()
-    assert node.validate(_signed(t, alice, alice, INDEX_KEY, announcement))
-    assert not node.validate(_signed(t, alice, alice, run_key("tiny"), rec("a", state=ANNOUNCE_STATE).to_wire()))
+    assert node.validate(signed(t, alice, alice, INDEX_KEY, announcement))
+    assert not node.validate(signed(t, alice, alice, run_key("tiny"), rec("a", state=ANNOUNCE_STATE).to_wire()))
     with pytest.raises(ValueError, match="invalid peer record"):
         PeerRecord.from_wire(rec("a", state=ANNOUNCE_STATE).to_wire())
     assert IndexEntry.from_wire(announcement).announces
@@ -289,7 +290,7 @@ def test_status_lists_other_runs_and_an_empty_dht() -> None:
 
 
 def test_bootstrap_prints_a_join_command_that_works_when_pasted() -> None:
-    from p2p_diloco.cli.swarm import join_instructions
+    from p2p_diloco.cli.membership import join_instructions
 
     peers = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQ6Zc23k8dddq4G2yn3dL546juChnAjDXrbZH89Q1ZH6h"
     lines = join_instructions(peers, " --swarm-key swarm.secret", "configs/tiny.toml", ["outer.lr=0.5"])

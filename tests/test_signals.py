@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +24,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(not os.path.isdir("/pr
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
 LEAVE_DEADLINE_S = 60.0
 """Generous (a busy 2-core machine): by hand, Ctrl+C ends a learner within a few seconds."""
-ORPHAN_DEADLINE_S = 20.0
 SIGINT_IGNORED = 1 << (signal.SIGINT - 1)
 
 
@@ -35,13 +33,6 @@ def ignored_signals(pid: int) -> int:
         if line.startswith("SigIgn:"):
             return int(line.split()[1], 16)
     raise AssertionError(f"no SigIgn line for pid {pid}")
-
-
-def wait_no_process_left(proc: Proc) -> None:
-    deadline = time.monotonic() + ORPHAN_DEADLINE_S
-    while proc.session() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not proc.session(), f"{proc.name}: processes left after it exited: {proc.session()}\n{proc.output()}"
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +73,7 @@ def test_a_learner_stopped_by_a_signal_leaves_gracefully_and_leaves_nothing(swar
     rc = learner.wait_exit(LEAVE_DEADLINE_S)
     assert rc == 0, f"graceful leave exits 0, got {rc}\n{learner.output()}"
     assert learner.wait_for(rf"^left run tiny \({sig.name}\); tombstone published", timeout_s=1)
-    wait_no_process_left(learner)
+    learner.wait_no_process_left()
     assert "Traceback" not in "\n".join(line for _, line in learner.stderr), learner.output()
 
 
@@ -93,7 +84,7 @@ def test_a_learner_killed_with_sigkill_leaves_nothing(swarm: tuple[ProcGroup, st
     rc = learner.wait_exit(LEAVE_DEADLINE_S)
     assert rc == -signal.SIGKILL
     assert not any("tombstone" in line for _, line in learner.stdout), "a killed process publishes nothing"
-    wait_no_process_left(learner)
+    learner.wait_no_process_left()
 
 
 @pytest.mark.parametrize("command", ["bootstrap", "heartbeat"])
@@ -115,4 +106,4 @@ def test_sigterm_to_the_group_ends_bootstrap_and_heartbeat(swarm: tuple[ProcGrou
         assert rc == 0, look.output()
         snapshot = json.loads(look.stdout[-1][1])
         assert {"hb": "left"}.items() <= {p["name"]: p["status"] for p in snapshot["peers"]}.items(), snapshot
-    wait_no_process_left(peer)
+    peer.wait_no_process_left()

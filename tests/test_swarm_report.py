@@ -127,14 +127,44 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
     assert cache_dir() == tmp_path / "mine" / "reference"
 
 
-def test_the_committed_curves_cover_the_main_job_on_a_2_core_and_a_faster_machine() -> None:
-    from p2p_diloco.sim.reference import COMMITTED_DIR
+def test_the_bundled_curves_cover_the_main_job_on_a_2_core_and_a_faster_machine() -> None:
+    from p2p_diloco.sim.reference import bundled_dir
 
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml"), [])
+    cfg = load_config("configs/demo.toml", [])
     for tokens in (1_900_000, 2_450_000, 4_685_824, 5_330_000):  # 5 and 6.5 min on 2 cores; the issue's machine
         # (4.69M with the old step cap, about 5.3M training the whole 6.5 min)
-        found, why = lookup(reference_key(cfg), tokens, [COMMITTED_DIR])
+        found, why = lookup(reference_key(cfg), tokens, [bundled_dir()])
         assert found is not None, why
+        assert found["path"].startswith("configs/reference/dp-"), found["path"]  # as on every machine
+
+
+def test_the_bundled_curves_are_the_committed_benchmark_outputs() -> None:
+    """``configs/reference`` ships (package data); ``results/reference`` is where ``scripts/bench_reference.py``
+    writes. Every bundled curve is one of the benchmark's, unchanged, and none is read from results/."""
+    from p2p_diloco.sim.reference import bundled_dir, folders
+
+    root = Path(__file__).resolve().parents[1]
+    bundled = sorted(bundled_dir().glob("dp-*.json"))
+    assert bundled, bundled_dir()
+    for path in bundled:
+        assert path.read_bytes() == (root / "results" / "reference" / path.name).read_bytes(), path.name
+    assert not any(folder.is_relative_to(root / "results") for folder in folders())
+
+
+def test_stored_curves_come_from_the_cache_then_the_bundled_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2p_diloco.local.run import stored_reference
+    from p2p_diloco.sim.reference import bundled_dir, folders
+
+    monkeypatch.setenv("P2P_DILOCO_CACHE", str(tmp_path))
+    assert folders() == [tmp_path / "reference", bundled_dir()]
+    cfg = load_config("demo", [])
+    found, _ = stored_reference(cfg, 2_000_000)
+    assert found is not None and found["path"] == "configs/reference/dp-08e1f32363c36a1a-2007040.json"
+    ours = json.loads((bundled_dir() / "dp-08e1f32363c36a1a-2007040.json").read_text())
+    save_curve({**ours, "curve": [*ours["curve"][:-1], {**ours["curve"][-1], "eval_loss": 1.0}]}, tmp_path / "reference")
+    found, _ = stored_reference(cfg, 2_000_000)  # the same length cached here: the cached one
+    assert found is not None and found["path"] == str(tmp_path / "reference" / "dp-08e1f32363c36a1a-2007040.json")
+    assert found["reference_final_eval_loss"] == 1.0
 
 
 def test_reference_key_follows_what_data_parallel_training_depends_on() -> None:

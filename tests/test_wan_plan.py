@@ -5,31 +5,17 @@ No root actions, no processes: the plan is checked as data (the commands that wo
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import ipaddress
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-WAN = Path(__file__).resolve().parents[1] / "scripts" / "wan"
+from scripts_loader import load_script
 
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, WAN / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-netns = _load("netns")
-dp_gloo = _load("dp_gloo")
-bench_wan = _load("bench_wan")
+netns = load_script("wan/netns.py", "netns")
+dp_gloo = load_script("wan/dp_gloo.py", "dp_gloo")
+bench_wan = load_script("wan/bench_wan.py", "bench_wan")
 
 
 # ---------------------------------------------------------------- names and addresses
@@ -184,7 +170,7 @@ def test_one_rate_with_every_method_fits_in_30_minutes_once_the_reference_runs_a
 
 def test_trajectory_steps_and_tokens_to_target() -> None:
     pts = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
-    t = bench_wan.trajectory_summary([{"step": s, "tokens": s * 8192, "eval_loss": l} for s, l in pts], 2.5)
+    t = bench_wan.trajectory_summary([{"step": s, "tokens": s * 8192, "eval_loss": loss} for s, loss in pts], 2.5)
     assert t["steps_to_target"] == pytest.approx(15.0) and t["tokens_to_target"] == pytest.approx(15 * 8192)
     assert bench_wan.trajectory_summary([{"step": 0, "tokens": 0, "eval_loss": 5.0}], 2.5)["steps_to_target"] is None
 

@@ -24,7 +24,7 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
   lacks one contribution. So after the all-reduce each member posts its verdict (signed, in the
   DHT, under a key only this attempt's members derive) and commits only if every member reported
   success within ``commit_timeout_s``; silence is a veto. A member whose own all-reduce failed
-  posts its veto from the averager process at once (:meth:`FragmentAverager._post_veto`), so the
+  posts its veto from the averager process at once (:meth:`FragmentAveragerProcess._post_veto`), so the
   others do not wait out the timeout. (Two-phase commit without a coordinator cannot be perfect: a
   verdict read just after a member's deadline makes one member abort while the others commit;
   versions then differ and the behind member catches up by state download.)
@@ -43,7 +43,7 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
 * **Versioned groups**: the group key carries the fragment version and a few bits of the anchor
   hash (``set_group_bits``), so only peers holding the same anchor meet; a peer behind the swarm
   finds nobody and fetches the current anchor + outer state from a peer that has it
-  (:meth:`FragmentAveraging.fetch_state`).
+  (:meth:`FragmentAveragerHost.fetch_state`).
 * **Forks heal** (:func:`anchor_order`). hivemind matchmaking can split the peers due for a round
   into two groups that each commit the same version from the same anchor, with different results.
   The (version, anchor hash) pairs are totally ordered -- at equal versions the smaller hash wins --
@@ -80,27 +80,6 @@ from p2p_diloco.core.config import AveragingConfig
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
 
 logger = logging.getLogger(__name__)
-
-NO_GROUP_MESSAGE = "Averaging step failed: could not find a group"
-"""hivemind's error when a round's matchmaking ended alone: for us an outcome, not a fault."""
-
-
-class NoGroupIsNotAnError(logging.Filter):
-    """Drops hivemind's ERROR + traceback for a round that found no group (a lone learner, a learner one
-    version behind): the learner logs that round in one line, as discarded with this reason. Every other
-    averaging failure keeps its traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and record.getMessage() == NO_GROUP_MESSAGE)
-
-
-def quiet_expected_failures() -> None:
-    """Install :class:`NoGroupIsNotAnError` on hivemind's averager logger, once; the averager processes
-    forked afterwards inherit it."""
-    hv = logging.getLogger("hivemind.averaging.averager")
-    if not any(isinstance(f, NoGroupIsNotAnError) for f in hv.filters):
-        hv.addFilter(NoGroupIsNotAnError())
-
 
 CANCEL_POLL_S = 0.25
 """How often a waiting round checks whether the learner is leaving."""

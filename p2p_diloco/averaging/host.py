@@ -23,17 +23,17 @@ from p2p_diloco.averaging.decisions import (
     commit_decision,
     commit_key,
     parse_gathered,
-    quiet_expected_failures,
     sharing_priority,
     version_group_bits,
 )
-from p2p_diloco.averaging.process import FragmentAverager
+from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config, config_hash
 from p2p_diloco.hivemind_ext import procguard
 from p2p_diloco.hivemind_ext.codecs import get_codec
+from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Download:
         return [f"{d[-8:]}: {why}" for d, why, _ in self.attempts if why != "ok"]
 
 
-class FragmentAveraging:
+class FragmentAveragerHost:
     """Owns one fragment's averager and runs its rounds and state downloads in a background thread.
 
     :meth:`start_round` and :meth:`fetch_state` return futures at once; the learner polls them.
@@ -127,7 +127,7 @@ class FragmentAveraging:
         self.radial_names = tuple(n for n in names if cfg.outer.merge == "radial" and not outer.uses_plain_merge(n))
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names]
-        self.averager = FragmentAverager(
+        self.averager = FragmentAveragerProcess(
             self.buffers, dht, start=start, prefix=self.prefix,
             target_group_size=a.target_group_size or None, min_group_size=a.min_group_size,
             initial_group_bits=version_group_bits(0), min_matchmaking_time=a.window_s,

@@ -32,12 +32,15 @@ from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
 from p2p_diloco.core import faults, outer
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
+from p2p_diloco.hivemind_ext import require_hivemind
 from p2p_diloco.hivemind_ext.codecs import decode_part
+
+require_hivemind(__name__)  # overrides DecentralizedAverager's private methods, reads its private state
 
 logger = logging.getLogger(__name__)
 
 
-class FragmentAverager(DecentralizedAverager):
+class FragmentAveragerProcess(DecentralizedAverager):
     """One fragment's averager: exact all-reduce, completeness check, members-only handlers, state sharing.
 
     ``state_provider`` (host process) returns ``(metadata, tensors)`` for :meth:`get_current_state`:
@@ -50,7 +53,7 @@ class FragmentAverager(DecentralizedAverager):
                  fragment: int | None = None, layout: tuple[Sequence[str], Mapping[str, torch.Size]] | None = None,
                  robust: outer.Robust = outer.NO_ROBUST, **kwargs: Any) -> None:
         # the runner is chosen per instance, not by subclassing: hivemind names RPC handlers after the
-        # servicer's class, so a subclass could not talk to the other peers' FragmentAverager handlers
+        # servicer's class, so a subclass could not talk to the other peers' FragmentAveragerProcess handlers
         self.runner_class = runner_class  # tests inject faults with a runner subclass
         self.report_subkey: bytes | None = report_subkey
         self.bytes_sent = mp.Value(ctypes.c_longlong, 0)

@@ -21,7 +21,10 @@ from hivemind.utils.asyncio import (
 from p2p_diloco.averaging.decisions import HIVEMIND_FRAMING_BYTES, completeness_problem
 from p2p_diloco.core import faults, outer
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection
+from p2p_diloco.hivemind_ext import require_hivemind
 from p2p_diloco.hivemind_ext.codecs import decode_part
+
+require_hivemind(__name__)  # overrides AllReduceRunner's private methods and TensorPartReducer's internals
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ class RobustTensorPartReducer(TensorPartReducer):
 class ExactAllReduceRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce, except that reducers return ``codec(average)`` (the same bytes
     to every sender) instead of ``codec(average - x_sender)``, and every message sent or received is
-    counted. The outputs are the averaged tensors, not deltas: :class:`FragmentAverager` copies them.
+    counted. The outputs are the averaged tensors, not deltas: :class:`FragmentAveragerProcess` copies them.
     With ``robust`` = (clipped gathered weight per peer, rule), parts are reduced by
     :class:`RobustTensorPartReducer`.
     """

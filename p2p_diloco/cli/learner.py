@@ -18,10 +18,10 @@ from p2p_diloco.cli.common import (
     add_config_args,
     add_network_args,
     add_run_id_arg,
-    out,
     resolve_config,
     setup_logging,
 )
+from p2p_diloco.core import resources
 from p2p_diloco.core.console import out
 from p2p_diloco.learner.priority import JOINING_MAX_S
 from p2p_diloco.net.arguments import swarm_options
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_shard_flags(shard: int | None, num_shards: int | None) -> None:
-    """The checks of ``--shard`` / ``--num-shards`` that need no config."""
+    """The checks of ``--shard`` / ``--num-shards`` (they need no config)."""
     if num_shards is not None and num_shards < 1:
         raise ValueError(f"--num-shards: must be >= 1, got {num_shards}")
     if shard is None and num_shards is not None:
@@ -39,18 +39,19 @@ def check_shard_flags(shard: int | None, num_shards: int | None) -> None:
                          "whole training set in its own order)")
     if shard is not None and shard < 0:
         raise ValueError(f"--shard: must be >= 0, got {shard}")
+    if shard is not None and num_shards is None:
+        # the data layout of a networked learner is its own choice, never the simulator's sim.learners
+        raise ValueError(f"--shard {shard}: give --num-shards N too (the number of shards the training set is "
+                         "dealt into)")
+    if shard is not None and num_shards is not None and shard >= num_shards:
+        raise ValueError(f"--shard: must be in [0, {num_shards}) for {num_shards} shards, got {shard}")
 
 
-def shard_count(shard: int | None, num_shards: int | None, default: int) -> int:
-    """Shards the training set is dealt into: ``num_shards`` (default ``default``, the config's
-    ``sim.learners``) with an explicit ``--shard``, else 1 (the learner samples the whole set)."""
+def shard_count(shard: int | None, num_shards: int | None) -> int:
+    """Shards the training set is dealt into: ``num_shards`` with an explicit ``--shard`` (both are required
+    together), else 1 (the learner samples the whole set)."""
     check_shard_flags(shard, num_shards)
-    if shard is None:
-        return 1
-    count = num_shards if num_shards is not None else default
-    if not 0 <= shard < count:
-        raise ValueError(f"--shard: must be in [0, {count}) for {count} shards, got {shard}")
-    return count
+    return 1 if num_shards is None else num_shards
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -58,7 +59,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     started_at = time.monotonic()
     setup_logging(args.verbose)
-    logging.getLogger("p2p_diloco.learner.options").setLevel(logging.INFO)  # one line per round, even without -v
+    logging.getLogger("p2p_diloco.learner").setLevel(logging.INFO)  # one line per round, even without -v
     from p2p_diloco.core.devices import check_precision, machine_device
 
     device = machine_device(args.device)  # --device cuda on a machine without one: one line, nothing started
@@ -66,7 +67,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco.net.records import LocalRun
 
     # the flags first: a bad one fails before anything is looked up in the DHT
-    profile = Profile.load(args.profile) if args.profile else Profile()
+    profile = Profile.load(resources.find(args.profile, resources.PEERS)) if args.profile else Profile()
     check_shard_flags(args.shard, args.num_shards)
     for flag, value in (("--wait-peers", args.wait_peers), ("--serve", args.serve_s),
                         ("--eval-every", args.eval_every_s), ("--train-nice", args.train_nice),
@@ -98,7 +99,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise ValueError("--checkpoint-every: needs --checkpoint-dir DIR")
     cfg = resolve_config(args)  # --config, else the config of the run that is in the DHT (verified)
     check_precision(cfg.inner.precision, device)
-    num_shards = shard_count(args.shard, args.num_shards, cfg.sim.learners)
+    num_shards = shard_count(args.shard, args.num_shards)
     local = LocalRun.from_config(cfg)
     resume = None
     if args.resume:  # verified before we join: a bad checkpoint never reaches the swarm
@@ -169,8 +170,8 @@ def add_parsers(subparsers: Any) -> None:
     add_config_args(p)
     add_run_id_arg(p)
     p.add_argument("--name", default="", help="peer name shown by status (default: peer-<end of peer id>)")
-    p.add_argument("--profile", metavar="FILE", help="peer profile (TOML: name, slowdown, min_step_s, threads), "
-                   "e.g. peers/half.toml")
+    p.add_argument("--profile", metavar="FILE", help="peer profile (TOML: name, slowdown, min_step_s, threads): a "
+                   "file, or a bundled profile by name (peers/half.toml, half, fast)")
     add_device_arg(p)
     p.add_argument("--shard", type=int, metavar="I",
                    help="train on data shard I of --num-shards disjoint shards of the training set (for benchmarks "
@@ -178,7 +179,7 @@ def add_parsers(subparsers: Any) -> None:
                         "whole training set in this learner's own order, seeded by the run seed, the peer id and "
                         "this start, so any number of learners see different data without coordinating")
     p.add_argument("--num-shards", dest="num_shards", type=int, metavar="N",
-                   help="with --shard: the number of shards (default: the config's sim.learners)")
+                   help="with --shard, required: the number of shards")
     p.add_argument("--steps", type=int, help="inner steps to run, >= 1 (default: inner.total_steps)")
     p.add_argument("--max-time", dest="max_time_s", type=float, metavar="SECONDS",
                    help="stop training this many seconds after this learner started (start-up and --wait-peers "

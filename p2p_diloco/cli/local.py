@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.core import resources
+from p2p_diloco.core.console import out
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, Child, LocalSwarm, unlimited_steps
 from p2p_diloco.local.run import (
     DEFAULT_CONFIG,
@@ -18,7 +20,6 @@ from p2p_diloco.local.run import (
     EVAL_EVERY_S,
     FINISH_SLACK_S,
     LINGER_S,
-    ROOT,
     VIEW_PERIOD_S,
     Chaos,
     Ending,
@@ -39,7 +40,9 @@ logger = logging.getLogger(__name__)
 def cmd_swarm(args: argparse.Namespace) -> int:
     from p2p_diloco.core.config import config_hash, load_config
 
-    config_path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
+    # resolved here (a bundled name becomes its path): the learners, the report and the reference all read this file
+    config_path = str(resources.find(args.config, resources.CONFIGS) if args.config
+                      else resources.bundled(resources.CONFIGS, DEFAULT_CONFIG))
     if args.peers < 2:
         raise ValueError(f"--peers: a swarm needs at least 2 learners, got {args.peers}")
     if args.minutes < 0:
@@ -49,22 +52,23 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     # warm-up + cosine runs over the time (an explicit --set inner.total_steps=N still caps it)
     overrides = unlimited_steps(args.overrides) if seconds else list(args.overrides)
     cfg = load_config(config_path, overrides)
-    profiles = [Path(p) for p in args.profiles.split(",")] if args.profiles else list(DEFAULT_PROFILES)
+    profiles = ([resources.find(p, resources.PEERS) for p in args.profiles.split(",")] if args.profiles
+                else [resources.bundled(resources.PEERS, p) for p in DEFAULT_PROFILES])
     from p2p_diloco.learner.options import Profile
 
     loaded = [Profile.load(p) for p in profiles]  # a bad profile fails before anything starts
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     step_capped = cfg.inner.total_steps < NO_STEP_LIMIT
     budget_tokens = args.peers * cfg.inner.total_steps * cfg.inner.batch_size * cfg.model.block_size if step_capped else None
-    common = ["--config", config_path] if config_path else []
+    common = ["--config", config_path]
     common += [a for o in overrides for a in ("--set", o)]
     network = ["--swarm-key", args.swarm_key] if args.swarm_key else []
     budget = " or ".join(([f"{cfg.inner.total_steps} steps"] if step_capped else [])
                          + ([f"{args.minutes:g} min of training"] if seconds else []))
-    out(f"swarm: {args.peers} learners ({', '.join(p.name for p in loaded)}), config {config_path or 'defaults'} "
+    out(f"swarm: {args.peers} learners ({', '.join(p.name for p in loaded)}), config {config_path} "
          f"(hash {config_hash(cfg)}), budget {budget} per learner"
-         + ("" if step_capped else " (no step limit)") + f"; output in {out}")
+         + ("" if step_capped else " (no step limit)") + f"; output in {out_dir}")
     t0 = time.monotonic()
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -72,7 +76,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     finals: dict[str, dict[str, Any]] = {}
     endings: list[Ending] = []
     try:
-        with LocalSwarm(out / "logs", grace_s=LINGER_S + 30) as swarm:
+        with LocalSwarm(out_dir / "logs", grace_s=LINGER_S + 30) as swarm:
             peers = swarm.start_bootstrap("--host", args.host, *network, *common)
             out(f"bootstrap: {peers}")
             if args.host not in ("127.0.0.1", "localhost"):
@@ -84,7 +88,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 argv = ["join", "--initial-peers", peers, *common, *network, "--host", args.host, "--name", name,
                         "--profile", str(profiles[i % len(profiles)]), "--shard", str(i), "--num-shards",
                         str(args.peers), "--wait-peers", str(wait), "--linger", str(LINGER_S),
-                        "--events", str(out / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
+                        "--events", str(out_dir / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
                 if max_time_s is not None:
                     argv += ["--max-time", f"{max_time_s:.1f}"]
                 return swarm.start(name, argv)
@@ -116,7 +120,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    report = build_report(cfg, config_path, args, finals, events, out, time.monotonic() - t0, endings)
+    report = build_report(cfg, config_path, args, finals, events, out_dir, time.monotonic() - t0, endings)
     ref_cfg = load_config(config_path, [*args.overrides, f"sim.learners={args.peers}"])  # K replicas: the swarm's
     tokens = report["tokens"]
     stored, why = stored_reference(ref_cfg, tokens)
@@ -124,7 +128,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     if action == "use":
         report["reference"] = stored
     elif action == "compute":
-        write_report(report, out)  # on disk before the reference is computed (Ctrl+C there keeps it)
+        write_report(report, out_dir)  # on disk before the reference is computed (Ctrl+C there keeps it)
         try:
             report["reference"] = compute_reference(config_path, args, ref_cfg, tokens, why, time.monotonic() - t0)
         except KeyboardInterrupt:
@@ -133,12 +137,12 @@ def cmd_swarm(args: argparse.Namespace) -> int:
             report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why + "; computing one was interrupted"}
     elif tokens > 0:
         report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why}
-    out(write_report(report, out))
+    out(write_report(report, out_dir))
     try:
-        plot(out)
-        out(f"swarm: wrote {out}/summary.json, summary.md, loss.png, rounds.png")
+        plot(out_dir)
+        out(f"swarm: wrote {out_dir}/summary.json, summary.md, loss.png, rounds.png")
     except Exception as e:  # plots are a convenience: the report is already on disk
-        out(f"swarm: could not draw the plots ({type(e).__name__}: {e}); the report is in {out}/summary.json")
+        out(f"swarm: could not draw the plots ({type(e).__name__}: {e}); the report is in {out_dir}/summary.json")
     return 130 if stop.is_set() else 0
 
 
@@ -150,8 +154,10 @@ def add_parsers(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_swarm)
     p.add_argument("--peers", type=int, default=4, help="learner processes (default: 4)")
     p.add_argument("--profiles", metavar="FILES",
-                   help="comma-separated peer profiles, used in turn (default: peers/fast.toml,peers/half.toml)")
-    p.add_argument("--config", metavar="FILE", help=f"run config (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
+                   help="comma-separated peer profiles, used in turn: files, or names of bundled ones (fast, half); "
+                        f"default: {','.join(DEFAULT_PROFILES)}")
+    p.add_argument("--config", metavar="FILE",
+                   help=f"run config: a file, or the name of a bundled one (e.g. tiny); default: {DEFAULT_CONFIG}")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config value (repeatable)")
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,

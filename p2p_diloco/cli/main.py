@@ -19,7 +19,8 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="run config (TOML), e.g. configs/demo.toml; default: built-in defaults")
+    p.add_argument("--config", metavar="FILE", help="run config (TOML): a file, or a bundled config by name from any "
+                   "directory (configs/demo.toml, demo, tiny, ...); default: built-in defaults")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config value, e.g. --set outer.sync_every=50 (repeatable)")
 
@@ -103,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the full result (with the eval-loss curve) as JSON")
     p.set_defaults(handler=cmd_sim)
 
-    from p2p_diloco.cli import local, swarm  # stdlib-only at import: --help stays fast
+    from p2p_diloco.cli import local, membership  # stdlib-only at import: --help stays fast
 
-    swarm.add_parsers(sub)
+    membership.add_parsers(sub)
     learner_cli.add_parsers(sub)
     local.add_parsers(sub)
 

@@ -37,6 +37,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Protocol
 
+from p2p_diloco.hivemind_ext import require_hivemind
+
 log = logging.getLogger(__name__)
 
 TERMINATE_WAIT_S = 5.0
@@ -85,6 +87,7 @@ def install() -> None:
     global _installed
     if _installed or _LIBC is None:
         return
+    require_hivemind(__name__)  # we patch the asyncio that hivemind's daemon module reads
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
     from hivemind.p2p import p2p_daemon  # the module that launches p2pd

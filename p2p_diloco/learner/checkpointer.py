@@ -1,20 +1,95 @@
-"""Periodic and final checkpoints of a running learner."""
+"""A running learner's checkpoints: what goes into one (:func:`checkpoint_state`), resuming from one
+(:func:`restore`), and the periodic and final saves (:class:`Checkpointer`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.learner.checkpoint import save_checkpoint
+from p2p_diloco.core import outer
+from p2p_diloco.core.devices import load_into, state_to_device, state_to_host, to_host
+from p2p_diloco.learner.checkpoint import portable_config, save_checkpoint, tensors_digest
 
 if TYPE_CHECKING:
     from p2p_diloco.learner.loop import Learner
 
 logger = logging.getLogger(__name__)
+
+
+def checkpoint_state(learner: Learner) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Everything a resumed learner needs, as flat tensors (copies) and JSON metadata: the weights,
+    AdamW's state, every fragment's anchor and outer momentum, versions, progress and step."""
+    tensors: dict[str, torch.Tensor] = {}
+    params, slots = learner.params, learner.slots
+    with torch.no_grad():  # host copies: a checkpoint is the same file whatever device wrote it
+        for n, theta in to_host(params).items():
+            tensors[f"model/{n}"] = theta
+            for k, v in state_to_host(learner.opt.state.get(params[n], {})).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"adam/{n}/{k}"] = v
+        for slot in slots:
+            with slot.lock:
+                for n in slot.names:
+                    tensors[f"anchor/{n}"] = slot.anchor[n].clone()
+                    if n in slot.state.momentum:
+                        tensors[f"momentum/{n}"] = slot.state.momentum[n].clone()
+    opts = learner.opts
+    meta = {
+        "config_hash": learner.local.config_hash, "run_id": learner.local.run_id, "name": opts.name,
+        "peer_id": learner.joined.peer_id, "shard": opts.shard, "num_shards": opts.num_shards,
+        "inner_step": learner.step, "tokens": learner.tokens, "versions": [s.version for s in slots],
+        "anchor_hashes": [s.anchor_hash for s in slots],
+        "since_tokens": [s.since_tokens for s in slots], "since_steps": [s.since_steps for s in slots],
+        "model_digest": model_digest(learner.params),
+        "config": portable_config(learner.cfg),  # what `p2p-diloco export` rebuilds the model from
+    }
+    return tensors, meta
+
+
+def model_digest(params: Mapping[str, torch.Tensor]) -> str:
+    """:func:`~p2p_diloco.learner.checkpoint.tensors_digest` of the weights, as a checkpoint's manifest records it."""
+    return tensors_digest({f"model/{n}": theta for n, theta in to_host(params).items()})
+
+
+def restore(learner: Learner, ckpt: Any, hash_anchor: Callable[[Mapping[str, torch.Tensor]], str]) -> str:
+    """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpoint.load_checkpoint`, already checked
+    against our config hash): weights, AdamW state, anchors, momenta, versions, progress, step. The
+    restored weights and anchors are hashed again and must match the manifest; returns the weights' digest.
+    The caller advertises the anchors and restarts the data stream."""
+    m, t = ckpt.manifest, ckpt.tensors
+    params, slots = learner.params, learner.slots
+    missing = [n for n in params if f"model/{n}" not in t or f"anchor/{n}" not in t]
+    if missing or len(m.get("versions", ())) != len(slots):
+        raise ValueError(f"checkpoint {ckpt.path}: not this model's (missing {missing[:3]}, "
+                         f"{len(m.get('versions', ()))} fragments vs {len(slots)})")
+    with torch.no_grad():
+        load_into(params, {n: t[f"model/{n}"] for n in params})
+        for n, p in params.items():
+            adam = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"adam/{n}/")}
+            if adam:
+                learner.opt.state[p] = state_to_device(adam, learner.device)
+        for slot in slots:
+            with slot.lock:
+                slot.anchor = {n: t[f"anchor/{n}"].clone() for n in slot.names}
+                momentum = {n: t[f"momentum/{n}"].clone() for n in slot.names if f"momentum/{n}" in t}
+                slot.state = outer.OuterState(momentum=momentum, version=int(m["versions"][slot.index]))
+                slot.anchor_hash = hash_anchor(slot.anchor)
+                slot.since_tokens = int(m["since_tokens"][slot.index])
+                slot.since_steps = int(m["since_steps"][slot.index])
+                slot.restored = True
+    digest = model_digest(params)
+    if digest != m["model_digest"]:
+        raise ValueError(f"checkpoint {ckpt.path}: the restored weights hash to {digest}, its manifest says "
+                         f"{m['model_digest']}")
+    if [s.anchor_hash for s in slots] != list(m["anchor_hashes"]):
+        raise ValueError(f"checkpoint {ckpt.path}: its anchors do not hash to its manifest's anchor_hashes")
+    learner.step, learner.tokens = int(m["inner_step"]), int(m["tokens"])
+    return digest
 
 
 class Checkpointer:

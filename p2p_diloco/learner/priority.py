@@ -86,3 +86,23 @@ def lower_session_priority(by: int, autogroup: Path = AUTOGROUP_PATH) -> str:
     except OSError as e:
         return f"autogroup unchanged ({type(e).__name__}: {e})"
     return f"our session's autogroup at nice {target}"
+
+
+class SessionPriority:
+    """Lowers our session's autogroup priority (if we lead our session) once we have joined: at our first
+    contribution, or :data:`JOINING_MAX_S` into training. Until then we are the newcomer, and the learners
+    beside us already make room for us. ``by`` 0: never."""
+
+    def __init__(self, by: int) -> None:
+        self.by = by
+        self.lowered = by <= 0
+
+    def settle(self, contributed: bool, training_s: float) -> str | None:
+        """Lower it now if joining is done; returns what was done, for the log (None: nothing this time)."""
+        if self.lowered or not joining_done(contributed, training_s):
+            return None
+        self.lowered = True
+        when = "after our first contribution" if contributed else \
+            f"{JOINING_MAX_S:.0f} s into training without a contribution"
+        return f"{lower_session_priority(self.by)} ({when})"
+

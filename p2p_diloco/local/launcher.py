@@ -1,12 +1,13 @@
 """Start ``p2p-diloco`` subcommands as child processes on this machine, and always stop them.
 
-Used by ``p2p-diloco swarm`` and the benchmarks in ``scripts/``. Each child runs in its own session
+Used by ``p2p-diloco swarm``, the benchmarks in ``scripts/`` and the tests (``tests/procs.py``). Each child runs in its own session
 (process group), so stopping the group stops what it started too (hivemind's DHT and averager
 processes, ``p2pd``). :class:`LocalSwarm` is a context manager: leaving it, however, stops every
 child it started -- gracefully first (SIGTERM: a learner finishes its round, publishes a tombstone,
 prints its ``final`` line), then by SIGKILL after ``grace_s``.
 
-Only the standard library is imported here.
+Only the standard library (and the stdlib-only :mod:`p2p_diloco.core.waiting` and
+:mod:`p2p_diloco.hivemind_ext.procguard`) is imported here.
 """
 
 from __future__ import annotations
@@ -27,11 +28,24 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from p2p_diloco.core.waiting import WaitTimeout, poll_until
+from p2p_diloco.hivemind_ext.procguard import session_members, signal_session
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
 """Bootstrap start: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""
 FINAL_RE = re.compile(r"^final (\{.*\})$")
+LINE_POLL_S = 0.2
+"""Longest wait between two looks for an awaited line (a new line ends the wait at once)."""
+REAP_TIMEOUT_S = 10.0
+"""After SIGKILL of a child's group and session: how long reaping it may take."""
+READER_JOIN_S = 5.0
+"""After a child exited: how long its output readers may take to read what is left in the pipes."""
+OUTPUT_TAIL_CHARS = 4000
+"""How much of a child's stderr a failure message shows."""
+HAVE_PROC = os.path.isdir("/proc")
+"""Session walking reads ``/proc`` (Linux); elsewhere a child's group is all we stop."""
 NO_STEP_LIMIT = 1_000_000_000
 """Inner steps that no learner reaches: the step cap of a learner whose time budget alone ends its training
 (a time-budgeted benchmark must not end early on a fast machine because the step cap came first). Used as
@@ -57,97 +71,200 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-class Child:
-    """One ``p2p-diloco`` subcommand in its own process group; stdout lines are kept, stderr goes to ``log``."""
+class ChildProcess:
+    """One child process in a session of its own, its output read line by line as it comes.
 
-    def __init__(self, name: str, args: Sequence[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> None:
-        self.name = name
-        self.log_path = log
-        self._log = log.open("w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.main", *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
-                                      start_new_session=True)
+    The one place that starts, watches and stops children: ``p2p-diloco swarm``, the benchmarks and the
+    tests' ``procs.Proc`` build on it. A new session (``start_new_session``) makes the child the leader of
+    its own process group *and* session: a signal to the group reaches what a terminal's Ctrl+C would, and
+    the session holds the whole peer (hivemind's DHT and averager processes and ``p2pd`` move to groups of
+    their own, but stay in the session: :func:`p2p_diloco.hivemind_ext.procguard.session_members`).
+
+    ``stdout`` (and ``stderr``, unless ``stderr_log`` names a file that takes it) are kept as
+    ``(time.monotonic() of arrival, line)`` pairs, so that callers can wait for a line and tell when it came.
+    """
+
+    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str], cwd: Path | None = None,
+                 stderr_log: Path | None = None) -> None:
+        self.argv, self.name = list(argv), name
+        self.log_path = stderr_log
+        self._log = stderr_log.open("w") if stderr_log is not None else None
+        self.popen = subprocess.Popen(self.argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                      stderr=self._log if self._log is not None else subprocess.PIPE,
+                                      text=True, bufsize=1, start_new_session=True)
         self.started_at = time.monotonic()
-        self.final_at: float | None = None
-        """When (``time.monotonic()``) its ``final`` line arrived: which learners finished together."""
-        self.lines: list[str] = []
+        self.stdout: list[tuple[float, str]] = []
+        self.stderr: list[tuple[float, str]] = []
         self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, args=(self.popen.stdout,), name=f"read-{name}", daemon=True)
-        self._reader.start()
+        pipes = [(self.popen.stdout, self.stdout), (self.popen.stderr, self.stderr)]
+        self._readers = [threading.Thread(target=self._read, args=(stream, sink), name=f"read-{name}", daemon=True)
+                         for stream, sink in pipes if stream is not None]
+        for reader in self._readers:
+            reader.start()
 
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
+    def _read(self, stream: IO[str], sink: list[tuple[float, str]]) -> None:
+        for raw in stream:
+            line, now = raw.rstrip("\n"), time.monotonic()
             with self._cond:
-                if self.final_at is None and FINAL_RE.match(line.rstrip("\n")):
-                    self.final_at = time.monotonic()
-                self.lines.append(line.rstrip("\n"))
+                self._on_line(sink, now, line)
+                sink.append((now, line))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
+
+    def _on_line(self, sink: list[tuple[float, str]], at: float, line: str) -> None:
+        """Called (under the lock) for every line before it is kept: a subclass notes events as they arrive."""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
     @property
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def find(self, pattern: str | re.Pattern[str]) -> re.Match[str] | None:
-        """The first stdout line so far that matches ``pattern``."""
+    def _sink(self, stream: str) -> list[tuple[float, str]]:
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f"stream must be 'stdout' or 'stderr', got {stream!r}")
+        if stream == "stderr" and self._log is not None:
+            raise ValueError(f"{self.name}: its stderr goes to {self.log_path}, not kept in memory")
+        return self.stdout if stream == "stdout" else self.stderr
+
+    def find(self, pattern: str | re.Pattern[str], stream: str = "stdout") -> re.Match[str] | None:
+        """The first line of ``stream`` so far that matches ``pattern``."""
         rx = re.compile(pattern) if isinstance(pattern, str) else pattern
         with self._cond:
-            for line in self.lines:
+            for _, line in self._sink(stream):
                 m = rx.search(line)
                 if m:
                     return m
         return None
 
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        """Wait for a stdout line matching ``pattern``; RuntimeError (naming the log) on timeout or exit."""
+    def line_time(self, pattern: str, stream: str = "stdout") -> float | None:
+        """When (``time.monotonic()``) the first line of ``stream`` matching ``pattern`` arrived; None if none has."""
         rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.find(rx)
-            if m:
-                return m
-            left = deadline - time.monotonic()
-            if left <= 0 or (not self.alive and not self._reader.is_alive()):
-                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] if self.log_path.exists() else []
-                raise RuntimeError(f"{self.name}: no line matching {pattern!r} within {timeout_s:.0f} s "
-                                   f"(exit code {self.popen.poll()}; last log line: {tail[0] if tail else '-'}; "
-                                   f"full log: {self.log_path})")
-            with self._cond:
-                self._cond.wait(min(left, 0.5))
+        with self._cond:
+            return next((t for t, line in self._sink(stream) if rx.search(line)), None)
+
+    def wait_for(self, pattern: str, timeout_s: float, stream: str = "stdout") -> re.Match[str]:
+        """The first line of ``stream`` matching ``pattern``, once it has come. :class:`WaitTimeout` after
+        ``timeout_s``, :class:`ChildExited` if the child ended without printing it; both carry :meth:`output`."""
+        rx = re.compile(pattern)
+
+        def printed() -> re.Match[str] | None:
+            m = self.find(rx, stream)
+            if m is None and not self.alive and not any(r.is_alive() for r in self._readers):
+                raise ChildExited(f"{self.name}: exited with code {self.popen.returncode} before printing "
+                                  f"{pattern!r}\n{self.output()}")
+            return m
+
+        return poll_until(printed, timeout_s, f"{self.name}: a line matching {pattern!r}", LINE_POLL_S,
+                          detail=self.output, nap=self._nap)
+
+    def _nap(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the next line (or the end of the output)."""
+        with self._cond:
+            self._cond.wait(seconds)
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """The exit code, once the child has exited and its output is read; :class:`WaitTimeout` after ``timeout_s``."""
+        try:
+            rc = self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise WaitTimeout(f"{self.name}: its exit", timeout_s, self.output()) from None
+        for reader in self._readers:
+            reader.join(timeout=READER_JOIN_S)
+        return rc
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal the main process only (as ``kill PID`` does): on SIGTERM a peer leaves gracefully and stops its
+        own children (its DHT and averager processes and p2pd must stay up until it has left)."""
+        if self.alive:
+            self.popen.send_signal(sig)
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """Signal the main process's group (as ``kill -- -PGID`` or a terminal's Ctrl+C does). The helpers have
+        groups of their own and follow the main process (:mod:`p2p_diloco.hivemind_ext.procguard`)."""
+        try:
+            os.killpg(self.popen.pid, sig)  # start_new_session: the child leads its own group
+        except ProcessLookupError:  # the group is already gone: nothing left to signal
+            pass
+
+    def session(self) -> list[tuple[int, str]]:
+        """(pid, command name) of every live process of this child's session, helpers included (Linux only)."""
+        return session_members(self.pid) if HAVE_PROC else []
+
+    def signal_session(self, sig: signal.Signals) -> int:
+        """Send ``sig`` to every process of this child's session; returns how many it reached (Linux only)."""
+        return signal_session(self.pid, sig) if HAVE_PROC else 0
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM the main process, wait up to ``grace_s`` for it to leave, then :meth:`kill`; returns the exit code."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit %.0f s after SIGTERM; killing it", self.name, grace_s)
+        self.kill()
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the group and the session (the CLI, its DHT and averager processes, its p2pd), even if the
+        leader already exited; reap it and close its output. Nothing of it survives, whatever its state."""
+        self.signal_group(signal.SIGKILL)
+        self.signal_session(signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=REAP_TIMEOUT_S)
+        finally:
+            for reader in self._readers:
+                reader.join(timeout=READER_JOIN_S)
+            for stream in (self.popen.stdout, self.popen.stderr, self._log):
+                if stream is not None:
+                    stream.close()
+
+    def output(self) -> str:
+        """Everything it printed so far (stderr's last lines), for failure messages."""
+        with self._cond:
+            out = "\n".join(line for _, line in self.stdout)
+            err = "\n".join(line for _, line in self.stderr)
+        if self.log_path is not None:
+            err = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            err = f"(in {self.log_path})\n{err}"
+        return (f"--- {self.name} argv: {' '.join(self.argv)}\n--- stdout:\n{out}\n"
+                f"--- stderr:\n{err[-OUTPUT_TAIL_CHARS:]}")
+
+
+class ChildExited(RuntimeError):
+    """A child exited before printing what was awaited."""
+
+
+class Child(ChildProcess):
+    """One ``p2p-diloco`` subcommand: stdout lines kept, stderr written to ``log``; notes when its ``final`` came."""
+
+    def __init__(self, name: str, args: Sequence[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> None:
+        self.final_at: float | None = None
+        """When (``time.monotonic()``) its ``final`` line arrived: which learners finished together."""
+        super().__init__(cli_argv(*args), name, env, cwd, stderr_log=log)
+
+    def _on_line(self, sink: list[tuple[float, str]], at: float, line: str) -> None:
+        if sink is self.stdout and self.final_at is None and FINAL_RE.match(line):
+            self.final_at = at
+
+    @property
+    def lines(self) -> list[str]:
+        """Its stdout lines so far."""
+        with self._cond:
+            return [line for _, line in self.stdout]
 
     def final(self) -> dict[str, Any] | None:
         """A learner's ``final`` JSON summary, once printed."""
         m = self.find(FINAL_RE)
         return json.loads(m.group(1)) if m else None
 
-    def signal(self, sig: signal.Signals) -> None:
-        """Signal the ``p2p-diloco`` process only: on SIGTERM it leaves gracefully and stops its own
-        children (its DHT and averager processes and p2pd must stay up until it has left)."""
-        if self.alive:
-            self.popen.send_signal(sig)
 
-    def stop(self, grace_s: float) -> int | None:
-        """SIGTERM the group, wait up to ``grace_s``, then SIGKILL it; returns the exit code."""
-        self.signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill()
-        return self.popen.poll()
-
-    def kill(self) -> None:
-        """SIGKILL the whole group (the CLI, its DHT process, its p2pd), even if the leader already exited."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(timeout=10)
-        finally:
-            self._reader.join(timeout=2)
-            self._log.close()
+def cli_argv(*args: str) -> list[str]:
+    """The command line of a ``p2p-diloco`` subcommand run by this Python (the virtualenv's, in tests)."""
+    return [sys.executable, "-m", "p2p_diloco.cli.main", *args]
 
 
 class LocalSwarm:
@@ -194,18 +311,22 @@ class LocalSwarm:
         RuntimeError naming ``what`` and the logs if a learner exits without one or ``timeout_s`` passes."""
         t0 = time.monotonic()
         next_report = t0 + period_s
-        while True:
+
+        def all_final() -> dict[str, dict[str, Any]] | None:
+            nonlocal next_report
             pending = [c for c in self.learners() if c.final() is None]
             if not pending:
                 return {c.name: c.final() for c in self.learners()}  # type: ignore[misc]
             dead = [c for c in pending if not c.alive]
-            if dead or time.monotonic() - t0 > timeout_s:
-                why = f"{dead[0].name} exited without a final line" if dead else f"no final lines within {timeout_s:.0f} s"
-                raise RuntimeError(f"{what}: {why}; see the logs in {self.logs}")
+            if dead:
+                raise ChildExited(f"{what}: {dead[0].name} exited without a final line; see the logs in {self.logs}")
             if progress is not None and time.monotonic() >= next_report:
                 next_report += period_s
                 progress(time.monotonic() - t0)
-            time.sleep(poll_s)
+            return None
+
+        return poll_until(all_final, timeout_s, f"{what}: every learner's final line", poll_s,
+                          detail=lambda: f"see the logs in {self.logs}")
 
     def close(self) -> None:
         """Stop every learner gracefully (in parallel), then everything else; nothing is left behind."""

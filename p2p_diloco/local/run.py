@@ -37,9 +37,11 @@ from p2p_diloco.local.launcher import Child, LocalSwarm, read_jsonl
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "configs" / "demo.toml"
-DEFAULT_PROFILES = (ROOT / "peers" / "fast.toml", ROOT / "peers" / "half.toml")
+DEFAULT_CONFIG = "demo.toml"
+"""The bundled run config a swarm trains by default (:mod:`p2p_diloco.core.resources`)."""
+DEFAULT_PROFILES = ("fast.toml", "half.toml")
+"""The bundled peer profiles a swarm's learners take in turn by default: a fast and a half-speed one, so that
+weighting by progress is visible."""
 VIEW_PERIOD_S = 2.0
 PLAIN_PERIOD_S = 15.0
 LINGER_S = 30.0
@@ -97,10 +99,10 @@ def reference_action(stored: bool, why: str, tokens: int, no_reference: bool, in
 
 
 def stored_reference(cfg: Any, tokens: int) -> tuple[dict[str, Any] | None, str]:
-    """The reference at ``tokens`` from the committed and cached curves, or (None, why none covers it)."""
-    from p2p_diloco.sim.reference import COMMITTED_DIR, cache_dir, lookup, reference_key
+    """The reference at ``tokens`` from the cached and bundled curves, or (None, why none covers it)."""
+    from p2p_diloco.sim.reference import folders, lookup, reference_key
 
-    return lookup(reference_key(cfg), tokens, [COMMITTED_DIR, cache_dir()])
+    return lookup(reference_key(cfg), tokens, folders())
 
 
 def compute_reference(config_path: str | None, args: argparse.Namespace, cfg: Any, tokens: int, why: str,

@@ -10,15 +10,10 @@ from typing import Any, Iterable, Sequence
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
 
+from p2p_diloco.hivemind_ext.dial import dial
 from p2p_diloco.net.addresses import PeerAddress
 from p2p_diloco.net.authorizer import SwarmKeyAuthorizer
-from p2p_diloco.net.identity import (
-    read_swarm_key,
-    swarm_key_fingerprint,
-    write_swarm_key,
-)
 from p2p_diloco.net.membership import SwarmSnapshot
 from p2p_diloco.net.records import (
     PeerRecord,
@@ -54,7 +49,7 @@ async def _ping_missing(_dht: DHT, node: Any, peers: Sequence[tuple[str, Sequenc
         missing.append(pid_text)
         try:
             if maddrs:
-                await node.p2p._client.connect(pid, [Multiaddr(m) for m in maddrs])  # no public API for this
+                await dial(node.p2p, pid, maddrs)  # hivemind's P2P has no public call for this
         except Exception as e:
             logger.debug("could not dial %s: %s", pid_text, e)
         if await node.protocol.call_ping(pid) is not None:
@@ -113,7 +108,7 @@ class _AsyncSkew:
             pid = PeerID.from_base58(pid_text)
             try:
                 if maddrs:
-                    await node.p2p._client.connect(pid, [Multiaddr(m) for m in maddrs])
+                    await dial(node.p2p, pid, maddrs)
                 request = dht_pb2.PingRequest(peer=node.protocol.node_info, validate=False)
                 t0 = get_dht_time()
                 response = await asyncio.wait_for(node.protocol.get_stub(pid).rpc_ping(request), self.timeout_s)
@@ -148,11 +143,3 @@ class _AsyncRefusals:
 def dht_refusals(dht: DHT) -> int | None:
     """DHT requests this node refused for want of our swarm key (None: an open swarm, nothing is refused)."""
     return dht.run_coroutine(_AsyncRefusals())
-
-
-__all__ = [
-    "JoinError", "SwarmKeyError", "ClockSkewError", "SwarmOptions", "SwarmKeyAuthorizer", "write_swarm_key",
-    "read_swarm_key", "swarm_key_fingerprint", "start_dht", "visible_addresses", "read_swarm", "read_entries", "SwarmSnapshot", "Membership",
-    "members_of", "RecordPublisher", "check_split", "SplitReport", "measure_clock_skew", "owner_subkey",
-    "owner_peer_id", "tcp_probe", "explain_join_failure", "clock_skew_in", "skew_verdict", "dht_refusals",
-]

@@ -210,7 +210,7 @@ class Timelines:
         rows = sorted(intervals)
         for u in range(units):
             require(any(r[0] == u and r[1] == 0.0 for r in rows), "intervals", f"unit {u} has no interval at 0")
-        for (u0, a0, b0), (u1, a1, _) in zip(rows, rows[1:]):
+        for (u0, _a0, b0), (u1, a1, _) in zip(rows, rows[1:]):
             require(not (u0 == u1 and a1 < b0), "intervals", f"unit {u0}: overlapping intervals at {a1}")
         for u, a, b in rows:
             require(0 <= u < units and 0 <= a < b, "intervals", f"bad row {(u, a, b)}")

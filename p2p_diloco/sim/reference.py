@@ -9,9 +9,11 @@ A curve depends on the model, data, inner optimizer, seed and K (:func:`referenc
 algorithm. Because its LR schedule ends at the curve's last point, a curve is only a fair reference near
 that end (:data:`SPAN`): far before it, its learning rate has not decayed yet and its loss is not that of a
 run of that length. So the curves of one key form a ladder of lengths, and :func:`plan` picks the one that
-covers a run's tokens, or says that one must be computed. Curves are looked up in the committed folder
-(``results/reference``, made by ``scripts/bench_reference.py``) and in the cache
-(:func:`cache_dir`), where ``p2p-diloco swarm`` stores the curves it computes.
+covers a run's tokens, or says that one must be computed. Curves are looked up in the cache
+(:func:`cache_dir`), where ``p2p-diloco swarm`` stores the curves it computes, then among the curves that ship
+with the configs (:func:`bundled_dir`: ``configs/reference``, package data). ``scripts/bench_reference.py``
+writes curves into ``results/reference``; those the bundled configs need are copied into ``configs/reference``.
+Nothing is read from ``results/`` at run time (it is not installed).
 
 Only the standard library is imported at module level (``p2p-diloco --help`` stays fast).
 """
@@ -29,11 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.core import resources
+
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-COMMITTED_DIR = ROOT / "results" / "reference"
-"""Curves that come with the repository (``scripts/bench_reference.py``)."""
 SPAN = (0.75, 1.1)
 """A curve ending at E tokens is the reference at T tokens when ``SPAN[0] * E <= T <= SPAN[1] * E``: inside
 its last quarter (at 3/4 of the cosine the LR is 0.23 of its peak, at the end ``inner.min_lr_ratio`` = 0.1)
@@ -67,6 +68,17 @@ def cache_dir() -> Path:
     return base / "p2p-diloco" / "reference"
 
 
+def bundled_dir() -> Path:
+    """The curves that ship with the configs (package data: ``configs/reference``)."""
+    return resources.reference_dir()
+
+
+def folders() -> list[Path]:
+    """Where stored curves are looked up: the cache first (curves computed on this machine), then the bundled
+    ones (:func:`load_curves` reads every folder; :func:`plan` picks among all of their curves)."""
+    return [cache_dir(), bundled_dir()]
+
+
 def curve_end(curve: dict[str, Any]) -> int:
     """The tokens of a curve's last point (where its LR schedule ends)."""
     return int(max(float(p["tokens"]) for p in curve["curve"]))
@@ -84,8 +96,7 @@ def load_curves(key: str, folders: Sequence[Path]) -> list[dict[str, Any]]:
             ref = json.loads(path.read_text())
             if ref.get("reference_key") != key or not ref.get("curve"):
                 raise ValueError(f"{path}: not a reference curve for reference key {key}")
-            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-            out.append({**ref, "path": str(shown)})
+            out.append({**ref, "path": resources.shown(path)})
     return out
 
 

@@ -1,8 +1,11 @@
 """In-process simulation of K learner units, and the data-parallel / single-learner references.
 
 The simulator runs the same fragment, merge, outer-optimizer and codec code as the networked
-learner, with no network: a round of fragment f is the weighted all-reduce of the pseudo-
-gradients of whichever learners are alive and delivered, reproduced by
+learner, with no network: every simulated learner moves its fragments through the learner's own
+state machine (:class:`~p2p_diloco.sync.fragment.FragmentSync`: hand off with the local check,
+apply a round, rebase onto a newer anchor), over an in-process transport. A round of fragment f
+is the weighted all-reduce of the pseudo-gradients of whichever learners are alive and delivered,
+reproduced by
 :func:`p2p_diloco.hivemind_ext.codecs.simulate_allreduce` (each tensor through the codec as hivemind's
 butterfly all-reduce would send it). It is how we measure what quality to expect from the
 network and how tests pin the maths.
@@ -38,6 +41,7 @@ import math
 import random
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -45,10 +49,12 @@ import torch
 
 from p2p_diloco.core import data, fragments, outer
 from p2p_diloco.core.config import Config
-from p2p_diloco.core.devices import load_into, to_host
+from p2p_diloco.core.devices import load_into
 from p2p_diloco.core.inner import CPU, InnerOptimizer, build_optimizer, train_step
 from p2p_diloco.core.model import build_model
 from p2p_diloco.hivemind_ext import codecs as compression
+from p2p_diloco.sync.fragment import BUSY, DROPPED, FragmentSync, Offer
+from p2p_diloco.sync.slot import FragmentSlot
 
 log = logging.getLogger(__name__)
 
@@ -158,19 +164,28 @@ class _Learner:
         self.credit = 0.0
         self.steps = 0
         self.tokens = 0
-        self.since_tokens = [0] * cfg.outer.fragments
-        self.since_steps = [0] * cfg.outer.fragments
+        self.syncs: list[FragmentSync] = []
+        """One per fragment, as a networked learner has (attached by the :class:`Simulator`)."""
         self.error_feedback = compression.ErrorFeedback(cfg.outer.codec) if cfg.outer.error_feedback else None
 
     def _new_optimizer(self) -> InnerOptimizer:
         return build_optimizer(self.model, self.cfg.inner, self.device)
 
-    def reset_from(self, anchor: dict[str, torch.Tensor]) -> None:
-        """(Re)join: take the current anchors, a fresh inner optimizer, no unsynced progress."""
-        load_into(self.params, {name: anchor[name] for name in self.params})
+    @property
+    def since_tokens(self) -> list[int]:
+        """Unsynced tokens, per fragment."""
+        return [s.slot.since_tokens for s in self.syncs]
+
+    @property
+    def since_steps(self) -> list[int]:
+        """Unsynced inner steps, per fragment."""
+        return [s.slot.since_steps for s in self.syncs]
+
+    def reset_from(self, swarm: Sequence[FragmentSync]) -> None:
+        """(Re)join: take the swarm's current anchors, a fresh inner optimizer, no unsynced progress."""
+        for sync, record in zip(self.syncs, swarm):
+            sync.reset_to(record.state_copy())
         self.opt = self._new_optimizer()
-        self.since_tokens = [0] * len(self.since_tokens)
-        self.since_steps = [0] * len(self.since_steps)
         if self.error_feedback is not None:
             self.error_feedback.reset()
 
@@ -186,8 +201,50 @@ class _Learner:
         self.steps += 1
         n = x.numel()
         self.tokens += n
-        self.since_tokens = [t + n for t in self.since_tokens]
-        self.since_steps = [s + 1 for s in self.since_steps]
+        for sync in self.syncs:
+            sync.slot.since_tokens += n
+            sync.slot.since_steps += 1
+
+
+@dataclass(frozen=True)
+class SimOutcome:
+    """How a simulated round ended (a :class:`~p2p_diloco.sync.fragment.Outcome`)."""
+
+    committed: bool
+    merged: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class PendingRound:
+    """A round that ended, applied at ``apply_at`` (tau ticks after it was sent; at once if discarded)."""
+
+    apply_at: int
+    fragment: int
+    outcome: SimOutcome
+    members: frozenset[int]
+    plain: bool
+
+
+class _Port:
+    """One simulated learner's transport for one fragment: rounds go to the simulator's in-process
+    reducer (their futures are set when the round's members are all in), downloads come from the
+    swarm's record at once."""
+
+    def __init__(self, sim: Simulator, learner: _Learner, fragment: int) -> None:
+        self.sim, self.learner, self.fragment = sim, learner, fragment
+
+    def start_round(self, offer: Offer) -> Future[Any]:
+        done: Future[Any] = Future()
+        self.sim.gathered.append((self.learner, offer, done))
+        return done
+
+    def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
+        done: Future[Any] = Future()
+        done.set_result(self.sim.swarm[self.fragment].state_copy())
+        return done
+
+    def anchor_changed(self, version: int, anchor_hash: str) -> None:
+        """Nobody downloads from a simulated learner: the swarm record is the donor."""
 
 
 def _butterfly_bytes(numel: int, group: int, codec: str, n_tensors: int, radial: bool) -> float:
@@ -220,16 +277,24 @@ class Simulator:
         sizes = {n: p.numel() for n, p in self.anchor.items()}
         self.fragments = fragments.make_fragments(sizes, o.fragments, fragments.block_map(self.global_model))
         self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
-        self.outer_states = [outer.OuterState() for _ in self.fragments]
+        # the swarm's record of every fragment: the anchors all live learners agree on (the global model,
+        # stepped in place), which joiners and learners that missed a round download
+        self.swarm = [FragmentSync(FragmentSlot(fr.index, fr.names, {n: self.anchor[n] for n in fr.names}), None, o,
+                                   None) for fr in self.fragments]
         self.learners = [_Learner(i, cfg, splits, speeds[i], max(1, round(self.schedule_ticks * speeds[i])),
                                   device) for i in range(k)]
+        for m in self.learners:
+            m.syncs = [FragmentSync(FragmentSlot(fr.index, fr.names, {n: self.anchor[n].clone() for n in fr.names}),
+                                    m, o, _Port(self, m, fr.index), measure_ratio=True) for fr in self.fragments]
+        self.gathered: list[tuple[_Learner, Offer, Future[Any]]] = []
+        """Offers handed off to the round being formed: (learner, offer, its outcome's future)."""
         # the anchors are evaluated where the learners compute (a copy of the global model there, fp32)
         self.eval_model = self.global_model if device.type == "cpu" else build_model(cfg.model, cfg.run.seed).to(device)
         self.events = sorted(events, key=lambda e: e.tick)
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size, cfg.model.block_size)
         self.eval_every = max(1, self.ticks // eval_points)
         self.rng = random.Random(cfg.run.seed)
-        self.pending: list[tuple[int, int, dict[str, torch.Tensor], list[int], bool]] = []
+        self.pending: list[PendingRound] = []
         self.result = SimResult(mode="diloco", learners=k)
         self.n_params = sum(sizes.values())
         if attack is not None and attack.learner >= k:
@@ -238,38 +303,22 @@ class Simulator:
         self.attack_rng = torch.Generator().manual_seed(cfg.run.seed + 7919)
         self.robust = outer.robust_rule(o.robust, o.clip_factor)
 
-    # ------------------------------------------------------------ one round of one fragment
-    def _local_ok(self, m: _Learner, f: int) -> bool:
-        """The learner's own check before sending: a non-finite or absurd pseudo-gradient is dropped and the
-        fragment re-anchored (weights <- anchor, fresh AdamW moments for them, no unsynced progress)."""
-        names = self.fragments[f].names
-        with torch.no_grad():
-            delta = {n: self.anchor[n] - theta for n, theta in to_host(m.params, names).items()}
-            anchor = {n: self.anchor[n] for n in names}
-            problem = outer.local_problem(delta, anchor, self.cfg.outer.max_delta_ratio)
-            if problem is None:
-                ratio = outer.delta_ratio(delta, anchor)
-                self.result.max_delta_ratio = max(self.result.max_delta_ratio, ratio)
-                return True
-            log.debug("learner %d fragment %d: %s; dropped, fragment re-anchored", m.idx, f, problem)  # counted
-            load_into(m.params, anchor)
-            for n in names:
-                m.opt.state.pop(m.params[n], None)
-        m.since_tokens[f] = 0
-        m.since_steps[f] = 0
-        self.result.local_drops += 1
-        return False
+    @property
+    def outer_states(self) -> list[outer.OuterState]:
+        """The swarm's outer state (momentum, version) of every fragment."""
+        return [record.slot.state for record in self.swarm]
 
-    def _merge_round(self, f: int, members: list[_Learner]) -> dict[str, torch.Tensor] | None:
-        """The merged pseudo-gradient of ``members`` for fragment f (codec, merge and robust merge as
-        configured); None if it is not finite (the round is discarded, the members keep their progress)."""
+    # ------------------------------------------------------------ one round of one fragment
+    def _merge_round(self, f: int, gathered: Sequence[tuple[_Learner, Offer, Any]]) -> SimOutcome:
+        """The in-process reducer: the merged pseudo-gradient of the gathered offers for fragment f (codec,
+        merge and robust merge as configured; error feedback and an attack applied to what each member
+        sends); not committed if it is not finite (the members keep their progress)."""
         o = self.cfg.outer
         names = self.fragments[f].names
-        weights = [outer.contribution_weight(m.since_tokens[f], m.since_steps[f], o.weighting) for m in members]
+        weights = [offer.weight for _, offer, _ in gathered]
         encoded = []
-        for m in members:
-            delta = {n: self.anchor[n] - theta for n, theta in to_host(m.params, names).items()}
-            sent, meta = outer.encode_contribution(delta, o.merge)
+        for m, offer, _ in gathered:
+            sent, meta = offer.tensors, offer.norms
             if m.error_feedback is not None:
                 sent = {n: m.error_feedback.encode(n, t) for n, t in sent.items()}
             if self.attack is not None and m.idx == self.attack.learner:
@@ -288,57 +337,70 @@ class Simulator:
         self.result.rounds += 1
         if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
             self.result.discarded_rounds += 1  # as the networked members do: "averaged tensors are not finite"
-            return None
+            return SimOutcome(committed=False)
         merged = outer.decode_merged(averaged, [e[1] for e in encoded], weights, o.merge, rule)
-        self.result.bytes_sent += _butterfly_bytes(self.fragments[f].numel, len(members), o.codec, len(names),
+        self.result.bytes_sent += _butterfly_bytes(self.fragments[f].numel, len(gathered), o.codec, len(names),
                                                    o.merge == "radial")
         total = sum(weights)
-        share = {m.idx: w / total for m, w in zip(members, weights)}
+        share = {m.idx: w / total for (m, _, _), w in zip(gathered, weights)}
         self.result.weight_shares.append([share.get(i, 0.0) for i in range(len(self.learners))])
-        self.result.contributed_tokens += sum(m.since_tokens[f] for m in members) // len(self.fragments)
-        for m in members:
-            m.since_tokens[f] = 0
-            m.since_steps[f] = 0
-        return merged
+        self.result.contributed_tokens += sum(offer.tokens for _, offer, _ in gathered) // len(self.fragments)
+        return SimOutcome(committed=True, merged=merged)
 
     def _start_round(self, f: int, tick: int, final: bool = False) -> None:
+        """Every live learner with progress on fragment f (and not dropped) hands it off; the reducer ends the
+        round at once, and its outcome is applied ``tau`` ticks later (:meth:`_apply_due`)."""
         drop = 0.0 if final else self.cfg.sim.drop_prob
-        members = [m for m in self.learners if m.alive and m.since_steps[f] > 0 and self.rng.random() >= drop]
-        members = [m for m in members if self._local_ok(m, f)]
-        if not members:
+        members = [m for m in self.learners if m.alive and m.syncs[f].slot.since_steps > 0 and self.rng.random() >= drop]
+        for m in members:
+            handed = m.syncs[f].hand_off(tick)
+            if handed.status == BUSY:  # rounds are applied within tau < H ticks: none can be in flight here
+                raise RuntimeError(f"learner {m.idx} fragment {f}: a round is still in flight at tick {tick}")
+            if handed.status == DROPPED:
+                log.debug("learner %d fragment %d: %s; dropped, fragment re-anchored", m.idx, f, handed.reason)
+                self.result.local_drops += 1
+            elif handed.offer is not None:
+                self.result.max_delta_ratio = max(self.result.max_delta_ratio, handed.offer.delta_ratio)
+        gathered, self.gathered = self.gathered, []
+        if not gathered:
             if not final:  # at the final flush a fragment synced on the last tick has nothing left
                 self.result.empty_rounds += 1
             return
-        merged = self._merge_round(f, members)
-        if merged is None:
-            return
-        apply_at = tick if final else tick + self.cfg.outer.overlap
+        outcome = self._merge_round(f, gathered)
+        for m, _, done in gathered:
+            done.set_result(outcome)
+            if outcome.committed:  # the round has ended: what went out leaves the unsynced progress now
+                m.syncs[f].settle()
+        apply_at = tick if final or not outcome.committed else tick + self.cfg.outer.overlap
         plain = final and self.cfg.outer.final_average
-        self.pending.append((apply_at, f, merged, [m.idx for m in members], plain))
+        self.pending.append(PendingRound(apply_at, f, outcome, frozenset(m.idx for m, _, _ in gathered), plain))
 
     def _apply_due(self, tick: int) -> None:
-        o = self.cfg.outer
-        due = [p for p in self.pending if p[0] <= tick]
-        self.pending = [p for p in self.pending if p[0] > tick]
-        for _, f, merged, member_ids, plain in due:
-            names = self.fragments[f].names
-            old = {n: self.anchor[n].clone() for n in names}
-            with torch.no_grad():
-                frag_anchor = {n: self.anchor[n] for n in names}
-                if plain:  # anchor <- anchor - mean delta = the weighted average of the members' weights
-                    outer.nesterov_step(frag_anchor, merged, outer.OuterState(), lr=1.0, momentum=0.0)
-                    self.outer_states[f].version += 1
-                else:
-                    outer.nesterov_step(frag_anchor, merged, self.outer_states[f], o.lr, o.momentum)
-                for m in self.learners:
-                    if not m.alive:
-                        continue
-                    local = to_host(m.params, names)  # on the CPU, then loaded onto the learner's device
-                    if m.idx in member_ids:
-                        outer.alpha_mix(local, frag_anchor, o.alpha)
-                    else:
-                        outer.rebase(local, old, frag_anchor)
-                    load_into(m.params, local)
+        """Apply the rounds due: the swarm record takes the outer step; the live members apply their round
+        (outer step, alpha-mix), the other live learners download the new anchor and rebase onto it; a
+        member that left loses its round."""
+        due = [p for p in self.pending if p.apply_at <= tick]
+        self.pending = [p for p in self.pending if p.apply_at > tick]
+        for r in due:
+            if r.outcome.committed:
+                self.swarm[r.fragment].apply_round(r.outcome, r.plain)
+            for m in self.learners:
+                sync = m.syncs[r.fragment]
+                if not m.alive:
+                    if m.idx in r.members:
+                        sync.abandon()
+                    continue
+                if m.idx in r.members:
+                    finished = sync.finished(tick, min_age_steps=0)
+                    if finished is None:
+                        raise RuntimeError(f"learner {m.idx} fragment {r.fragment}: its round is not in its slot")
+                    sync.apply_round(finished.future.result(), r.plain)
+                elif r.outcome.committed:
+                    sync.start_fetch()
+                    fetched = sync.finished(tick, min_age_steps=0)
+                    if fetched is None:
+                        raise RuntimeError(f"fragment {r.fragment}: the swarm record did not answer at once")
+                    sync.apply_fetched(fetched.future.result())
 
     def _handle_events(self, tick: int) -> None:
         while self.events and self.events[0].tick <= tick:
@@ -347,7 +409,7 @@ class Simulator:
             if ev.kind == "leave":
                 learner.alive = False
             elif ev.kind == "join":
-                learner.reset_from(self.anchor)
+                learner.reset_from(self.swarm)
                 learner.alive = True
             else:
                 raise ValueError(f"unknown event kind {ev.kind!r}")

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FragmentSlot:
-    """The learner's view of one fragment: its anchor, outer state, progress, and what is in flight."""
+    """The learner's view of one fragment: its anchor, outer state, progress, and what is in flight
+    (moved through its cycle by :class:`~p2p_diloco.sync.fragment.FragmentSync`)."""
 
     index: int
     names: tuple[str, ...]
@@ -30,7 +31,7 @@ class FragmentSlot:
     since_tokens: int = 0
     since_steps: int = 0
     inflight: Future | None = None
-    inflight_kind: str = ""  # "round" or "fetch"
+    inflight_kind: str = ""  # "round" or "fetch" (sync.fragment.ROUND, FETCH)
     sent_step: int = 0
     sent_tokens: int = 0
     sent_steps: int = 0
@@ -41,6 +42,8 @@ class FragmentSlot:
     consensus_distance: float = 0.0
     """``||ours - winner|| / ||winner||`` at the last fork we healed (0.0: none yet)."""
     busy_skips: int = 0
+    local_drops: int = 0
+    """Own pseudo-gradients the local check refused (the fragment was re-anchored)."""
     behind_skips: int = 0
     """Due rounds not started because a live peer was ahead and none at our version (see round_is_doomed)."""
     restored: bool = False

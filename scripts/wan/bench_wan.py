@@ -38,17 +38,16 @@ next to the ideal bound and its share of it.
     sudo python scripts/wan/bench_wan.py --rates 10                    # compute-only, trajectory, then 10 Mbit/s (<= 30 min)
     for r in 2 5 50 200; do sudo python scripts/wan/bench_wan.py --rates $r --merge; done   # the other rates
     sudo python scripts/wan/bench_wan.py --methods dp --max-time 60 --trajectory-steps 20   # a smoke run
-    python scripts/wan/bench_wan.py --replot                              # rewrite wan.md / wan.png from wan.json
+    python scripts/wan/bench_wan.py --render-only                         # rewrite the page (README.md) from wan.json
     sudo python scripts/wan/netns.py --cleanup                            # leftovers of a run killed by SIGKILL
 
-Writes ``wan.json``, ``wan.md`` and ``wan.png`` into ``--out`` (default ``results/wan``); every
+Writes ``wan.json``, ``README.md`` (the page) and ``wan.png`` into ``--out`` (default ``results/wan``); every
 process's output goes to ``--out/logs``. Everything started is stopped, and every namespace and
 link removed, on exit, on error and on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -66,16 +65,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
+import _bench  # scripts/wan/_bench.py: scripts/_bench.py
+import netns  # scripts/wan/netns.py, stdlib only
+from dp_gloo import summarize_steps  # imports torch lazily
 
-import netns  # noqa: E402  (scripts/wan/netns.py, stdlib only)
-from dp_gloo import summarize_steps  # noqa: E402  (imports torch lazily)
-from p2p_diloco.sim.curves import crossing, value_at
-from p2p_diloco.local.launcher import NO_STEP_LIMIT
 from p2p_diloco.hivemind_ext.procguard import die_with_parent
+from p2p_diloco.local.launcher import NO_STEP_LIMIT
+from p2p_diloco.sim.curves import crossing, value_at
+
+HERE = Path(__file__).resolve().parent
+ROOT = _bench.ROOT
 
 log = logging.getLogger("wan.bench")
 
@@ -91,6 +90,34 @@ LINGER_S = 20.0
 """A learner's --linger: after its final rounds, how long it waits for its peers to agree."""
 FINAL_RE = re.compile(r"^final (\{.*\})$", re.M)
 PEERS_RE = re.compile(r"^initial peers: (\S+)$", re.M)
+BENCH = _bench.Bench("wan", "wan", "Emulated WAN: data-parallel, blocking DiLoCo and ours on slow links",
+                     "scripts/wan/bench_wan.py", """\
+`scripts/wan/netns.py` makes each of N hosts (4 here) a Linux network namespace on a private bridge, with no default
+route; each host's link is limited by a token bucket (`tc qdisc ... tbf`) in both directions. **No latency is
+emulated** (netem is not available here): round trips stay below a millisecond, which favours data-parallel
+training. On the same hosts, model (`configs/demo.toml`, 16 x 128 bytes per host per step), data shards and seeds,
+three methods:
+
+- `dp`: `scripts/wan/dp_gloo.py`, torch.distributed gloo DDP, fp32 gradients all-reduced every step;
+- `blocking`: our learner with `join --blocking` (the inner loop waits for each round), F=1, tau=0, alpha=0, every
+  round needing all 4 peers (OpenDiLoCo-style);
+- `decoupled`: our learner with its default config (F=4, tau=1, int4, any live peers).
+
+How each figure is measured:
+
+- **Ideal bound** at a rate = data-parallel's step time there / the compute-only step time (the same loop with no
+  all-reduce, all hosts at once: the same CPU contention).
+- **Data-parallel's time to the target is projected**: its loss after k steps does not depend on the link, only its
+  step time does, so a *trajectory* run on an unlimited link gives the steps to the target once, and at each rate
+  data-parallel runs only long enough for its step time; time to target = steps x step time.
+- **The learners are measured at every rate**: `--max-time` of training; learner 0 evaluates the global model on the
+  whole held-out set every `--eval-every` seconds, and the time to the target is read off that curve, linear between
+  evaluations.
+- Wire bytes: the `tx_bytes` of every host's interface (all traffic: DHT, headers, retransmissions).
+- "Data-parallel at equal tokens": the trajectory's eval loss at the learners' total tokens; "—" where those are
+  beyond the trajectory.
+
+Rates are measured one run at a time and merged into one table (`--merge`).""")
 
 
 @dataclass(frozen=True)
@@ -266,8 +293,9 @@ COMPARABLE = ("hosts", "config", "overrides", "steps", "max_time_s", "dp_max_tim
 
 
 def merge_check(old_params: dict[str, Any], p: BenchParams) -> None:
-    """Refuse to merge into a result measured under other conditions (one line naming the parameter)."""
-    new = asdict(p)
+    """Refuse to merge into a result measured under other conditions (one line naming the parameter). Paths are
+    compared as results store them, relative to the repository."""
+    new, old_params = _bench.relative_paths(asdict(p)), _bench.relative_paths(old_params)
     for key in COMPARABLE:
         old, now = old_params.get(key), new[key]
         if isinstance(now, tuple):
@@ -347,7 +375,7 @@ class Procs:
             time.sleep(POLL_S)
 
     def close(self) -> None:
-        for _, p, out, err in self.procs:
+        for _, p, _out, _err in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # SIGTERM to every leader first, so they leave together
         for name, p, out, err in self.procs:
@@ -503,7 +531,7 @@ def render_md(result: dict[str, Any]) -> str:
     target = p["target_loss"]
     last = t["curve"][-1] if t.get("curve") else {}
     lines = [
-        f"# Emulated WAN: {p['hosts']} hosts, {Path(p['config']).name}, learners {p['max_time_s']:g} s of training",
+        f"Emulated WAN: {p['hosts']} hosts, {Path(p['config']).name}, learners {p['max_time_s']:g} s of training.",
         "",
         "Per-host links limited with tc tbf in both directions; **no latency emulation** (netem is not "
         "available): round trips stay sub-millisecond, so these figures favour data-parallel.",
@@ -543,12 +571,16 @@ COLORS = {"dp": "tab:blue", "blocking": "tab:orange", "decoupled": "tab:green"}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    """Time to the target and speed-ups against the link rate, and the eval curves against tokens (nothing without
+    a measured rate)."""
+    if not result["rates"]:
+        return
+    with _bench.figure(path, 3, (16, 4.2)) as (ax1, ax2, ax3):
+        _plot_rates(result, ax1, ax2)
+        _plot_curves(result, ax3)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
+def _plot_rates(result: dict[str, Any], ax1: Any, ax2: Any) -> None:
     rates = list(result["rates"].values())
     for method in METHODS:
         pts = [(r["rate_mbit"], r["methods"][method]) for r in rates if method in r["methods"]]
@@ -566,6 +598,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bound = [(x, y) for x, y in bound if y]
     if bound:
         ax2.plot(*zip(*bound), color="grey", linestyle="--", label="ideal bound")
+    ax1.set_title(f"time to eval loss {result['params']['target_loss']:g} (s)")
+    ax2.set_title("speed-up over data-parallel (time to target)")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("per-host link (Mbit/s), no added latency")
+        ax.legend(fontsize=8)
+
+
+def _plot_curves(result: dict[str, Any], ax3: Any) -> None:
     t = result.get("trajectory", {})
     if t.get("curve"):
         ax3.plot([c["tokens"] / 1e6 for c in t["curve"]], [c["eval_loss"] for c in t["curve"]], "k-",
@@ -578,38 +620,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
                          linestyle=":" if method == "blocking" else "-", alpha=0.7, label=f"{method} {key} Mbit/s")
     target = result["params"]["target_loss"]
     ax3.axhline(target, color="grey", linestyle="--", linewidth=0.8)
-    ax1.set_title(f"time to eval loss {target:g} (s)")
-    ax2.set_title("speed-up over data-parallel (time to target)")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("per-host link (Mbit/s), no added latency")
-        ax.legend(fontsize=8)
     ax3.set_title("held-out eval loss vs tokens (learners: approx. tokens)")
     ax3.set_xlabel("tokens (M), all hosts")
     ax3.set_ylim(top=min(3.5, ax3.get_ylim()[1]))
     ax3.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _write(out: Path, result: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "wan.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "wan.md").write_text(render_md(result))
-    if result["rates"]:
-        plot(result, out / "wan.png")
+    """The result so far (after every rate: an interrupted sweep keeps what it measured)."""
+    _bench.publish(BENCH, out, result, render_md, plot, indent=1, echo=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     d = BenchParams.__dataclass_fields__
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _bench.parser(__doc__, BENCH, config="demo.toml")
     ap.add_argument("--rates", default="10", help="per-host Mbit/s, comma-separated (default: 10)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"some of {', '.join(METHODS)}")
     ap.add_argument("--hosts", type=int, default=d["hosts"].default)
-    ap.add_argument("--config", default=d["config"].default)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--steps", type=int, default=d["steps"].default,
                     help="cap on inner steps per host (default: 0 = none, the training time alone ends each run)")
     ap.add_argument("--max-time", type=float, default=d["max_time_s"].default, metavar="SECONDS",
@@ -626,15 +653,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="eval loss (nats/byte) for the time to target (default: %(default)s)")
     ap.add_argument("--compute-steps", type=int, default=d["compute_steps"].default)
     ap.add_argument("--budget-min", type=float, default=d["budget_s"].default / 60, help="refuse longer plans")
-    ap.add_argument("--out", default=d["out"].default)
     ap.add_argument("--merge", action="store_true",
                     help="add these rates to --out/wan.json (same parameters; its compute-only step and trajectory)")
-    ap.add_argument("--replot", action="store_true", help="rewrite wan.md and wan.png from wan.json")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if a.replot:
-        result = json.loads((Path(a.out) / "wan.json").read_text())
-        _write(Path(a.out), result)
+    if _bench.rerender(a, BENCH, render_md, plot):
         return 0
     try:
         params = BenchParams(rates_mbit=tuple(float(x) for x in a.rates.split(",")),
@@ -642,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              overrides=tuple(a.overrides), steps=a.steps, max_time_s=a.max_time,
                              dp_max_time_s=a.dp_max_time, eval_every_s=a.eval_every,
                              trajectory_steps=a.trajectory_steps, trajectory_eval_every=a.trajectory_eval_every,
-                             target_loss=a.target_loss, budget_s=a.budget_min * 60, out=a.out,
+                             target_loss=a.target_loss, budget_s=a.budget_min * 60, out=str(a.out),
                              compute_steps=a.compute_steps, merge=a.merge)
     except ValueError as e:
         print(f"bench_wan: {e}", file=sys.stderr)

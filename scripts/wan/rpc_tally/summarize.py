@@ -3,7 +3,11 @@
 
     python scripts/wan/rpc_tally/summarize.py TALLY_DIR                        # the table, by key
     python scripts/wan/rpc_tally/summarize.py --label before DIR1 --label after DIR2 --out results/wan-bytes
-        # by purpose, side by side: bytes.json, bytes.md, bytes.png
+        # by purpose, side by side: bytes.json, README.md (the page), bytes.png
+    python scripts/wan/rpc_tally/summarize.py --render-only --out results/wan-bytes   # the page again, from bytes.json
+
+The page is written by ``scripts/_bench.py`` (through the shim ``_bench.py`` here), imported where it is needed:
+this module is also loaded on its own, by file, with nothing of ``scripts/`` on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ PURPOSES = (
     ("matchmaking (hivemind)", lambda n: "_frag" in n),
 )
 OTHER = "other (start barrier, pings, status)"
+METHOD = """\
+`scripts/wan/rpc_tally/` is a measuring tool: with its folder on `PYTHONPATH` and `RPC_TALLY_OUT` set, every process
+of a run (learners and their forked DHT and averager processes) tallies the bytes of each hivemind RPC -- requests
+and answers, all-reduce parts and state downloads -- by the DHT key it serves (`sitecustomize.py`), and
+`summarize.py` adds them up by purpose. The runs compared here are `scripts/wan/bench_wan.py` runs of 4 learners at
+200 Mbit/s for 90 s of training (`--rates 200 --methods decoupled --max-time 90`), each labelled with the code it ran;
+their interfaces' `tx_bytes` are in the `run-*.json` files beside this page. The bytes counted are what the RPCs carry,
+not the libp2p and TCP framing (about 1 KB per call)."""
+"""The page's method section (``results/wan-bytes/README.md``)."""
 
 
 def summarize(folder: Path) -> dict[str, list[int]]:
@@ -55,15 +68,29 @@ def by_purpose(total: dict[str, list[int]]) -> dict[str, dict[str, int]]:
 
 
 def compare(runs: list[tuple[str, Path]], out: Path) -> dict[str, Any]:
+    """The folders by purpose, side by side: ``bytes.json``, the page and the figure in ``out``; returns what was
+    written."""
     result: dict[str, Any] = {"runs": {}}
     for label, folder in runs:
         purposes = by_purpose(summarize(folder))
         result["runs"][label] = {"folder": str(folder), "purposes": purposes,
                                  "total_bytes": sum(p["bytes"] for p in purposes.values()),
                                  "total_calls": sum(p["calls"] for p in purposes.values())}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bytes.json").write_text(json.dumps(result, indent=1))
-    labels = [label for label, _ in runs]
+    import _bench
+
+    return _bench.publish(_page(), out, result, markdown, plot, indent=1, echo=False)
+
+
+def _page() -> Any:
+    import _bench
+
+    return _bench.Bench("bytes", "wan-bytes", "Where the bytes go: hivemind RPCs by purpose",
+                        "scripts/wan/rpc_tally/summarize.py", METHOD)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Megabytes and calls per purpose, one pair of columns per run."""
+    labels = list(result["runs"])
     purposes_all = [p for p, _ in PURPOSES] + [OTHER]
     lines = ["| purpose | " + " | ".join(f"{lb}: MB | {lb}: calls" for lb in labels) + " |",
              "|---|" + "---|---|" * len(labels)]
@@ -76,38 +103,45 @@ def compare(runs: list[tuple[str, Path]], out: Path) -> dict[str, Any]:
         lines.append(f"| {purpose} | " + " | ".join(cells) + " |")
     lines.append("| **counted, all** | " + " | ".join(
         f"{result['runs'][lb]['total_bytes'] / 1e6:.2f} | {result['runs'][lb]['total_calls']}" for lb in labels) + " |")
-    (out / "bytes.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
+    return "\n".join(lines) + "\n"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    bottoms = [0.0] * len(labels)
-    for purpose in purposes_all:
-        heights = [result["runs"][lb]["purposes"][purpose]["bytes"] / 1e6 for lb in labels]
-        ax.bar(labels, heights, bottom=bottoms, label=purpose)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_ylabel("MB counted (all hosts)")
-    ax.set_title("What a 4-learner swarm sends, by purpose")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.tight_layout()
-    fig.savefig(out / "bytes.png", dpi=110)
-    return result
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Stacked bars: each run's megabytes by purpose."""
+    import _bench
+
+    labels = list(result["runs"])
+    with _bench.figure(path, 1, (10, 4.5)) as (ax,):
+        bottoms = [0.0] * len(labels)
+        for purpose in [p for p, _ in PURPOSES] + [OTHER]:
+            heights = [result["runs"][lb]["purposes"][purpose]["bytes"] / 1e6 for lb in labels]
+            ax.bar(labels, heights, bottom=bottoms, label=purpose)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+        ax.set_ylabel("MB counted (all hosts)")
+        ax.set_title("What a 4-learner swarm sends, by purpose")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folders", type=Path, nargs="+")
+    ap.add_argument("folders", type=Path, nargs="*")
     ap.add_argument("--label", action="append", default=[], help="one per folder, for --out")
-    ap.add_argument("--out", type=Path, help="write bytes.{json,md,png}: the folders by purpose, side by side")
+    ap.add_argument("--out", type=Path, help="write bytes.json, README.md and bytes.png: the folders by purpose, side by side")
+    ap.add_argument("--render-only", action="store_true", help="rewrite --out/README.md from --out/bytes.json")
     args = ap.parse_intermixed_args(argv)
     try:
+        if args.render_only:
+            if not args.out:
+                raise ValueError("--render-only needs --out")
+            page = _page()
+            page.write_page(args.out, markdown(page.load(args.out)))
+            return 0
+        if not args.folders:
+            raise ValueError("give at least one tally folder")
         if args.out:
             if len(args.label) != len(args.folders):
                 raise ValueError(f"--label: one per folder ({len(args.folders)}), got {len(args.label)}")
-            compare(list(zip(args.label, args.folders)), args.out)
-            print((args.out / "bytes.md").read_text(), end="")
+            print(markdown(compare(list(zip(args.label, args.folders)), args.out)), end="")
             return 0
         for folder in args.folders:
             total = summarize(folder)

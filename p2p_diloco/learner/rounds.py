@@ -1,0 +1,299 @@
+"""The glue between the learner's fragments and the network: rounds through the fragment averagers,
+catching up from donors, and what the learner logs about them.
+
+Each fragment's state machine is a :class:`~p2p_diloco.sync.fragment.FragmentSync` (the same one the
+simulator drives); its transport here is an :class:`AveragerLink` over the fragment's
+:class:`~p2p_diloco.averaging.host.FragmentAveragerHost`. :class:`Rounds` adds what only a networked
+learner knows: the other learners' records (a round nobody can join is not started; a fragment a peer
+is ahead on is downloaded), the swarm clock's boundaries, the adaptive matchmaking window, events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2p_diloco.averaging.decisions import (
+    RoundMeta,
+    adapt_window,
+    anchor_hash,
+    anchor_order,
+    is_ahead,
+    relative_distance,
+    round_is_doomed,
+)
+from p2p_diloco.averaging.host import Contribution, Download, FragmentAveragerHost, RoundOutcome
+from p2p_diloco.averaging.transfer import state_payload
+from p2p_diloco.core import faults
+from p2p_diloco.core.config import Config
+from p2p_diloco.learner.options import AVERAGER_START_TIMEOUT_S, ROUND_POLL_S
+from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, FragmentSync, Offer, Replica
+from p2p_diloco.sync.slot import FragmentSlot
+
+if TYPE_CHECKING:
+    from p2p_diloco.learner.view import SwarmView
+
+logger = logging.getLogger(__name__)
+
+FETCH_RETRY_S = 2.0
+"""Seconds between two download attempts of the same fragment (a failed one is retried after this)."""
+
+DRAIN_SLICE_S = 0.2
+"""Seconds :meth:`Rounds.drain` waits on one future before it applies what has finished."""
+
+Event = Callable[[dict[str, Any]], None]
+
+
+class AveragerLink:
+    """A fragment's transport over its averager: an offer becomes a round scheduled on the swarm clock's
+    boundary (everyone due at it starts at the same instant) or one matchmaking window from now."""
+
+    def __init__(self, host: FragmentAveragerHost, rounds: Rounds) -> None:
+        self.host, self.rounds = host, rounds
+
+    def start_round(self, offer: Offer) -> Future[Any]:
+        r = self.rounds
+        now = r.dht_time()
+        clock = r.view.clock  # None on the step schedule, or before a derived clock is known
+        if clock is not None:
+            boundary = clock.boundary(now, offer.fragment, len(r.syncs))
+            scheduled = max((boundary if boundary <= now else now) + r.window_s,
+                            now + r.cfg.averaging.request_timeout_s)
+        else:
+            scheduled = now + r.window_s
+        meta = RoundMeta(fragment=offer.fragment, version=offer.version, anchor=offer.anchor_hash,
+                         config=r.config_hash, tokens=offer.tokens, steps=offer.steps, weight=offer.weight,
+                         due=now, norms=offer.norms)
+        faults.hit("before-send", offer.fragment)
+        return self.host.start_round(Contribution(meta, offer.tensors, scheduled, r.window_s))
+
+    def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
+        return self.host.fetch_state(ours)
+
+    def anchor_changed(self, version: int, anchor_hash: str) -> None:
+        self.host.set_anchor(version, anchor_hash)
+
+
+def start_averagers(cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size], dht: Any,
+                    private_key: Any, membership: Any) -> list[FragmentAveragerHost]:
+    """One averager per fragment, their processes started side by side (a newcomer is up sooner); all shut
+    down if one fails to start."""
+    hosts = [FragmentAveragerHost(cfg, s.index, s.names, shapes, dht, private_key, membership=membership,
+                                  state_provider=_state_provider(s), start=False) for s in slots]
+    try:
+        for host in hosts:
+            host.start_background()
+        for host in hosts:
+            host.wait_ready(AVERAGER_START_TIMEOUT_S)
+    except BaseException:
+        for host in hosts:
+            host.shutdown()
+        raise
+    return hosts
+
+
+def _state_provider(slot: FragmentSlot) -> Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]:
+    """What our averager sends a peer that downloads this fragment (read under the slot's lock)."""
+    def provide() -> tuple[dict[str, Any], list[torch.Tensor]]:
+        with slot.lock:
+            return state_payload(slot.index, slot.version, slot.anchor, slot.state.momentum, slot.names)
+    return provide
+
+
+class Rounds:
+    """Every fragment's rounds and downloads on a networked learner (called from the training thread)."""
+
+    def __init__(self, cfg: Config, slots: Sequence[FragmentSlot], replica: Replica, hosts: Sequence[FragmentAveragerHost],
+                 view: SwarmView, config_hash: str, started_at: float, event: Event,
+                 dht_time: Callable[[], float]) -> None:
+        self.cfg, self.view, self.config_hash, self.started_at = cfg, view, config_hash, started_at
+        self.event, self.dht_time = event, dht_time
+        self.hosts = list(hosts)
+        self.links = [AveragerLink(h, self) for h in hosts]
+        self.syncs = [FragmentSync(s, replica, cfg.outer, link, hash_anchor=anchor_hash)
+                      for s, link in zip(slots, self.links)]
+        self.window_s = cfg.averaging.window_s
+        self.spreads: list[float] = []
+        self.last_sync_time = 0.0
+        """DHT time of our last committed round (0.0: none yet); published, ``status`` shows its age."""
+        self.first_contribution_s: float | None = None
+        self.advertise()
+
+    @property
+    def slots(self) -> list[FragmentSlot]:
+        return [s.slot for s in self.syncs]
+
+    def advertise(self) -> None:
+        """Advertise every fragment's anchor as donor priority (at the start, after a verified restore)."""
+        for sync, link in zip(self.syncs, self.links):
+            link.anchor_changed(*sync.slot.rank)
+
+    # ------------------------------------------------------------ hand off
+
+    def hand_off(self, sync: FragmentSync, step: int) -> None:
+        """Start a background round with this fragment's pseudo-gradient (never waits for it), unless we have
+        not seen the swarm yet, or no group can form at our version."""
+        slot = sync.slot
+        if self.view.swarm_reads == 0:  # a newcomer that has not seen the swarm yet may be behind: fetch first
+            logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
+                        "next round", slot.index, step)
+            return
+        if slot.inflight is None and round_is_doomed(slot.rank, self._peer_ranks(slot)):
+            slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
+            best = self._best_peer_rank(slot)
+            logger.info("fragment %d due at step %d but no live peer is at our v%d and one is at v%d (%s): no group "
+                        "can form; its progress waits for the next round", slot.index, step, slot.version,
+                        best[0], best[1])
+            return
+        what = slot.inflight_kind
+        handed = sync.hand_off(step)
+        if handed.status == BUSY:
+            logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the "
+                        "next round", slot.index, step, what)
+        elif handed.status == DROPPED:  # never sent: the fragment restarts from its anchor, fresh AdamW moments
+            self.event({"event": "local_drop", "fragment": slot.index, "version": slot.version, "step": step,
+                        "reason": handed.reason})
+            logger.warning("fragment %d at step %d: %s; dropped, fragment re-anchored", slot.index, step,
+                           handed.reason)
+
+    # ------------------------------------------------------------ collect and apply
+
+    def collect(self, step: int, min_age_steps: int) -> None:
+        """Apply finished rounds at least ``min_age_steps`` after they were sent, and finished downloads."""
+        for sync in self.syncs:
+            done = sync.finished(step, min_age_steps)
+            if done is None:
+                continue
+            if done.kind == ROUND:
+                self.apply_round(sync, done.future.result())
+                continue
+            try:
+                download: Download = done.future.result()
+            except Exception as e:  # a failed download changes nothing; we retry later
+                self.event({"event": "resync", "fragment": sync.index, "outcome": "failed",
+                            "reason": f"{type(e).__name__}: {e}"[:300]})
+                logger.warning("fragment %d: state download failed: %s: %s", sync.index, type(e).__name__, e)
+                continue
+            self.apply_fetched(sync, download)
+
+    def wait_rounds(self, stop: threading.Event, step: int) -> None:
+        """Blocking mode: wait until every round in flight has ended (its own timeouts bound this), then apply."""
+        for slot in self.slots:
+            while slot.inflight is not None and slot.inflight_kind == ROUND and not stop.is_set():
+                if wait_futures([slot.inflight], timeout=ROUND_POLL_S).done:
+                    break
+        self.collect(step, min_age_steps=0)
+
+    def drain(self, step: int) -> None:
+        """Wait for everything in flight and apply it (only at the end: training has stopped)."""
+        while any(s.inflight is not None for s in self.slots):
+            for s in self.slots:
+                if s.inflight is not None:
+                    with contextlib.suppress(TimeoutError):  # wait in slices; collect() below applies it
+                        s.inflight.result(timeout=DRAIN_SLICE_S)
+            self.collect(step, min_age_steps=0)
+
+    def apply_round(self, sync: FragmentSync, outcome: RoundOutcome) -> None:
+        """Commit: outer Nesterov step on the anchor, alpha-mix into the weights. Discard: nothing changes."""
+        slot = sync.slot
+        sent_tokens, sent_steps = slot.sent_tokens, slot.sent_steps
+        sync.apply_round(outcome)
+        if outcome.committed:
+            self.last_sync_time = self.dht_time()
+            if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
+                ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
+                self.first_contribution_s = ended - self.started_at
+                self.event({"event": "first_contribution", "fragment": slot.index,
+                            "seconds_since_start": round(self.first_contribution_s, 3)})
+                logger.info("first contribution: fragment %d committed %.1f s after this learner started",
+                            slot.index, self.first_contribution_s)
+            if math.isfinite(outcome.arrival_spread_s):
+                self.spreads.append(outcome.arrival_spread_s)
+                self.window_s = adapt_window(self.spreads, self.cfg.averaging)
+        self.event({"event": "round", **outcome.event(), "anchor_hash": slot.anchor_hash,
+                    "version_after": slot.version, "tokens_sent": sent_tokens, "steps_sent": sent_steps})
+        logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
+                    outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
+                    outcome.own_share, outcome.bytes_sent, outcome.bytes_received, outcome.duration_s, outcome.reason)
+
+    # ------------------------------------------------------------ catching up
+
+    def catch_up(self) -> None:
+        """Download fragments on which a live peer's record is ahead of us: a newer version, or the same
+        version with a winning anchor (a fork; see :func:`~p2p_diloco.averaging.decisions.anchor_order`)."""
+        now = time.monotonic()
+        for sync in self.syncs:
+            slot = sync.slot
+            best = self._best_peer_rank(slot)
+            if slot.inflight is not None or not is_ahead(best, slot.rank) or now - slot.last_fetch_try < FETCH_RETRY_S:
+                continue
+            slot.last_fetch_try = now
+            what = "a fork: its anchor wins" if best[0] == slot.version else "fetching its anchor"
+            logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
+                        slot.anchor_hash, best[0], best[1], what)
+            sync.start_fetch()
+
+    def apply_fetched(self, sync: FragmentSync, download: Download) -> None:
+        """Rebase our progress onto a downloaded anchor (:meth:`FragmentSync.apply_fetched`). At equal
+        versions (a fork) the distance between the two anchors is our consensus distance."""
+        slot, fetched = sync.slot, download.fetched
+        tried = {"donors_tried": len(download.attempts), "donor_failures": download.failures,
+                 "duration_s": round(download.duration_s, 3)}
+        for failure in download.failures:
+            logger.warning("fragment %d: a donor failed: %s", slot.index, failure)
+        if fetched is None or not is_ahead((fetched.version, fetched.anchor_hash), slot.rank):
+            self.event({"event": "resync", "fragment": slot.index, "version": slot.version, **tried,
+                        "outcome": "failed" if download.failures else "nothing newer"})
+            return
+        fork = fetched.version == slot.version
+        if fork:  # only this thread writes the anchor: read without the lock
+            slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
+        old, old_hash = slot.version, slot.anchor_hash
+        how = sync.apply_fetched(fetched)
+        extra = {"consensus_distance": slot.consensus_distance} if fork else {}
+        self.event({"event": "resync", "fragment": slot.index, "outcome": how, "version": old,
+                    "version_after": slot.version, "anchor_hash_before": old_hash, "anchor_hash": slot.anchor_hash,
+                    **tried, **extra})
+        logger.info("fragment %d: %s from v%d (%s) onto v%d (%s)%s", slot.index,
+                    "reset (the swarm moved on since our checkpoint)" if how == "reset after resume" else "rebased",
+                    old, old_hash, slot.version, slot.anchor_hash,
+                    f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
+
+    def _peer_ranks(self, slot: FragmentSlot) -> list[tuple[int, str]]:
+        """This fragment's (version, anchor hash) in the other live learners' records."""
+        return [v[slot.index] for v in self.view.peer_anchors if len(v) > slot.index]
+
+    def _best_peer_rank(self, slot: FragmentSlot) -> tuple[int, str]:
+        """The most advanced (version, anchor hash) of this fragment among the live learners' records (ours if
+        none is known)."""
+        return max(self._peer_ranks(slot), key=lambda r: anchor_order(*r), default=slot.rank)
+
+    def peers_settled(self) -> bool:
+        """Every other live learner is leaving, at our versions and anchors."""
+        ours = [s.rank for s in self.slots]
+        return all(state == "leaving" for state in self.view.peer_states) and all(
+            list(v) == ours for v in self.view.peer_anchors)
+
+    # ------------------------------------------------------------ the averagers
+
+    def cancel(self) -> None:
+        for h in self.hosts:
+            h.cancel()
+
+    def bytes_total(self) -> tuple[int, int]:
+        """(sent, received) bytes of every fragment's averager."""
+        totals = [h.bytes_total() for h in self.hosts]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+    def shutdown(self) -> None:
+        for h in self.hosts:
+            h.shutdown()

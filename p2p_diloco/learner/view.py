@@ -1,0 +1,287 @@
+"""The learner's status thread: our record published, the other learners' read, the sync clock tended,
+and the start barrier of learners that start together. DHT calls happen here, never in the inner loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, Any
+
+from p2p_diloco.learner.options import (
+    CLOCK_REPUBLISH_S,
+    CLOCK_START_MARGIN_S,
+    CLOCK_WARMUP_STEPS,
+    JOIN_VIEW_FRESH_S,
+    LEARNER_STATES,
+    ROUND_POLL_S,
+    SPEED_WINDOW_S,
+    START_MARGIN_S,
+    publish_due,
+    view_due,
+    wait_verdict,
+    waiting_line,
+)
+from p2p_diloco.net.clock import SyncClock
+
+if TYPE_CHECKING:
+    from p2p_diloco.learner.loop import Learner
+
+logger = logging.getLogger(__name__)
+
+START_BARRIER_POLL_S = 0.1
+"""Seconds between two looks at the live learners and the start proposals while waiting for peers."""
+STATUS_JOIN_TIMEOUT_S = 5.0
+"""Seconds :meth:`SwarmView.stop` waits for the status thread (it is between two DHT calls at most)."""
+
+
+class SwarmView:
+    """What this learner knows of the swarm, kept fresh by the ``learner-status`` thread: the other live
+    learners' anchors, states and steps, and the sync clock (tended by its leader when it is derived)."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        self.peer_anchors: list[list[tuple[int, str]]] = []  # (version, anchor hash) per fragment, other live learners
+        self.peer_states: list[str] = []
+        self.peer_steps: list[tuple[int, float, float]] = []
+        """(inner step, DHT time published, step time) of the other live learners that train."""
+        self.swarm_reads = 0
+        """Successful reads of the swarm by the status thread (0: we do not know yet whether we are behind)."""
+        self.live_learners = 1
+        a = learner.cfg.averaging
+        self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
+        self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
+        self._clock_published_at = self._clock_retuned_at = -math.inf
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():  # not started if run() failed early: close() must not hide that error
+            self._thread.join(timeout=STATUS_JOIN_TIMEOUT_S)
+
+    def read(self, snapshot: Any = None) -> list[Any] | None:
+        """Read the swarm once (or take ``snapshot``, a fresh read) and update our view of the other live
+        learners (their anchors, states, how many); returns their records, or None if the read failed
+        (logged whole; the last view is kept)."""
+        from p2p_diloco.net.membership import read_swarm
+        from p2p_diloco.net.records import PeerRecord
+
+        joined, fragments = self.learner.joined, len(self.learner.slots)
+        if snapshot is None:
+            try:
+                snapshot = read_swarm(joined.dht, self.learner.local, index=False)
+            except Exception:  # a DHT hiccup: keep the last view, try again next period
+                logger.exception("reading the swarm failed")
+                return None
+        others = [v.record for v in snapshot.live()
+                  if isinstance(v.record, PeerRecord) and v.peer_id != joined.peer_id
+                  and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == fragments]
+        self.peer_anchors = [list(zip(r.fragment_versions, r.anchor_hashes)) for r in others
+                             if len(r.anchor_hashes) == len(r.fragment_versions)]
+        self.peer_states = [r.state for r in others]
+        self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in ("training", "averaging")]
+        self.live_learners = 1 + len(others)
+        self.swarm_reads += 1
+        return others
+
+    def look_before_training(self, stop: threading.Event) -> None:
+        """Joining a running swarm: read it now, before the first step, adopt its sync clock and download
+        the fragments we are behind on, instead of waiting for the status thread's first period; then
+        train from the swarm's anchors. The downloads are waited for (at most ``averaging.state_timeout_s``;
+        those still running then land during training): a first step beside them took 3-6 s on a busy
+        machine instead of 0.5 s and slowed them down, and its progress from our random start would only
+        be rebased. A failed read changes nothing: the status thread reads again."""
+        me = self.learner
+        t0 = time.monotonic()
+        joined = me.joined.snapshot  # what we saw when joining, if it is recent
+        others = self.read(joined if me._dht_time() - joined.now < JOIN_VIEW_FRESH_S else None)
+        if others is None:
+            return
+        if self.auto_clock:
+            self.adopt_clock()
+        me.rounds.catch_up()
+        fetching = [s for s in me.slots if s.inflight is not None]
+        logger.info("looked at the swarm before training (%.2f s): %d other learners, sync clock %s, fetching "
+                    "fragments %s", time.monotonic() - t0, len(others),
+                    f"{self.clock.period_s:.2f} s" if self.clock else "not known yet",
+                    [s.index for s in fetching] or "none")
+        if not fetching:
+            return
+        t1 = time.monotonic()
+        deadline = t1 + me.cfg.averaging.state_timeout_s
+        pending = [s.inflight for s in fetching if s.inflight is not None]
+        while pending and not stop.is_set() and time.monotonic() < deadline:
+            pending = list(wait_futures(pending, timeout=min(ROUND_POLL_S, max(0.0, deadline - time.monotonic()))).not_done)
+        me.rounds.collect(me.step, min_age_steps=0)
+        logger.info("downloads before the first step: %.2f s, fragments at versions %s%s", time.monotonic() - t1,
+                    [s.version for s in me.slots], f"; {len(pending)} still running" if pending else "")
+
+    def _status_loop(self) -> None:
+        """Publish our record and read the others' every ``status_period_s`` (DHT calls never block the loop)."""
+        me = self.learner
+        publisher = me.joined.publisher
+        seen: list[tuple[float, int]] = [(time.monotonic(), 0)]  # (time, tokens) over the last SPEED_WINDOW_S
+        was_training = False
+        refresh_s = publisher.period_s  # a third of the record's TTL, as a heartbeat
+        published: tuple[float, tuple[Any, ...] | None] = (-math.inf, None)  # (when, what peers act on)
+        viewed_at = -math.inf
+        while not self._stop.wait(me.opts.status_period_s):
+            now = time.monotonic()
+            if me.training and not was_training:  # waiting for peers is no step time
+                seen = [(me.t_start, me.start_tokens)]
+            was_training = me.training
+            seen.append((now, me.tokens))
+            while len(seen) > 2 and now - seen[1][0] >= SPEED_WINDOW_S:
+                seen.pop(0)
+            tokens_per_s = max(0.0, (seen[-1][1] - seen[0][1]) / max(1e-6, seen[-1][0] - seen[0][0]))
+            sent, received = me.rounds.bytes_total()
+            step_time_s = self._step_time_s()
+            slots = me.slots
+            publisher.update(inner_step=me.step, tokens=me.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
+                             fragment_versions=tuple(s.version for s in slots),
+                             anchor_hashes=tuple(s.anchor_hash for s in slots),
+                             consensus_distance=tuple(s.consensus_distance for s in slots),
+                             last_sync_time=me.rounds.last_sync_time, bytes_sent=sent,
+                             bytes_received=received, loss=me._finite_loss())
+            record = publisher.record
+            key = (record.state, record.fragment_versions, record.anchor_hashes)
+            if publish_due(now, published[0], refresh_s, key, published[1]):
+                publisher.beat()
+                published = (now, key)
+            if not view_due(now, viewed_at, me.opts.view_period_s, me.training):
+                continue
+            viewed_at = now
+            others = self.read()
+            if others is None:
+                continue
+            if self.auto_clock and me.training:
+                self._tend_clock(step_time_s, others)
+
+    def _step_time_s(self) -> float:
+        """Wall seconds per inner step since training started (0 before the first steps)."""
+        me = self.learner
+        steps = me.step - me.start_step
+        if not me.training or steps < CLOCK_WARMUP_STEPS:
+            return 0.0
+        return (time.monotonic() - me.t_start) / steps
+
+    def adopt_clock(self) -> bool:
+        """Adopt the newest sync clock published for the run, if newer than ours; False if the read failed
+        (logged whole: we keep the clock we have and try again next period)."""
+        from p2p_diloco.net.clock import read_clock
+
+        try:
+            published = read_clock(self.learner.joined.dht, self.learner.local.run_id)
+        except Exception:
+            logger.exception("reading the sync clock failed")
+            return False
+        if published is not None and published.newer_than(self.clock):
+            if self.clock is None or published.period_s != self.clock.period_s:
+                logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
+            self.clock = published
+        return True
+
+    def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
+        """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
+        id among the training learners), derive the period from everyone's step time and publish it when
+        it is off (or missing), and keep it alive in the DHT."""
+        from p2p_diloco.net.clock import (
+            RETUNE_EVERY_PERIODS,
+            clock_leader,
+            derive_period,
+            needs_retune,
+            publish_clock,
+            retune,
+        )
+        from p2p_diloco.net.membership import owner_subkey
+
+        me = self.learner
+        if not self.adopt_clock():
+            return
+        training = [r for r in others if r.state in ("joining", "training", "averaging")]
+        if clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) != me.joined.peer_id:
+            return
+        if own_step_time_s <= 0:
+            return
+        a, h = me.cfg.averaging, me.cfg.outer.sync_every
+        times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]
+        period = derive_period(times, h, min_period_s=2 * a.window_max_s)
+        now, wall = me._dht_time(), time.monotonic()
+        clock = self.clock
+        settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s
+        if period is not None and settled and needs_retune(clock, period):
+            clock = retune(clock, period, now, CLOCK_START_MARGIN_S + me.opts.view_period_s, len(me.slots))
+            self._clock_retuned_at = wall
+            logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
+                        "%.1f", period, h, period / h, len(times), clock.origin)
+            me._event({"event": "clock", "period_s": period, "origin": clock.origin, "learners": len(times)})
+        elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
+            return
+        self.clock = clock  # the leader runs on its retuned clock even if this publish is refused (republished next period)
+        if publish_clock(me.joined.dht, me.local.run_id, clock, owner_subkey(me.joined.private_key), now):
+            self._clock_published_at = wall
+        else:
+            logger.warning("publishing the sync clock was not accepted by any DHT node; retrying next period")
+
+    def wait_for_peers(self, stop: threading.Event) -> None:
+        """Start together: wait until ``wait_peers`` learners (us included) are live, then agree on a start
+        instant. Each learner proposes ``now + START_MARGIN_S`` (DHT time, signed subkey) and all start at
+        the latest of the first ``wait_peers`` proposals -- the same instant for everyone, which keeps
+        step-count schedules in phase (seeing the records at different moments would not)."""
+        from p2p_diloco.averaging.decisions import start_instant
+        from p2p_diloco.net.membership import owner_peer_id, owner_subkey
+
+        me = self.learner
+        opts, dht = me.opts, me.joined.dht
+        n = opts.wait_peers
+        if n <= 1:
+            return
+        waited_from = last_report = time.monotonic()
+
+        def keep_waiting(what: str) -> bool:
+            """False: stop waiting and train no step (a signal, or --max-time ran out); raises on the timeout."""
+            nonlocal last_report
+            now = time.monotonic()
+            verdict = wait_verdict(now, waited_from, opts.started_at, opts.max_time_s, opts.wait_peers_timeout_s)
+            if verdict == "timeout":
+                raise ValueError(f"{what} within {opts.wait_peers_timeout_s:.0f} s (--wait-peers {n})")
+            if verdict == "max-time":
+                logger.warning("--max-time %g s ran out while waiting for peers (%s); leaving without training",
+                               opts.max_time_s, what)
+                return False
+            if now - last_report >= opts.wait_peers_report_s:
+                last_report = now
+                logger.info("%s", waiting_line(self.live_learners, n, now - waited_from))
+            return not stop.is_set()
+
+        while self.live_learners < n:
+            if not keep_waiting(f"only {self.live_learners} of {n} learners came up"):
+                return
+            time.sleep(START_BARRIER_POLL_S)
+        key = f"{me.local.run_id}_start_barrier"
+        now = me._dht_time()
+        dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
+        while True:
+            found = dht.get(key, latest=True)
+            proposals: dict[str, float] = {}
+            if found is not None and isinstance(found.value, dict):
+                for subkey, item in found.value.items():
+                    pid = owner_peer_id(subkey)
+                    if pid is not None and isinstance(item.value, (int, float)) and math.isfinite(item.value):
+                        proposals[pid] = float(item.value)
+            start = start_instant(proposals, n)
+            if start is not None:
+                break
+            if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start"):
+                return
+            time.sleep(START_BARRIER_POLL_S)
+        wait_s = start - me._dht_time()
+        logger.info("%d learners ready; starting together in %.2f s", n, wait_s)
+        if wait_s > 0:
+            stop.wait(wait_s)

@@ -1,0 +1,169 @@
+"""The package's layers: subpackages, their sizes, the imports between them, and the rules they keep.
+
+``python -m p2p_diloco.tools.layers`` prints each subpackage with its modules' line counts and the
+subpackages it imports, then every broken rule (exit 1 if any):
+
+- a subpackage imports only the layers below it (:data:`ALLOWED`): ``core`` and ``sync`` nothing of
+  the network, ``cli`` is imported by nothing;
+- ``core`` and ``sync`` never import hivemind (torch only, no network);
+- no module over :data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES` lines.
+
+Imports are read from the source (every ``import`` statement, also inside functions and under
+``TYPE_CHECKING``), so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE = "p2p_diloco"
+ROOT = Path(__file__).resolve().parents[1]
+
+ALLOWED: dict[str, frozenset[str]] = {
+    "core": frozenset(),
+    "sync": frozenset({"core"}),
+    "hivemind_ext": frozenset({"core"}),
+    "net": frozenset({"core", "hivemind_ext"}),
+    "averaging": frozenset({"core", "net", "hivemind_ext"}),
+    "sim": frozenset({"core", "sync", "hivemind_ext"}),
+    "learner": frozenset({"core", "sync", "net", "averaging", "hivemind_ext"}),
+    "local": frozenset({"core", "net", "learner", "sim", "hivemind_ext"}),
+    "tools": frozenset({"core", "sync", "net", "averaging", "learner", "sim", "local", "hivemind_ext"}),
+    "cli": frozenset({"core", "sync", "net", "averaging", "learner", "sim", "local", "hivemind_ext", "tools"}),
+}
+"""Which subpackages each subpackage may import (besides itself and the top-level ``p2p_diloco``)."""
+
+NO_HIVEMIND = frozenset({"core", "sync"})
+"""Subpackages that must not import hivemind: the maths run without a network stack."""
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+
+
+@dataclass
+class Module:
+    name: str  # dotted, e.g. "p2p_diloco.core.config"
+    layer: str  # the subpackage ("" for the package's own __init__)
+    path: Path
+    lines: int
+    imports: list[tuple[str, int]] = field(default_factory=list)  # (imported module, line)
+    classes: list[tuple[str, int]] = field(default_factory=list)  # (class name, lines)
+
+
+def _imported(node: ast.AST, module: str, is_package: bool) -> Iterable[str]:
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against this module's package
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - node.level + 1]
+            yield ".".join(base + ([node.module] if node.module else []))
+        elif node.module:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)  # "from p2p_diloco import cli"
+
+
+def read_module(path: Path, root: Path = ROOT) -> Module:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts = parts[:-1]
+    name = ".".join(parts)
+    layer = parts[1] if len(parts) > 1 else ""
+    text = path.read_text()
+    tree = ast.parse(text, filename=str(path))
+    mod = Module(name, layer, path.relative_to(root.parent), len(text.splitlines()))
+    for node in ast.walk(tree):
+        for target in _imported(node, name, is_package):
+            mod.imports.append((target, getattr(node, "lineno", 0)))
+        if isinstance(node, ast.ClassDef):
+            mod.classes.append((node.name, (node.end_lineno or node.lineno) - node.lineno + 1))
+    return mod
+
+
+def read_package(root: Path = ROOT) -> list[Module]:
+    return [read_module(p, root) for p in sorted(root.rglob("*.py"))]
+
+
+def layer_of(imported: str, layers: Iterable[str]) -> str | None:
+    """The subpackage an imported dotted name belongs to (None: not a subpackage of ours)."""
+    parts = imported.split(".")
+    if parts[0] != PACKAGE or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in set(layers) else None
+
+
+def violations(modules: Sequence[Module], allowed: dict[str, frozenset[str]] = ALLOWED) -> list[str]:
+    """Every broken rule, one line each (``path:line: what``)."""
+    problems: list[str] = []
+    for m in modules:
+        if m.layer and m.layer not in allowed:
+            problems.append(f"{m.path}: subpackage {m.layer!r} has no rule in p2p_diloco.tools.layers.ALLOWED")
+            continue
+        for target, line in m.imports:
+            if m.layer in NO_HIVEMIND and (target == "hivemind" or target.startswith("hivemind.")):
+                problems.append(f"{m.path}:{line}: {m.layer}/ imports {target} (core and sync are torch only)")
+            other = layer_of(target, allowed)
+            if other is None or other == m.layer:
+                continue
+            if not m.layer or other not in allowed[m.layer]:
+                problems.append(f"{m.path}:{line}: {m.layer or PACKAGE}/ may not import {other}/ ({target})")
+        if m.lines > MAX_MODULE_LINES:
+            problems.append(f"{m.path}: {m.lines} lines (at most {MAX_MODULE_LINES})")
+        for cls, n in m.classes:
+            if n > MAX_CLASS_LINES:
+                problems.append(f"{m.path}: class {cls} has {n} lines (at most {MAX_CLASS_LINES})")
+    return sorted(set(problems))
+
+
+def summary(modules: Sequence[Module]) -> dict[str, dict[str, object]]:
+    """Per subpackage: line count, modules with their line counts, subpackages imported."""
+    out: dict[str, dict[str, object]] = {}
+    for m in modules:
+        entry = out.setdefault(m.layer or PACKAGE, {"lines": 0, "modules": {}, "imports": set()})
+        entry["lines"] = int(entry["lines"]) + m.lines  # type: ignore[call-overload]
+        entry["modules"][m.path.stem] = m.lines  # type: ignore[index]
+        for target, _ in m.imports:
+            other = layer_of(target, ALLOWED)
+            if other and other != m.layer:
+                entry["imports"].add(other)  # type: ignore[union-attr]
+    for entry in out.values():
+        entry["imports"] = sorted(entry["imports"])  # type: ignore[arg-type]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m p2p_diloco.tools.layers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the summary and the problems as JSON")
+    args = parser.parse_args(argv)
+    modules = read_package()
+    table, problems = summary(modules), violations(modules)
+    if args.json:
+        print(json.dumps({"layers": table, "problems": problems}, indent=2))
+        return 1 if problems else 0
+    order = [PACKAGE, *ALLOWED]
+    for layer in sorted(table, key=lambda k: order.index(k) if k in order else len(order)):
+        entry = table[layer]
+        imports = ", ".join(entry["imports"]) or "-"  # type: ignore[arg-type]
+        print(f"{layer + '/':<14} {entry['lines']:>6} lines   imports: {imports}")
+        for name, lines in sorted(entry["modules"].items(), key=lambda kv: -kv[1]):  # type: ignore[union-attr]
+            print(f"    {name:<22} {lines:>5}")
+    total = sum(m.lines for m in modules)
+    print(f"{len(modules)} modules, {total} lines; largest module {max(m.lines for m in modules)} lines "
+          f"(limit {MAX_MODULE_LINES}), largest class {max((n for m in modules for _, n in m.classes), default=0)} "
+          f"lines (limit {MAX_CLASS_LINES})")
+    for p in problems:
+        print(f"problem: {p}")
+    print("ok: every rule holds" if not problems else f"{len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
