@@ -107,13 +107,15 @@ def violations(modules: Sequence[Module], allowed: dict[str, frozenset[str]] = A
         if m.layer and m.layer not in allowed:
             problems.append(f"{m.path}: subpackage {m.layer!r} has no rule in p2p_diloco.tools.layers.ALLOWED")
             continue
+        seen: set[tuple[int, str]] = set()  # one line per import statement and layer ("from p2p_diloco.net import x")
         for target, line in m.imports:
             if m.layer in NO_HIVEMIND and (target == "hivemind" or target.startswith("hivemind.")):
                 problems.append(f"{m.path}:{line}: {m.layer}/ imports {target} (core and sync are torch only)")
             other = layer_of(target, allowed)
-            if other is None or other == m.layer:
+            if other is None or other == m.layer or (line, other) in seen:
                 continue
             if not m.layer or other not in allowed[m.layer]:
+                seen.add((line, other))
                 problems.append(f"{m.path}:{line}: {m.layer or PACKAGE}/ may not import {other}/ ({target})")
         if m.lines > MAX_MODULE_LINES:
             problems.append(f"{m.path}: {m.lines} lines (at most {MAX_MODULE_LINES})")
