@@ -103,9 +103,6 @@ STATE_METADATA_KEYS = frozenset({"fragment", "version", "anchor", "momentum"})
 ANCHOR_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
-# ---------------------------------------------------------------- pure helpers and decisions
-
-
 def anchor_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     """16 hex digits over names, shapes, dtypes and bytes (name order): equal iff bit-identical."""
     h = hashlib.sha256()

@@ -38,9 +38,6 @@ from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- host side: rounds in the background
-
-
 @dataclass(frozen=True)
 class Contribution:
     """What the learner hands to averaging for one round of one fragment."""

@@ -29,9 +29,6 @@ require_hivemind(__name__)  # overrides AllReduceRunner's private methods and Te
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- hivemind subclasses (run in the averager process)
-
-
 class _RobustPart:
     """Stands in for :class:`TensorPartReducer`'s accumulator of one part. hivemind calls
     ``add_(part, alpha=weight)`` once per sender it counts and then ``div_(total weight)``; we keep the

@@ -38,9 +38,6 @@ MIN_WATCH_INTERVAL_S = 0.5
 """``status --watch --interval``: the shortest refresh period (seconds)."""
 
 
-# ---------------------------------------------------------------- arguments
-
-
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="run config (TOML); its run id and hash identify the run")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],

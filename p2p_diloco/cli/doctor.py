@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- doctor
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
     from p2p_diloco.net.records import PeerRecord, check_join

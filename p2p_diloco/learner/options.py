@@ -65,9 +65,6 @@ LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
 """Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
 
 
-# ---------------------------------------------------------------- options
-
-
 @dataclass(frozen=True)
 class Profile:
     """A kind of machine (``peers/NAME.toml``): how fast this learner steps and how many threads it uses."""

@@ -258,9 +258,6 @@ def progress(elapsed_s: float, train_started_s: float | None, seconds: float | N
     return max(shares, default=0.0), ", ".join(parts)
 
 
-# ---------------------------------------------------------------- report
-
-
 @dataclass(frozen=True)
 class Ending:
     """How one learner process ended, for the report."""

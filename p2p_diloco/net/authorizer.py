@@ -20,9 +20,6 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- private swarm: shared-secret authorizer
-
-
 MAX_DHT_CLOCK_SKEW_S = 3.0
 """hivemind's ``MAX_DHT_TIME_DISCREPANCY_SECONDS``: peers whose clocks differ more are refused."""
 

@@ -20,9 +20,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- heartbeat (stand-in member)
-
-
 @dataclass(frozen=True)
 class Joined:
     """A peer that joined a run: its DHT, its record publisher, and what it saw when joining."""

@@ -12,9 +12,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- status
-
-
 def snapshot_json(snapshot: "SwarmSnapshot", timings_s: dict[str, float]) -> dict[str, Any]:
     """One read as JSON: the run looked at (``run_id`` "" when the DHT holds no run), its peers and summary;
     ``runs`` (live peers per run), ``runs_detail`` (every run of the index, live ones first) and

@@ -12,9 +12,6 @@ from p2p_diloco.net.records import ANNOUNCE_STATE, IndexEntry
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- runs in a DHT (which run is there?)
-
-
 @dataclass(frozen=True)
 class RunInfo:
     """One run as the index shows it at one moment."""

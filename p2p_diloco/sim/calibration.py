@@ -9,8 +9,6 @@ from typing import Any
 
 from p2p_diloco.sim.goodput import Calibration, GoodputError, require
 
-# ---------------------------------------------------------------- calibration from the real system
-
 
 def calibration_from_results(results: Path, config: Path) -> tuple[Calibration, dict[str, Any]]:
     """The real system's times, from the benchmark results on this machine; also where each came from.

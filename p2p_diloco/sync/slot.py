@@ -15,9 +15,6 @@ from p2p_diloco.core import outer
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- per-fragment state
-
-
 @dataclass
 class FragmentSlot:
     """The learner's view of one fragment: its anchor, outer state, progress, and what is in flight
