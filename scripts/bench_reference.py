@@ -38,8 +38,10 @@ the per-learner batch (what data-parallel training over that many machines compu
 inner optimizer and schedule shape (warm-up + cosine over exactly the steps that reach `--tokens`); the held-out eval
 loss is recorded at `--eval-points` points. `p2p-diloco swarm` reads a curve back for a run with the same model,
 data, inner optimizer, seed and number of learners (its *reference key*: the outer algorithm does not change
-data-parallel training) and interpolates it at the swarm's tokens when they lie near the curve's end; a run whose
-tokens no curve covers computes its own and caches it here. One file per curve: `dp-<reference key>-<tokens>.json`
+data-parallel training) and interpolates it at the swarm's tokens when they lie near the curve's end. At run time
+it looks in the user cache (`~/.cache/p2p-diloco/reference`), then in the curves bundled with the package
+(`configs/reference/`, copies of the ones here that the bundled configs need), and otherwise computes the curve and
+caches it; it never reads this folder. One file per curve: `dp-<reference key>-<tokens>.json`
 (`dp-<reference key>.json`: the first one committed).""", source="the curves (`dp-*.json`) in this folder")
 
 
