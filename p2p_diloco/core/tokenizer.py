@@ -44,10 +44,6 @@ class Tokenizer:
     """``bytes``, or 16 hex digits of the sha256 of the serialized tokenizer and the separator."""
     encode: Callable[[list[str]], list[list[int]]]
 
-    @property
-    def is_bytes(self) -> bool:
-        return self.spec == BYTES
-
 
 def _encode_bytes(texts: list[str]) -> list[list[int]]:
     return [list(t.encode("utf-8")) for t in texts]
