@@ -32,6 +32,8 @@ import torch
 from procs import ProcGroup, start_bootstrap
 from test_learner_swarm import START_ALLOWANCE_S, TINY, events, final_summary, print_discards, start_learner, write_profile
 
+from p2p_diloco.core.waiting import poll_until
+
 pytestmark = pytest.mark.integration
 
 EXIT_DEADLINE_S = 60.0
@@ -180,10 +182,7 @@ def test_graceful_leave_exits_cleanly_and_the_others_go_on(tmp_path: Path) -> No
         exit_s = time.monotonic() - t_signal
         leaver.wait_for(r"^left run tiny \(SIGTERM\); tombstone published")
         left_final = final_summary(leaver, timeout_s=5)
-        deadline = time.monotonic() + 20
-        while leaver.session() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not leaver.session(), leaver.session()
+        leaver.wait_no_process_left(20)
         finals = {n: final_summary(learners[n]) for n in ("a", "b")}
         for n in ("a", "b"):
             assert learners[n].wait_exit(EXIT_DEADLINE_S) == 0, learners[n].output()
@@ -237,10 +236,11 @@ def test_resume_after_kill_9_restores_the_saved_hashes(tmp_path: Path) -> None:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         first = start_learner(procs, peers, "solo", tmp_path, "--profile", str(profile), "--steps", "100000",
                               "--set", "inner.total_steps=300", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "0.5")
-        deadline = time.monotonic() + 120  # three periodic checkpoints, then a crash (maybe in the middle of a save)
-        while sum("checkpoint saved" in line for _, line in first.stderr) < 3:
-            assert time.monotonic() < deadline and first.popen.poll() is None, first.output()
-            time.sleep(0.2)
+        def three_saved() -> bool:  # three periodic checkpoints, then a crash (maybe in the middle of a save)
+            assert first.popen.poll() is None, first.output()
+            return sum("checkpoint saved" in line for _, line in first.stderr) >= 3
+
+        poll_until(three_saved, 120, "solo: three periodic checkpoints", detail=first.output)
         first.kill_group(signal.SIGKILL)
         first.wait_exit(30)
         saved = load_checkpoint(ckpt)  # the newest complete one
