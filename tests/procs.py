@@ -108,12 +108,15 @@ class ProcGroup:
         self.close()
 
     def close(self) -> None:
-        """SIGKILL every group and session first (none waits for another), then reap each."""
+        """SIGKILL every group and session first (none waits for another), then reap each; write each one's
+        output to ``<workdir>/<name>.out``."""
         for proc in self.procs:
             proc.kill_group(signal.SIGKILL)
             proc.kill_session()
         for proc in self.procs:
             proc.kill()
+        for proc in self.procs:  # kept beside the test's other files: a failure on a loaded machine can be read after
+            (self.workdir / f"{proc.name.replace('#', '-')}.out").write_text(proc.output())
 
 
 def child_pids() -> list[int]:

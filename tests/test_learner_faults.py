@@ -137,3 +137,36 @@ def test_a_hanging_peer_fails_the_round_in_bounded_time_and_nobody_commits(tmp_p
 def swarm(tmp_path: Any, runners: tuple[type[ExactAllReduceRunner], ...]) -> Any:
     """One DHT + one fragment averager per runner class, on 127.0.0.1, all shut down on exit."""
     return averaging_swarm(tmp_path, CFG, NAMES, SHAPES, runners)
+
+
+def test_a_round_still_matching_is_abandoned_once_a_peer_is_past_its_version(tmp_path: Any) -> None:
+    """A learner behind the swarm (its group key names a version nobody holds any more) learns it from the
+    records while its round is matching: the round ends then, not at its matchmaking deadline, and the
+    fragment is free for the download."""
+    from hivemind.utils import get_dht_time
+
+    polls: list[float] = []
+
+    def doomed() -> bool:  # the records say a peer is ahead from the third look on
+        polls.append(time.monotonic())
+        return len(polls) >= 3
+
+    with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):
+        tensors = {n: torch.ones(SHAPES[n]) for n in NAMES}
+        meta = RoundMeta(fragment=0, version=3, anchor="0" * 16, config=config_hash(CFG), tokens=TOKENS[0], steps=10,
+                         weight=float(TOKENS[0]), due=get_dht_time(), norms={})
+        late_start_s = 20.0  # a lone peer would match until then plus two windows
+        outcome = peer.start_round(Contribution(meta, tensors, get_dht_time() + late_start_s, CFG.averaging.window_s,
+                                                doomed=doomed)).result(timeout=ROUND_DEADLINE_S)
+        print(f"\nabandoned after {outcome.duration_s:.2f} s and {len(polls)} looks: {outcome.reason}")
+        assert not outcome.committed and outcome.merged is None
+        assert outcome.reason == "abandoned while matching: a live peer is past v3", outcome.reason
+        assert len(polls) == 3
+        assert outcome.duration_s < late_start_s  # ended by the third look, not by the deadline
+
+        # the averager is free again: a normal round from the same peer runs (and, alone, finds nobody)
+        meta = RoundMeta(fragment=0, version=4, anchor="0" * 16, config=config_hash(CFG), tokens=TOKENS[0], steps=10,
+                         weight=float(TOKENS[0]), due=get_dht_time(), norms={})
+        alone = peer.start_round(Contribution(meta, tensors, get_dht_time() + CFG.averaging.window_s,
+                                              CFG.averaging.window_s)).result(timeout=ROUND_DEADLINE_S)
+        assert not alone.committed and "could not find a group" in alone.reason, alone.reason

@@ -48,6 +48,9 @@ class Contribution:
     scheduled_time: float
     """DHT time at which the group should start its all-reduce."""
     window_s: float
+    doomed: Callable[[], bool] | None = None
+    """Polled while the round is still matching: True abandons it (a live peer is already past our version,
+    so no group can form at it and waiting out the window only delays our catching up)."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,9 @@ class FragmentAveragerHost:
                 if self._cancelled.is_set():  # we are leaving: do not make the others wait for us
                     control.cancel()
                     return failed("cancelled: this peer is leaving")
+                if c.doomed is not None and not control.began_allreduce and c.doomed():
+                    control.cancel()  # still matching: nobody is waiting on our tensors yet
+                    return failed(f"abandoned while matching: a live peer is past v{c.meta.version}")
                 if time.monotonic() >= give_up_at:
                     control.cancel()
                     return failed(f"round exceeded {matchmaking_timeout_s + a.allreduce_timeout_s:.1f} s")

@@ -89,6 +89,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(*args, **kwargs)
         self._sent, self._received = counters
         self.fragment = fragment
+        self.reducer_failures: list[str] = []  # "peer: why" for each reducer that failed us, for the round's reason
         if robust is not None:
             weights, rule = robust
             self.tensor_part_reducer.finished.set()  # hivemind's own reducer is replaced unused: no "0% received"
@@ -145,8 +146,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected "
                                          f"{container.num_parts_by_peer[peer_index]}")
         except BaseException as e:
-            if isinstance(e, Exception):
-                logger.debug("all-reduce with %s failed: %r", peer_id, e)
+            why = "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"[:200]
+            self.reducer_failures.append(f"{str(peer_id)[-8:]}: {why}")
+            logger.warning("fragment %s: the reducer %s failed us: %s", self.fragment, peer_id, why)
             container.register_failed_reducer(peer_index)
             raise
 
@@ -211,7 +213,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     def completeness_problem(self) -> str | None:
         reducer = self.tensor_part_reducer
         expected = reducer.num_parts * reducer.num_senders
-        return completeness_problem(self.tensor_part_container.total_size, self.tensor_part_container.failed_size,
-                                    len(self.banned_senders), expected, sum(reducer.num_parts_received))
+        problem = completeness_problem(self.tensor_part_container.total_size, self.tensor_part_container.failed_size,
+                                       len(self.banned_senders), expected, sum(reducer.num_parts_received))
+        if problem is not None and self.reducer_failures:
+            problem += f" [{'; '.join(self.reducer_failures)}]"
+        return problem
 
 

@@ -74,7 +74,9 @@ class AveragerLink:
                          config=r.config_hash, tokens=offer.tokens, steps=offer.steps, weight=offer.weight,
                          due=now, norms=offer.norms)
         faults.hit("before-send", offer.fragment)
-        return self.host.start_round(Contribution(meta, offer.tensors, scheduled, r.window_s))
+        slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
+        return self.host.start_round(Contribution(meta, offer.tensors, scheduled, r.window_s,
+                                                  doomed=lambda: round_is_doomed(ours, r.peer_ranks(slot))))
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
         return self.host.fetch_state(ours)
@@ -147,7 +149,7 @@ class Rounds:
             logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
                         "next round", slot.index, step)
             return
-        if slot.inflight is None and round_is_doomed(slot.rank, self._peer_ranks(slot)):
+        if slot.inflight is None and round_is_doomed(slot.rank, self.peer_ranks(slot)):
             slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
             best = self._best_peer_rank(slot)
             logger.info("fragment %d due at step %d but no live peer is at our v%d and one is at v%d (%s): no group "
@@ -268,14 +270,14 @@ class Rounds:
                     old, old_hash, slot.version, slot.anchor_hash,
                     f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
 
-    def _peer_ranks(self, slot: FragmentSlot) -> list[tuple[int, str]]:
+    def peer_ranks(self, slot: FragmentSlot) -> list[tuple[int, str]]:
         """This fragment's (version, anchor hash) in the other live learners' records."""
         return [v[slot.index] for v in self.view.peer_anchors if len(v) > slot.index]
 
     def _best_peer_rank(self, slot: FragmentSlot) -> tuple[int, str]:
         """The most advanced (version, anchor hash) of this fragment among the live learners' records (ours if
         none is known)."""
-        return max(self._peer_ranks(slot), key=lambda r: anchor_order(*r), default=slot.rank)
+        return max(self.peer_ranks(slot), key=lambda r: anchor_order(*r), default=slot.rank)
 
     def peers_settled(self) -> bool:
         """Every other live learner is leaving, at our versions and anchors."""
