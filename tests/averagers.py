@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+
+DECLARE_DEADLINE_S = 60.0
+"""How long a test waits for a donor's declaration to be readable (a loaded machine: generous)."""
 
 
 @contextlib.contextmanager
 def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapping[str, torch.Size],
-                    runners: Sequence[type]) -> Iterator[list[Any]]:
+                    runners: Sequence[type], providers: Sequence[Callable[[], Any] | None] | None = None,
+                    ) -> Iterator[list[Any]]:
+    """``providers``: per peer, the state it serves to downloads (None: it shares none)."""
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.averaging.host import FragmentAveragerHost
     from p2p_diloco.net.identity import load_or_create_identity
@@ -27,10 +32,25 @@ def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapp
             initial = parse_initial_peers(visible_addresses(dhts[0])[:1]) if dhts else ()
             opts = SwarmOptions(initial_peers=initial, identity=identity, check_identity_free=False)
             dhts.append(start_dht(opts, cfg.run.run_id, private_key=key))
-            peers.append(FragmentAveragerHost(cfg, 0, names, shapes, dhts[-1], key, runner_class=runner))
+            peers.append(FragmentAveragerHost(cfg, 0, names, shapes, dhts[-1], key, runner_class=runner,
+                                              state_provider=providers[i] if providers else None))
         yield peers
     finally:
         for p in peers:
             p.shutdown()
         for d in dhts:
             d.shutdown()
+
+
+def wait_declared(dht: Any, donor: Any, priority: float, timeout_s: float = DECLARE_DEADLINE_S) -> None:
+    """Until ``donor``'s state-sharing declaration (what newcomers rank donors by) is readable at ``priority``."""
+    from p2p_diloco.core.waiting import poll_until
+
+    key = f"{donor.prefix}.all_averagers"
+
+    def declared() -> bool:
+        found = dht.get(key, latest=True)
+        values = [v.value for v in found.value.values()] if found is not None and isinstance(found.value, dict) else []
+        return any(isinstance(v, float) and v >= priority for v in values)
+
+    poll_until(declared, timeout_s, f"the donor's declaration at {priority}")

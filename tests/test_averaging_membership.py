@@ -16,12 +16,12 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from averagers import wait_declared
 
 from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost
 from p2p_diloco.averaging.decisions import RoundMeta, anchor_hash
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import config_hash, load_config
-from p2p_diloco.core.waiting import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -51,18 +51,6 @@ def round_of(peers: list[FragmentAveragerHost]) -> list[Any]:
         tensors = {n: torch.full(SHAPES[n], float(i)) for n in NAMES}
         futures.append(peer.start_round(Contribution(meta, tensors, start, CFG.averaging.window_s)))
     return [f.result(timeout=DEADLINE_S) for f in futures]
-
-
-def wait_declared(dht: Any, donor: FragmentAveragerHost, priority: float) -> None:
-    """Until ``donor``'s state-sharing declaration (what newcomers rank donors by) is readable at ``priority``."""
-    key = f"{donor.prefix}.all_averagers"
-
-    def declared() -> bool:
-        found = dht.get(key, latest=True)
-        values = [v.value for v in found.value.values()] if found is not None and isinstance(found.value, dict) else []
-        return any(isinstance(v, float) and v >= priority for v in values)
-
-    poll_until(declared, DEADLINE_S, f"the donor's declaration at {priority}")
 
 
 def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -> None:
@@ -122,6 +110,7 @@ def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveragerHost, Fragment
                 CFG, 0, NAMES, SHAPES, dht, key, membership=Membership(dht, local) if name == "a" else None,
                 state_provider=provide if name == "a" else None))
         peers[0].set_anchor(3, anchor_hash(ANCHOR))  # A declares itself a donor at version 3
+        peers[2].vouch(3, anchor_hash(ANCHOR))  # and C signs that anchor, as A's co-committer of v3 would have
         wait_declared(dhts[2], peers[0], 3.0)
         yield peers[0], peers[1], peers[2]
     finally:

@@ -171,10 +171,9 @@ def test_graceful_leave_exits_cleanly_and_the_others_go_on(tmp_path: Path) -> No
         learners = {n: start_learner(procs, peers, n, tmp_path, "--shard", str(i), "--num-shards", "3", *common)
                     for i, n in enumerate(("a", "b", "leaver"))}
         leaver = learners["leaver"]
-        deadline = time.monotonic() + 120  # leave once the leaver has taken part in a round
-        while time.monotonic() < deadline and not (
-                (tmp_path / "leaver.jsonl").exists() and rounds(tmp_path / "leaver.jsonl", "committed")):
-            time.sleep(0.5)
+        poll_until(lambda: (tmp_path / "leaver.jsonl").exists() and rounds(tmp_path / "leaver.jsonl", "committed"),
+                   120, "the leaver's first committed round (it leaves once it has taken part)", 0.5,
+                   detail=leaver.output)
         assert len(leaver.session()) >= 3  # main, DHT process, p2pd (+ averagers)
         t_signal = time.monotonic()
         leaver.send(signal.SIGTERM)

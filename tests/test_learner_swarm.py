@@ -25,6 +25,8 @@ import pytest
 
 from procs import ProcGroup, Proc, start_bootstrap
 
+from p2p_diloco.core.waiting import poll_until
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,13 +194,14 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
             p.wait_for(r"^learner ")
         t_late = time.monotonic()
         # join once the early ones have committed a round of each fragment
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+
+        def both_fragments_committed() -> bool:
             done = [e for e in events(tmp_path / "e0.jsonl") if e["event"] == "round" and e["outcome"] == "committed"] \
                 if (tmp_path / "e0.jsonl").exists() else []
-            if {e["fragment"] for e in done} == {0, 1}:
-                break
-            time.sleep(0.5)
+            return {e["fragment"] for e in done} == {0, 1}
+
+        poll_until(both_fragments_committed, 90, "e0's first committed round of each fragment", 0.5,
+                   detail=early["e0"].output)
         # 25 s: on a loaded machine a download can take longer than the 4 s period, and the swarm moves on
         # meanwhile; the late joiner may need a few downloads before it is current and meets the others
         late = start_learner(procs, peers, "late", tmp_path, "--shard", "2", "--num-shards", "3",

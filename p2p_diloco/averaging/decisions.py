@@ -101,6 +101,14 @@ MAX_STATE_METADATA_BYTES = 4096
 """A state download's msgpack metadata is four scalars; anything longer is refused before decoding."""
 STATE_METADATA_KEYS = frozenset({"fragment", "version", "anchor", "momentum"})
 ANCHOR_RE = re.compile(r"^[0-9a-f]{16}$")
+VOUCH_TTL_S = 24 * 3600.0
+"""How long a committer's signed "(version, anchor hash) is mine" entry lives in the DHT: a downloaded state
+needs one from a peer other than its donor, so a swarm whose newest version is older than this cannot be
+joined by download (every member re-vouches its anchor each time it commits or rebases)."""
+VOUCH_WAIT_S = 3.0
+"""A downloaded state's vouches are re-read for this long before it is refused: the other committers'
+entries are stored at the moment the donor's own commit lands, and can reach the DHT a little later."""
+VOUCH_POLL_S = 0.25
 
 
 def anchor_hash(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -180,6 +188,20 @@ def relative_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tenso
 def averager_prefix(run_id: str, fragment: int) -> str:
     """hivemind key prefix of one fragment's averager (no dots allowed by hivemind)."""
     return f"{run_id.replace('.', '_')}_frag{fragment}"
+
+
+def vouch_key(prefix: str, version: int) -> str:
+    """DHT key under which the peers holding a fragment's anchor at ``version`` sign its hash (one owner
+    subkey each): what a downloaded state is checked against (:func:`vouchers`)."""
+    return f"{prefix}_anchor_v{version}"
+
+
+def vouchers(signed: Mapping[str, Any], anchor: str) -> set[str]:
+    """The peer ids whose signed entry (peer id -> value, read under :func:`vouch_key`) names ``anchor``.
+    A state download is accepted only if one of them is not its donor: a version is committed by a group
+    of at least two members that all hold the same anchor, so an honest state is vouched for by someone
+    else, and a member that fabricates a newer anchor (with a hash that matches it) is not."""
+    return {peer for peer, value in signed.items() if isinstance(value, str) and value == anchor}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.averaging.decisions import (
     CANCEL_POLL_S,
     MAX_DONORS_TRIED,
+    VOUCH_TTL_S,
+    VOUCH_WAIT_S,
     Decision,
     RoundMeta,
     averager_prefix,
@@ -25,6 +27,7 @@ from p2p_diloco.averaging.decisions import (
     parse_gathered,
     sharing_priority,
     version_group_bits,
+    vouch_key,
 )
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
@@ -268,9 +271,22 @@ class FragmentAveragerHost:
         (:func:`parse_state`: shapes, finite values, the anchor hash) before it is returned."""
         a = self.cfg.averaging
         t0 = time.monotonic()
-        deadline_s = a.state_timeout_s * MAX_DONORS_TRIED + a.request_timeout_s
+        deadline_s = (a.state_timeout_s + VOUCH_WAIT_S) * MAX_DONORS_TRIED + a.request_timeout_s
         fetched, attempts = self.averager.download_state(ours, a.state_timeout_s).result(timeout=deadline_s)
         return Download(fetched, tuple(attempts), time.monotonic() - t0)
+
+    def vouch(self, version: int, anchor: str) -> None:
+        """Sign, in the DHT, that we hold ``anchor`` at ``version`` (after a commit or a verified rebase): a peer
+        that downloads this state from another donor needs such an entry from someone other than that donor
+        (:func:`vouchers`). Returns at once; a failed store is logged (the next commit vouches again)."""
+        def logged(done: Any) -> None:
+            if done.exception() is not None or not done.result():
+                logger.warning("fragment %d: vouching for v%d (%s) in the DHT failed: %s", self.fragment, version,
+                               anchor, done.exception() or "no DHT node accepted it")
+
+        stored = self.dht.store(vouch_key(self.prefix, version), anchor, get_dht_time() + VOUCH_TTL_S,
+                                subkey=self.report_subkey, return_future=True)
+        stored.add_done_callback(logged)
 
     def set_anchor(self, version: int, anchor: str) -> None:
         """Advertise our anchor's rank as state-sharing priority (donors ahead in :func:`anchor_order` first)."""

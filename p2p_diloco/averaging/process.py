@@ -22,11 +22,15 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.averaging.decisions import (
     MAX_DONORS_TRIED,
+    VOUCH_POLL_S,
+    VOUCH_WAIT_S,
     RoundMeta,
     commit_key,
     donor_order,
     sharing_priority,
     state_size_cap,
+    vouch_key,
+    vouchers,
 )
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
@@ -195,6 +199,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
                         None, parse_state, metadata, tensors, self.fragment, names, shapes, ours)
                     if fetched is None:
                         raise ValueError("its state is not ahead of ours (its declaration was stale)")
+                    await self._check_vouched(fetched.version, fetched.anchor_hash, donor)
                 except Exception as e:  # this donor failed us (died, stalled, sent too much or bad data): the next
                     if isinstance(e, PeerDataError):  # it sent something our checks refuse
                         why = f"{reason_of(e)}: {e}"
@@ -214,6 +219,27 @@ class FragmentAveragerProcess(DecentralizedAverager):
                 future.set_exception(e)
             if not isinstance(e, Exception):
                 raise
+
+    async def _check_vouched(self, version: int, anchor: str, donor: str) -> None:
+        """Refuse (:class:`PeerDataError`, ``unvouched``) a downloaded anchor that no peer but its donor has
+        signed for under :func:`vouch_key` (re-read for up to ``VOUCH_WAIT_S``: the other committers' entries
+        may land just after the donor's state)."""
+        from p2p_diloco.net.membership import owner_peer_id
+
+        deadline = time.monotonic() + VOUCH_WAIT_S
+        while True:
+            found = await self.dht.get(vouch_key(self.prefix, version), latest=True, return_future=True)
+            signed: dict[str, Any] = {}
+            for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+                peer = owner_peer_id(subkey)
+                if peer is not None:
+                    signed[peer] = item.value
+            if vouchers(signed, anchor) - {donor}:
+                return
+            if time.monotonic() >= deadline:
+                raise PeerDataError(Reason.UNVOUCHED, f"state download: no peer other than the donor signed anchor "
+                                                      f"{anchor} at v{version} ({len(signed)} signed that version)")
+            await asyncio.sleep(VOUCH_POLL_S)
 
     async def _download_from(self, donor: Any, cap_bytes: int,
                              expected: Sequence[torch.Size]) -> tuple[Any, list[torch.Tensor]]:

@@ -26,6 +26,8 @@ class Reason(str, Enum):
     """A version (fragment version, format version) that is negative, malformed or unknown."""
     BAD_HASH = "bad-hash"
     """Content that does not match the hash the peer announced for it."""
+    UNVOUCHED = "unvouched"
+    """A downloaded anchor that no peer other than its donor has signed for (see ``averaging.decisions.vouchers``)."""
     MALFORMED = "malformed"
     """Anything else: wrong types, missing or unknown keys, undecodable bytes."""
 

@@ -135,9 +135,12 @@ class Rounds:
         return [s.slot for s in self.syncs]
 
     def advertise(self) -> None:
-        """Advertise every fragment's anchor as donor priority (at the start, after a verified restore)."""
+        """Advertise every fragment's anchor as donor priority and vouch for it (at the start, after a verified
+        restore: a restarted peer renews the vouches of the anchors it committed)."""
         for sync, link in zip(self.syncs, self.links):
             link.anchor_changed(*sync.slot.rank)
+            if sync.slot.version > 0:  # version 0 is everyone's seeded start: nobody downloads it
+                link.host.vouch(*sync.slot.rank)
 
     # ------------------------------------------------------------ hand off
 
@@ -210,6 +213,7 @@ class Rounds:
         sent_tokens, sent_steps = slot.sent_tokens, slot.sent_steps
         sync.apply_round(outcome)
         if outcome.committed:
+            self.hosts[slot.index].vouch(*slot.rank)  # what a peer downloading this anchor from another donor checks
             self.last_sync_time = self.dht_time()
             if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
                 ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
@@ -261,6 +265,7 @@ class Rounds:
             slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
         old, old_hash = slot.version, slot.anchor_hash
         how = sync.apply_fetched(fetched)
+        self.hosts[slot.index].vouch(*slot.rank)  # verified against another peer's vouch before it got here
         extra = {"consensus_distance": slot.consensus_distance} if fork else {}
         self.event({"event": "resync", "fragment": slot.index, "outcome": how, "version": old,
                     "version_after": slot.version, "anchor_hash_before": old_hash, "anchor_hash": slot.anchor_hash,

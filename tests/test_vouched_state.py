@@ -1,0 +1,62 @@
+"""A downloaded state is checked against what other peers signed, not only against the hash its donor
+declares (issue 21, the threat model's first gap): a member that claims a newer version and serves a
+fabricated anchor -- with a hash that matches it -- is refused (``unvouched``) and the next donor is used.
+
+Real hivemind DHTs and fragment averagers on 127.0.0.1 (in-process hosts, averager processes forked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from averagers import averaging_swarm, wait_declared
+
+from p2p_diloco.averaging.decisions import anchor_hash, sharing_priority, vouchers
+from p2p_diloco.averaging.runner import ExactAllReduceRunner
+from p2p_diloco.averaging.transfer import state_payload
+from p2p_diloco.core.config import load_config
+
+NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(2))
+SHAPES = {n: torch.Size([16, 8]) for n in NAMES}
+DEADLINE_S = 90.0
+CFG = load_config(None, ["run.run_id=vouch", "model.n_layer=2", "outer.fragments=2", "outer.codec=\"fp32\"",
+                         "averaging.state_timeout_s=10.0"])
+HONEST = {n: torch.full(SHAPES[n], 0.5 + i) for i, n in enumerate(NAMES)}
+FAKE = {n: torch.full(SHAPES[n], 1000.0) for n in NAMES}  # consistent with its own hash: only a vouch tells
+MOMENTUM = {n: torch.zeros(SHAPES[n]) for n in NAMES}
+
+
+def test_vouchers_are_the_signers_of_exactly_that_anchor() -> None:
+    signed: dict[str, Any] = {"A": "a" * 16, "B": "a" * 16, "C": "b" * 16, "D": 7}
+    assert vouchers(signed, "a" * 16) == {"A", "B"}
+    assert vouchers(signed, "b" * 16) - {"C"} == set()  # the donor alone vouching for itself: refused
+    assert vouchers({}, "a" * 16) == set()
+
+
+@pytest.mark.integration
+def test_a_fabricated_newer_anchor_is_refused_and_the_next_donor_used(tmp_path: Path) -> None:
+    honest_hash, fake_hash = anchor_hash(HONEST), anchor_hash(FAKE)
+    providers = [lambda: state_payload(0, 6, FAKE, MOMENTUM, NAMES),  # the liar: "v6"
+                 lambda: state_payload(0, 5, HONEST, MOMENTUM, NAMES),  # an honest donor at the swarm's v5
+                 None,  # its co-committer of v5 (shares nothing)
+                 None]  # the newcomer
+    with averaging_swarm(tmp_path, CFG, NAMES, SHAPES, (ExactAllReduceRunner,) * 4, providers) as peers:
+        liar, donor, witness, newcomer = peers
+        liar.set_anchor(6, fake_hash)
+        donor.set_anchor(5, honest_hash)
+        liar.vouch(6, fake_hash)  # signing for itself is not enough
+        donor.vouch(5, honest_hash)
+        witness.vouch(5, honest_hash)
+        wait_declared(newcomer.dht, liar, sharing_priority(6, fake_hash))
+        wait_declared(newcomer.dht, donor, sharing_priority(5, honest_hash))
+
+        got = newcomer.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        print(f"\nattempts: {[(d[-8:], why, round(s, 2)) for d, why, s in got.attempts]}")
+        tried = [d for d, _, _ in got.attempts]
+        assert tried[0] == liar.dht.peer_id.to_base58(), got.attempts  # the liar ranks first: it claims v6
+        assert got.attempts[0][1].startswith("unvouched: state download: no peer other than the donor signed"), got
+        assert tried[-1] == donor.dht.peer_id.to_base58() and got.attempts[-1][1] == "ok", got.attempts
+        assert got.fetched is not None and got.fetched.version == 5 and got.fetched.anchor_hash == honest_hash
+        assert all(torch.equal(got.fetched.anchor[n], HONEST[n]) for n in NAMES)
