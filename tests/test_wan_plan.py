@@ -254,3 +254,84 @@ def test_report_states_the_missing_latency_and_the_projection() -> None:
     md = bench_wan.render_md(result)
     assert "no latency emulation" in md and "projected" in md
     assert "| 10 | dp | 5.000 | 0.16 | 750 (projected) |" in md
+
+
+# ---------------------------------------------------------------- latency: relays in front of the services
+
+
+def test_no_round_trip_means_no_relay_and_the_bridge_address_as_before() -> None:
+    plan = netns.WanPlan(hosts=4, rate_mbit=10)
+    assert not plan.relayed
+    assert netns.listen_args(plan, 2, 31337) == ["--host", "10.77.0.3"]
+
+
+def test_with_a_round_trip_peers_listen_on_loopback_and_announce_the_relay() -> None:
+    plan = netns.WanPlan(hosts=4, rate_mbit=10, rtt_ms=100)
+    assert plan.relayed
+    assert netns.listen_args(plan, 2, 31337) == ["--host", "127.0.0.1", "--port", "31337",
+                                                 "--announce", "/ip4/10.77.0.3/tcp/31337"]
+    cmd = netns.relay_command(plan, 2, 31337, python="py")
+    assert cmd[:2] == ["py", str(netns.RELAY)]
+    assert cmd[cmd.index("--listen") + 1] == "10.77.0.3:31337"  # the address other hosts dial
+    assert cmd[cmd.index("--target") + 1] == "127.0.0.1:31337"  # the service, behind it
+    assert cmd[cmd.index("--delay-ms") + 1] == "50"  # one relay per connection: half the round trip each way
+    sources = dict(cmd[k + 1].split("=") for k, a in enumerate(cmd) if a == "--source-delay-ms")
+    assert sources == {"10.77.0.1": "50", "10.77.0.2": "50", "10.77.0.3": "0", "10.77.0.4": "50"}  # 0: same host
+
+
+def test_a_ragged_host_is_slow_to_everyone_and_only_it() -> None:
+    plan = netns.WanPlan(hosts=4, rate_mbit=10, rtt_ms=100, host_rtt_ms=netns.parse_host_rtts(["3=300"]))
+    assert [netns.pair_rtt_ms(plan, 3, j) for j in range(4)] == [300, 300, 300, 0]
+    assert [netns.pair_rtt_ms(plan, 0, j) for j in range(4)] == [0, 100, 100, 300]
+    # whoever dials, the dialled relay holds each chunk for half the pair's round trip
+    for i in range(4):
+        cmd = netns.relay_command(plan, i, 31337)
+        sources = dict(cmd[k + 1].split("=") for k, a in enumerate(cmd) if a == "--source-delay-ms")
+        assert {src: float(ms) * 2 for src, ms in sources.items()} == {
+            netns.host_address(plan, j): netns.pair_rtt_ms(plan, i, j) for j in range(4)}
+    only_ragged = netns.WanPlan(hosts=4, rate_mbit=10, host_rtt_ms=((1, 200.0),))
+    assert only_ragged.relayed and netns.pair_rtt_ms(only_ragged, 0, 2) == 0 and netns.pair_rtt_ms(only_ragged, 0, 1) == 200
+
+
+def test_host_round_trips_parse_and_bad_ones_fail_with_one_line() -> None:
+    assert netns.parse_host_rtts(["3=300,1=50", "2=0"]) == ((3, 300.0), (1, 50.0), (2, 0.0))
+    assert netns.parse_host_rtts([]) == ()
+    for bad in ("3", "x=5", "3=fast"):
+        with pytest.raises(ValueError, match="expected HOST=MS"):
+            netns.parse_host_rtts([bad])
+    for kwargs, message in [({"rtt_ms": -1.0}, "rtt_ms must be"), ({"rtt_ms": float("nan")}, "rtt_ms must be"),
+                            ({"host_rtt_ms": ((4, 10.0),)}, "host indices"),
+                            ({"host_rtt_ms": ((1, 10.0), (1, 20.0))}, "host indices"),
+                            ({"host_rtt_ms": ((1, 1e6),)}, "host_rtt_ms of host 1")]:
+        with pytest.raises(ValueError, match=message):
+            netns.WanPlan(hosts=4, rate_mbit=10, **kwargs)
+    with pytest.raises(ValueError, match="relay port"):
+        netns.relay_command(netns.WanPlan(hosts=2, rate_mbit=10, rtt_ms=10), 0, 0)
+
+
+def test_check_flags_round_trips_far_from_the_requested_ones_only() -> None:
+    pairs = [{"from": 1, "to": 0, "requested_ms": 100.0, "median_ms": 101.0},
+             {"from": 2, "to": 0, "requested_ms": 300.0, "median_ms": 200.0},
+             {"from": 3, "to": 0, "requested_ms": 0.0, "median_ms": 0.02}]
+    assert netns.check_rtts({"rtt": pairs}) == ["host 2 -> host 0: 200.0 ms measured, 300 requested"]
+
+
+def test_bench_with_latency_relays_the_learners_and_refuses_data_parallel() -> None:
+    p = bench_wan.BenchParams(methods=("blocking", "decoupled"), merge=True, rtt_ms=100, host_rtt_ms=((3, 300.0),))
+    assert p.plan(10.0).relayed and netns.pair_rtt_ms(p.plan(10.0), 0, 3) == 300
+    assert bench_wan.relay_endpoints(3) == [(0, bench_wan.BOOT_PORT), (0, bench_wan.LEARNER_PORT),
+                                            (1, bench_wan.LEARNER_PORT), (2, bench_wan.LEARNER_PORT)]
+    with pytest.raises(ValueError, match="gloo"):
+        bench_wan.BenchParams(methods=("dp", "decoupled"), merge=True, rtt_ms=100)
+    with pytest.raises(ValueError, match="host indices"):
+        bench_wan.BenchParams(methods=("decoupled",), merge=True, host_rtt_ms=((9, 300.0),))
+    # results written before the round trip existed had none: they merge with a run without one, not with one
+    old = {k: v for k, v in dataclasses.asdict(bench_wan.BenchParams(merge=True)).items()
+           if k not in ("rtt_ms", "host_rtt_ms")}
+    bench_wan.merge_check(old, bench_wan.BenchParams(merge=True))
+    with pytest.raises(ValueError, match="rtt_ms differs"):
+        bench_wan.merge_check(old, p)
+    same = json.loads(json.dumps(dataclasses.asdict(p)))  # tuples of tuples come back as lists of lists
+    bench_wan.merge_check(same, p)
+    text = bench_wan.latency_text(dataclasses.asdict(p))
+    assert "100 ms" in text and "host 3 at 300 ms" in text and "no latency" not in text

@@ -2,8 +2,10 @@
 """Emulated-WAN benchmark: data-parallel (gloo), blocking DiLoCo and p2p-diloco on rate-limited hosts.
 
 For each link rate, N hosts are built as network namespaces on a private bridge (``netns.py``: a
-token bucket on each host's link, both directions; **no latency emulation**, netem is missing
-here), and on the same hosts, model, data and seeds it runs:
+token bucket on each host's link, both directions; latency only with ``--rtt-ms``, added by delaying
+TCP relays in front of the learners since netem is missing here; data-parallel's gloo connections
+cannot be relayed, so ``dp`` runs only without latency), and on the same hosts, model, data and seeds
+it runs:
 
 - ``dp``: data-parallel with torch.distributed gloo, gradients all-reduced every step
   (``dp_gloo.py``, one rank per host) -- conventional synchronization;
@@ -38,6 +40,8 @@ next to the ideal bound and its share of it.
     sudo python scripts/wan/bench_wan.py --rates 10                    # compute-only, trajectory, then 10 Mbit/s (<= 30 min)
     for r in 2 5 50 200; do sudo python scripts/wan/bench_wan.py --rates $r --merge; done   # the other rates
     sudo python scripts/wan/bench_wan.py --methods dp --max-time 60 --trajectory-steps 20   # a smoke run
+    sudo python scripts/wan/bench_wan.py --rates 10 --methods blocking,decoupled --rtt-ms 100 --host-rtt-ms 3=300 \
+        --out results/wan-rtt                                              # learners at 100 ms, host 3 at 300 ms
     python scripts/wan/bench_wan.py --render-only                         # rewrite the page (README.md) from wan.json
     sudo python scripts/wan/netns.py --cleanup                            # leftovers of a run killed by SIGKILL
 
@@ -88,14 +92,19 @@ STOP_GRACE_S = 30.0
 POLL_S = 1.0
 LINGER_S = 20.0
 """A learner's --linger: after its final rounds, how long it waits for its peers to agree."""
+BOOT_PORT = 31330
+"""With latency: the bootstrap's fixed port in host 0 (behind its relay)."""
+LEARNER_PORT = 31337
+"""With latency: each learner's fixed port in its host (behind its relay)."""
 FINAL_RE = re.compile(r"^final (\{.*\})$", re.M)
 PEERS_RE = re.compile(r"^initial peers: (\S+)$", re.M)
 BENCH = _bench.Bench("wan", "wan", "Emulated WAN: data-parallel, blocking DiLoCo and ours on slow links",
                      "scripts/wan/bench_wan.py", """\
 `scripts/wan/netns.py` makes each of N hosts (4 here) a Linux network namespace on a private bridge, with no default
-route; each host's link is limited by a token bucket (`tc qdisc ... tbf`) in both directions. **No latency is
-emulated** (netem is not available here): round trips stay below a millisecond, which favours data-parallel
-training. On the same hosts, model (`configs/demo.toml`, 16 x 128 bytes per host per step), data shards and seeds,
+route; each host's link is limited by a token bucket (`tc qdisc ... tbf`) in both directions. Latency only with
+`--rtt-ms` (netem is not available here): the learners then listen behind a delaying TCP relay in each host
+(`scripts/wan/relay.py`), and data-parallel, whose gloo connections cannot be relayed, is not run. Without it round
+trips stay below a millisecond, which favours data-parallel training. On the same hosts, model (`configs/demo.toml`, 16 x 128 bytes per host per step), data shards and seeds,
 three methods:
 
 - `dp`: `scripts/wan/dp_gloo.py`, torch.distributed gloo DDP, fp32 gradients all-reduced every step;
@@ -154,12 +163,19 @@ class BenchParams:
     merge: bool = False
     """Add the rates measured now to ``out/wan.json`` (same hosts, config, budget), reusing its compute-only
     step time and trajectory, instead of starting a new result."""
+    rtt_ms: float = 0.0
+    """Round trip between hosts added by relays in front of the learners (ms); 0 = none."""
+    host_rtt_ms: tuple[tuple[int, float], ...] = ()
+    """(host, ms): hosts with a round trip of their own (a ragged host); a pair gets the larger of theirs."""
 
     def __post_init__(self) -> None:
         if not self.rates_mbit:
             raise ValueError("rates: give at least one rate")
         for r in self.rates_mbit:
-            netns.WanPlan(hosts=self.hosts, rate_mbit=r)  # validates hosts and rate
+            self.plan(r)  # validates hosts, rate and round trips
+        if self.plan(self.rates_mbit[0]).relayed and "dp" in self.methods:
+            raise ValueError("--rtt-ms/--host-rtt-ms apply to the learners only: gloo's connections use ports chosen "
+                             "at run time, which no relay can sit in front of; pass --methods blocking,decoupled")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
             raise ValueError(f"methods must be some of {', '.join(METHODS)}, got {list(self.methods)}")
@@ -176,6 +192,11 @@ class BenchParams:
         if worst_case_s(self) > self.budget_s:
             raise ValueError(f"worst case {worst_case_s(self) / 60:.1f} min exceeds the budget of "
                              f"{self.budget_s / 60:.1f} min: lower --max-time, or measure fewer --rates / --methods")
+
+
+    def plan(self, rate_mbit: float) -> netns.WanPlan:
+        """The hosts at one rate, with the round trips (if any)."""
+        return netns.WanPlan(hosts=self.hosts, rate_mbit=rate_mbit, rtt_ms=self.rtt_ms, host_rtt_ms=self.host_rtt_ms)
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -203,6 +224,11 @@ def trajectory_summary(curve: Sequence[dict[str, Any]], target: float) -> dict[s
     tokens_per_step = curve[-1]["tokens"] / curve[-1]["step"] if curve and curve[-1]["step"] else None
     return {"curve": list(curve), "target_loss": target, "steps_to_target": steps,
             "tokens_to_target": steps * tokens_per_step if steps is not None and tokens_per_step else None}
+
+
+def relay_endpoints(hosts: int) -> list[tuple[int, int]]:
+    """(host, port) of every relay a learner run needs with latency: the bootstrap's in host 0, each learner's."""
+    return [(0, BOOT_PORT), *((i, LEARNER_PORT) for i in range(hosts))]
 
 
 def method_overrides(method: str, hosts: int) -> list[str]:
@@ -288,8 +314,10 @@ def speedups(rows: dict[str, dict[str, Any]], compute_step_s: float) -> dict[str
 
 
 COMPARABLE = ("hosts", "config", "overrides", "steps", "max_time_s", "dp_max_time_s", "eval_every_s",
-              "trajectory_steps", "trajectory_eval_every", "target_loss")
+              "trajectory_steps", "trajectory_eval_every", "target_loss", "rtt_ms", "host_rtt_ms")
 """Parameters that must agree for results of two runs to share one table."""
+ADDED_LATER: dict[str, Any] = {"rtt_ms": 0.0, "host_rtt_ms": []}
+"""Comparable parameters that results written before them lack, with the value those runs had."""
 
 
 def merge_check(old_params: dict[str, Any], p: BenchParams) -> None:
@@ -297,7 +325,7 @@ def merge_check(old_params: dict[str, Any], p: BenchParams) -> None:
     compared as results store them, relative to the repository."""
     new, old_params = _bench.relative_paths(asdict(p)), _bench.relative_paths(old_params)
     for key in COMPARABLE:
-        old, now = old_params.get(key), new[key]
+        old, now = old_params.get(key, ADDED_LATER.get(key)), new[key]
         if isinstance(now, tuple):
             old = tuple(old or ())
         if old != now:
@@ -426,7 +454,7 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
     cli = [sys.executable, "-m", "p2p_diloco.cli.main"]
     before = wan.all_counters()
     with Procs(wan, logs) as procs:
-        procs.start(f"{tag}-boot", 0, [*cli, "bootstrap", "--host", wan.address(0), "--identity",
+        procs.start(f"{tag}-boot", 0, [*cli, "bootstrap", *netns.listen_args(wan.plan, 0, BOOT_PORT), "--identity",
                                        str(procs.tmp / "boot.id"), "--config", p.config, *sets])
         peers = procs.wait_for(f"{tag}-boot", PEERS_RE, START_SLACK_S).group(1)
         names = [f"{tag}-l{i}" for i in range(p.hosts)]
@@ -434,7 +462,8 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
             (logs / f"{name}.jsonl").unlink(missing_ok=True)
         for i, name in enumerate(names):
             evals = ["--eval-every", f"{p.eval_every_s:g}", "--eval-batches", str(EVAL_ALL)] if i == 0 else []
-            procs.start(name, i, [*cli, "join", "--initial-peers", peers, "--host", wan.address(i), "--config",
+            procs.start(name, i, [*cli, "join", "--initial-peers", peers, *netns.listen_args(wan.plan, i, LEARNER_PORT),
+                                  "--config",
                                   p.config, *sets, "--name", f"l{i}", "--shard", str(i), "--num-shards", str(p.hosts),
                                   "--wait-peers", str(p.hosts), "--steps", str(p.steps or NO_STEP_LIMIT), "--max-time",
                                   str(p.max_time_s), "--lr-schedule", "steps", "--linger", str(LINGER_S), "--events",
@@ -458,7 +487,7 @@ def bench(p: BenchParams) -> dict[str, Any]:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"params": asdict(p), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "latency_emulation": False, "rates": {}}
+                              "latency_emulation": p.plan(p.rates_mbit[0]).relayed, "rates": {}}
     previous: dict[str, Any] | None = None
     if p.merge:
         previous = json.loads((out / "wan.json").read_text())
@@ -484,10 +513,13 @@ def bench(p: BenchParams) -> dict[str, Any]:
     log.info("trajectory: %s steps to %g; final %.4f after %d steps", _fmt(trajectory["steps_to_target"], ".1f"),
              p.target_loss, trajectory["curve"][-1]["eval_loss"], trajectory["curve"][-1]["step"])
     for rate in p.rates_mbit:
-        plan = netns.WanPlan(hosts=p.hosts, rate_mbit=rate)
+        plan = p.plan(rate)
         rows: dict[str, dict[str, Any]] = {}
         with netns.Wan(plan) as wan:
             qdisc = wan.qdisc(0)
+            if plan.relayed:  # they outlive each method's processes, as a link would
+                for host, port in relay_endpoints(p.hosts):
+                    wan.start_relay(host, port)
             for method in p.methods:
                 tag = f"{rate:g}mbit-{method}"
                 if method == "dp":
@@ -524,6 +556,17 @@ def _fmt(v: Any, spec: str, none: str = "—") -> str:
     return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def latency_text(params: dict[str, Any]) -> str:
+    """The page's sentence on latency, from the run's parameters (results older than ``rtt_ms`` had none)."""
+    rtt, ragged = params.get("rtt_ms", 0.0), [tuple(x) for x in params.get("host_rtt_ms", ())]
+    if not rtt and not any(ms for _, ms in ragged):
+        return ("**no latency emulation** (netem is not available): round trips stay sub-millisecond, so these "
+                "figures favour data-parallel.")
+    extra = "".join(f", host {i} at {ms:g} ms" for i, ms in ragged)
+    return (f"round trips of {rtt:g} ms between hosts{extra} (a pair gets the larger of its two), added by a delaying "
+            "TCP relay in front of each learner (netem is not available).")
+
+
 def render_md(result: dict[str, Any]) -> str:
     p = result["params"]
     c = result.get("compute_only", {})
@@ -533,8 +576,7 @@ def render_md(result: dict[str, Any]) -> str:
     lines = [
         f"Emulated WAN: {p['hosts']} hosts, {Path(p['config']).name}, learners {p['max_time_s']:g} s of training.",
         "",
-        "Per-host links limited with tc tbf in both directions; **no latency emulation** (netem is not "
-        "available): round trips stay sub-millisecond, so these figures favour data-parallel.",
+        "Per-host links limited with tc tbf in both directions; " + latency_text(p),
         f"Compute-only step (all hosts at once, no all-reduce): {_fmt(c.get('median_step_s'), '.3f')} s. "
         f"Data-parallel trajectory (unlimited link): {_fmt(t.get('steps_to_target'), '.1f')} steps "
         f"({_fmt((t.get('tokens_to_target') or 0) / 1e6 or None, '.2f')}M tokens) to eval loss {target:g}; "
@@ -603,7 +645,8 @@ def _plot_rates(result: dict[str, Any], ax1: Any, ax2: Any) -> None:
     for ax in (ax1, ax2):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("per-host link (Mbit/s), no added latency")
+        rtt = result["params"].get("rtt_ms", 0.0)
+        ax.set_xlabel(f"per-host link (Mbit/s), round trip {rtt:g} ms" if rtt else "per-host link (Mbit/s), no added latency")
         ax.legend(fontsize=8)
 
 
@@ -653,6 +696,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="eval loss (nats/byte) for the time to target (default: %(default)s)")
     ap.add_argument("--compute-steps", type=int, default=d["compute_steps"].default)
     ap.add_argument("--budget-min", type=float, default=d["budget_s"].default / 60, help="refuse longer plans")
+    ap.add_argument("--rtt-ms", type=float, default=d["rtt_ms"].default, metavar="MS",
+                    help="round trip between hosts, added by relays in front of the learners (default: 0 = none; "
+                         "not with dp)")
+    ap.add_argument("--host-rtt-ms", action="append", default=[], metavar="HOST=MS",
+                    help="a host with its own round trip, e.g. 3=300 (repeatable); a pair gets the larger of theirs")
     ap.add_argument("--merge", action="store_true",
                     help="add these rates to --out/wan.json (same parameters; its compute-only step and trajectory)")
     a = ap.parse_args(argv)
@@ -666,7 +714,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              dp_max_time_s=a.dp_max_time, eval_every_s=a.eval_every,
                              trajectory_steps=a.trajectory_steps, trajectory_eval_every=a.trajectory_eval_every,
                              target_loss=a.target_loss, budget_s=a.budget_min * 60, out=str(a.out),
-                             compute_steps=a.compute_steps, merge=a.merge)
+                             compute_steps=a.compute_steps, merge=a.merge, rtt_ms=a.rtt_ms,
+                             host_rtt_ms=netns.parse_host_rtts(a.host_rtt_ms))
     except ValueError as e:
         print(f"bench_wan: {e}", file=sys.stderr)
         return 2
