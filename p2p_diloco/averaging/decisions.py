@@ -18,7 +18,11 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
   a round with some parts replaced by the local tensor (a reducer that failed) or some senders
   dropped (banned after a timeout), and report success. We check the runner's own books after
   every round and raise instead, so ``step()`` fails; a round that fails is discarded by the
-  learner, never half-applied, and its pseudo-gradient is kept for the next round.
+  learner, never half-applied, and its pseudo-gradient is kept for the next round. A sender is
+  dropped (banned) for a malformed part; a part whose only fault is non-finite values is not a
+  partial round: its reducer leaves it out of that part's average and still answers the sender
+  (``ExactAllReduceRunner.left_out``), so a member that sends NaN every round blocks nothing. A part
+  that no sender sent finite fails the round.
 * **Group-atomic commit** (:func:`commit_decision`). A partial all-reduce is not always visible to
   every member: when a reducer drops a sender, the third peer gets a "successful" average that
   lacks one contribution. So after the all-reduce each member posts its verdict (signed, in the
@@ -36,14 +40,15 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
 * **Bounded influence** (``outer.robust``, :class:`RobustTensorPartReducer`). A member that sends
   1000x tensors or norms must not steer the anchor. Each reducer averages the parts it receives with
   :func:`outer.robust_mean` (norms capped at ``clip_factor`` x the senders' lower median, non-finite
-  parts left out, and with "trim" a coordinate-wise trimmed mean), weighting senders by their
-  *gathered* weights capped the same way -- not by what they claim in the stream; every member
-  applies the same rule to the gathered norms (:func:`outer.decode_merged`). One reducer computes
-  each part for everyone, so anchors stay bit-identical.
+  parts left out as by the plain reducer, and with "trim" a coordinate-wise trimmed mean), weighting
+  senders by their *gathered* weights capped the same way -- not by what they claim in the stream;
+  every member applies the same rule to the gathered norms (:func:`outer.decode_merged`). One
+  reducer computes each part for everyone, so anchors stay bit-identical.
 * **Versioned groups**: the group key carries the fragment version and a few bits of the anchor
   hash (``set_group_bits``), so only peers holding the same anchor meet; a peer behind the swarm
   finds nobody and fetches the current anchor + outer state from a peer that has it
-  (:meth:`FragmentAveragerHost.fetch_state`).
+  (:meth:`FragmentAveragerHost.fetch_state`), accepted only if a peer other than its donor signed that
+  anchor (:func:`vouchers`; every committer signs its new anchor, :meth:`FragmentAveragerHost.vouch`).
 * **Forks heal** (:func:`anchor_order`). hivemind matchmaking can split the peers due for a round
   into two groups that each commit the same version from the same anchor, with different results.
   The (version, anchor hash) pairs are totally ordered -- at equal versions the smaller hash wins --

@@ -1,8 +1,20 @@
-"""Our all-reduce runner and reducer (run in the averager process): exact part accounting, robust merge."""
+"""Our all-reduce runner and reducer (run in the averager process): exact part accounting, robust merge.
+
+Every part a reducer receives is decoded strictly (:func:`decode_part`). A part that is malformed,
+oversize, of the wrong shape or dtype, or comes with a weight that is not a finite number >= 0 gets its
+sender banned, and the round fails as a whole (:meth:`ExactAllReduceRunner.completeness_problem`). A
+part whose *only* fault is non-finite values (``Reason.NON_FINITE``: a NaN in a diverged member's
+pseudo-gradient) is *left out* of that part's average instead -- as the simulator and
+:func:`outer.robust_mean` do -- and the reducer still sends that sender the average, so its all-reduce
+completes, it does not veto, and one member that sends NaN every round cannot block its groups' rounds.
+The same holds for the reducer's own share of its own tensors. A part with no finite contribution at
+all is returned as zeros (never NaN on the wire) and fails the round.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 from typing import Any, AsyncIterator, Mapping, Sequence
@@ -90,6 +102,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._sent, self._received = counters
         self.fragment = fragment
         self.reducer_failures: list[str] = []  # "peer: why" for each reducer that failed us, for the round's reason
+        self.left_out: dict[Any, int] = {}
+        """Parts with non-finite values that this reducer left out of their averages, per sender peer id."""
+        self.empty_parts: set[int] = set()
+        """Indices of parts whose every sender was left out (returned as zeros; the round fails)."""
+        self._left_out_of_part: collections.Counter[int] = collections.Counter()
         if robust is not None:
             weights, rule = robust
             self.tensor_part_reducer.finished.set()  # hivemind's own reducer is replaced unused: no "0% received"
@@ -105,6 +122,43 @@ class ExactAllReduceRunner(AllReduceRunner):
         message = serialize_torch_tensor(averaged, compression_type)
         return message, deserialize_torch_tensor(message)
 
+    def _stand_in(self, part_index: int) -> tuple[torch.Tensor, float]:
+        """What the reducer accumulates for a part that is left out: no influence on the average.
+
+        hivemind's :class:`TensorPartReducer` adds ``weight * part`` and ``weight`` to its denominator,
+        so zeros with weight 0.0 change neither. :class:`RobustTensorPartReducer` ignores the weight
+        (it uses the gathered one), so it gets a NaN-filled part, which :func:`outer.robust_mean` leaves
+        out -- out of the mean *and* out of the median its norm cap is taken from -- exactly as the
+        simulator's robust reducer leaves out the non-finite part itself."""
+        shape = self.tensor_part_reducer.part_shapes[part_index]
+        if isinstance(self.tensor_part_reducer, RobustTensorPartReducer):
+            return torch.full(shape, math.nan), 0.0
+        return torch.zeros(shape), 0.0
+
+    def _leave_out(self, sender: Any, part_index: int, error: PeerDataError) -> None:
+        """Count a left-out part of ``sender``; log it with its reason code once per sender per round."""
+        if sender not in self.left_out:
+            log_rejection(logger, "a tensor part (left out of its average)", sender, error)
+        self.left_out[sender] = self.left_out.get(sender, 0) + 1
+        self._left_out_of_part[part_index] += 1
+
+    async def _reduce_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor | None,
+                           weight: float) -> torch.Tensor:
+        """Accumulate one sender's part (None: left out, see :meth:`_stand_in`) and return the part's average.
+
+        If every sender still counted for the part was left out, hivemind's reducer would return 0/0 =
+        NaN (it divides by the plain denominator, no epsilon): the part is returned as zeros instead, and
+        recorded in ``empty_parts`` so that the round fails (:meth:`completeness_problem`)."""
+        if tensor_part is None:
+            tensor_part, weight = self._stand_in(part_index)
+        reducer = self.tensor_part_reducer
+        averaged = await reducer.accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+        left_out = self._left_out_of_part[part_index]
+        if left_out and left_out >= sum(part_index < failed for failed in reducer.sender_failed_after):
+            self.empty_parts.add(part_index)
+            return torch.zeros_like(averaged)
+        return averaged
+
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in faults.after_first(super()._generate_input_for_peer(peer_index), "while-sending",
                                                 self.fragment):
@@ -118,8 +172,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             sender_index = self.sender_peer_ids.index(peer_id)
             compression_type = container.compression.compression_type
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-                averaged = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, tensor_part, weight=self.weight)
+                part: torch.Tensor | None = tensor_part
+                if not bool(torch.isfinite(tensor_part).all()):  # our own share is held to the same rule
+                    self._leave_out(self.peer_id, part_index, PeerDataError(
+                        Reason.NON_FINITE, f"our own part {part_index} holds NaN or infinite values"))
+                    part = None
+                averaged = await self._reduce_part(sender_index, part_index, part, self.weight)
                 _, decoded = await asyncio.get_event_loop().run_in_executor(
                     None, self._quantized, averaged, compression_type)
                 container.register_processed_part(peer_index, part_index, decoded)
@@ -155,9 +213,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """As hivemind's, except that each part is decoded strictly (:func:`decode_part`: our codec's slot,
-        the part's shape and dtype, exact buffer length, finite values; a finite non-negative weight): a
-        sender whose part is refused is logged with its peer id and a reason code, and banned -- the
-        round then fails as a whole (:meth:`completeness_problem`), never half-applied."""
+        the part's shape and dtype, exact buffer length, finite values; a finite non-negative weight).
+        A part whose only fault is non-finite values is left out of its average (:meth:`_leave_out`) and
+        the sender still gets the average back. Any other refusal is logged with the sender's peer id and
+        a reason code, and the sender is banned -- the round then fails as a whole
+        (:meth:`completeness_problem`), never half-applied."""
         part_index = 0
         loop = asyncio.get_event_loop()
         reducer, compression = self.tensor_part_reducer, self.tensor_part_container.compression
@@ -169,7 +229,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 yield index, msg
                 index += 1
 
-        def receive(item: tuple[int, averaging_pb2.AveragingData]) -> tuple[torch.Tensor, float, int]:
+        def receive(item: tuple[int, averaging_pb2.AveragingData]
+                    ) -> tuple[torch.Tensor | PeerDataError, float, int]:
+            """(the decoded part, or the NON_FINITE refusal of a part that is left out; weight; codec slot)."""
             index, msg = item
             self._count(self._received, msg)
             if index >= reducer.num_parts:
@@ -178,7 +240,13 @@ class ExactAllReduceRunner(AllReduceRunner):
                 raise PeerDataError(Reason.NON_FINITE if not math.isfinite(msg.weight) else Reason.MALFORMED,
                                     f"weight {msg.weight} is not a finite number >= 0")
             local = self.parts_for_local_averaging[index]
-            part = decode_part(msg.tensor_part, reducer.part_shapes[index], local.dtype, compression.compression_type)
+            try:
+                part = decode_part(msg.tensor_part, reducer.part_shapes[index], local.dtype,
+                                   compression.compression_type)
+            except PeerDataError as e:
+                if e.reason is not Reason.NON_FINITE:  # slot, shape, dtype and length were checked before
+                    raise  # finiteness, and a left-out part's contents are never used
+                return e, msg.weight, msg.tensor_part.compression
             return part, msg.weight, msg.tensor_part.compression
 
         parts = amap_in_executor(receive, numbered(), max_prefetch=self.tensor_part_container.prefetch)
@@ -188,13 +256,17 @@ class ExactAllReduceRunner(AllReduceRunner):
                     tensor_part, weight, compression_type = await parts.__anext__()
                 except StopAsyncIteration:
                     break
-                except ValueError as e:  # excluded: the round fails for everyone (completeness_problem)
+                except ValueError as e:  # banned: the round fails for everyone (completeness_problem)
                     log_rejection(logger, "a tensor part", sender, e)
                     await self._ban_sender(sender)
                     break
+                part: torch.Tensor | None = None
+                if isinstance(tensor_part, PeerDataError):  # non-finite values: left out, the round goes on
+                    self._leave_out(sender, part_index, tensor_part)
+                else:
+                    part = tensor_part
                 try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight)
+                    averaged = await self._reduce_part(sender_index, part_index, part, weight)
                     part_index += 1
                     if part_index == 1 and self.sender_peer_ids[sender_index] != self.peer_id:
                         faults.hit("while-reducing", self.fragment)
@@ -215,6 +287,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         expected = reducer.num_parts * reducer.num_senders
         problem = completeness_problem(self.tensor_part_container.total_size, self.tensor_part_container.failed_size,
                                        len(self.banned_senders), expected, sum(reducer.num_parts_received))
+        if problem is None and self.empty_parts:
+            problem = f"{len(self.empty_parts)} part(s) with no finite contribution from any sender"
         if problem is not None and self.reducer_failures:
             problem += f" [{'; '.join(self.reducer_failures)}]"
         return problem

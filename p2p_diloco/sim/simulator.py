@@ -28,8 +28,8 @@ Protocol rules reproduced here:
   and its members keep their progress (as a networked round that fails);
 - the robust merge (``outer.robust``) uses the same functions as the networked reducers and members
   (:func:`outer.robust_mean`, :func:`outer.decode_merged`), with each whole tensor as one reducer
-  part (decoded from the codec, reduced, and sent back through the codec). The networked reducers
-  refuse a non-finite part before it gets there (the round fails); here it is left out.
+  part (decoded from the codec, reduced, and sent back through the codec). A non-finite part is left
+  out of its average, here as in the networked reducers.
 
 An :class:`Attack` makes one learner poison what it sends every round (the poisoning benchmark).
 """
