@@ -260,6 +260,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                     log_rejection(logger, "a tensor part", sender, e)
                     await self._ban_sender(sender)
                     break
+                except asyncio.TimeoutError:  # the finally below bans it; say why (it looks like a reducer fault)
+                    logger.warning("fragment %s: sender %s silent for %s s after %d of %d parts: dropped from "
+                                   "this round", self.fragment, sender, self.sender_timeout, part_index,
+                                   reducer.num_parts)
+                    raise
                 part: torch.Tensor | None = None
                 if isinstance(tensor_part, PeerDataError):  # non-finite values: left out, the round goes on
                     self._leave_out(sender, part_index, tensor_part)
@@ -270,8 +275,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                     if part_index == 1 and self.sender_peer_ids[sender_index] != self.peer_id:
                         faults.hit("while-reducing", self.fragment)
-                except AllreduceException:  # BannedException included: this sender no longer counts
-                    logger.debug("sender %d was banned", sender_index)
+                except AllreduceException as e:  # BannedException included: this sender no longer counts
+                    logger.info("fragment %s: stopped reducing sender %s after %d of %d parts: %s", self.fragment,
+                                sender, part_index, reducer.num_parts, e)
                     break
                 serialized, _ = await loop.run_in_executor(None, self._quantized, averaged, compression_type)
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
