@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator
 
 import pytest
 import torch
-from averagers import averaging_swarm
+from averagers import averaging_swarm, run_round
 
-from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost, RoundOutcome
+from p2p_diloco.averaging.host import Contribution
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.decisions import RoundMeta
 from p2p_diloco.hivemind_ext.codecs import error_bound
@@ -57,25 +57,13 @@ class DropFirstRemoteSender(ExactAllReduceRunner):
             yield message
 
 
-def run_round(peers: list[FragmentAveragerHost], tensors: list[dict[str, torch.Tensor]], cfg: Any) -> list[RoundOutcome]:
-    from hivemind.utils import get_dht_time
-
-    start = get_dht_time() + cfg.averaging.window_s
-    futures = []
-    for i, (peer, t) in enumerate(zip(peers, tensors)):
-        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(cfg), tokens=TOKENS[i], steps=10,
-                         weight=float(TOKENS[i]), due=get_dht_time(), norms={})
-        futures.append(peer.start_round(Contribution(meta, t, start, cfg.averaging.window_s)))
-    return [f.result(timeout=ROUND_DEADLINE_S) for f in futures]
-
-
 def test_partial_round_is_discarded_by_every_member_then_a_clean_round_commits(tmp_path: Any) -> None:
     cfg = CFG
     with swarm(tmp_path, (DropFirstRemoteSender, ExactAllReduceRunner, ExactAllReduceRunner)) as peers:
         gen = torch.Generator().manual_seed(0)
         tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
 
-        faulty = run_round(peers, tensors, cfg)
+        faulty = run_round(peers, tensors, cfg, TOKENS, ROUND_DEADLINE_S)
         for o in faulty:
             print(f"\nfaulty round: committed={o.committed} group={o.group_size} {o.duration_s:.2f} s: {o.reason}")
         assert FIRED.value == 1, "the fault did not fire"
@@ -85,7 +73,7 @@ def test_partial_round_is_discarded_by_every_member_then_a_clean_round_commits(t
         assert all("partial all-reduce" in o.reason or "reported" in o.reason for o in faulty), [o.reason for o in faulty]
         assert all(o.merged is None for o in faulty)
 
-        clean = run_round(peers, tensors, cfg)
+        clean = run_round(peers, tensors, cfg, TOKENS, ROUND_DEADLINE_S)
         assert all(o.committed and o.group_size == 3 for o in clean), [o.reason for o in clean]
         merged = [o.merged for o in clean]
         assert merged[0] is not None
@@ -122,7 +110,7 @@ def test_a_hanging_peer_fails_the_round_in_bounded_time_and_nobody_commits(tmp_p
         gen = torch.Generator().manual_seed(1)
         tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
         t0 = time.monotonic()
-        outcomes = run_round(peers, tensors, CFG)
+        outcomes = run_round(peers, tensors, CFG, TOKENS, ROUND_DEADLINE_S)
         wall_s = time.monotonic() - t0
         for o in outcomes:
             print(f"\nhanging peer: committed={o.committed} {o.duration_s:.2f} s: {o.reason}")

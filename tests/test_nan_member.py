@@ -26,16 +26,14 @@ from typing import Any
 
 import pytest
 import torch
-from averagers import averaging_swarm
+from averagers import averaging_swarm, run_round
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from p2p_diloco.averaging.decisions import RoundMeta
-from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost, RoundOutcome
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.core import outer
-from p2p_diloco.core.config import config_hash, load_config
+from p2p_diloco.core.config import load_config
 from p2p_diloco.hivemind_ext.codecs import get_codec
 
 pytestmark = pytest.mark.integration
@@ -218,19 +216,6 @@ class SendsNaN(Counting):
         super().__init__(*args, tensors=tensors, **kwargs)
 
 
-def _run_round(peers: list[FragmentAveragerHost], tensors: list[dict[str, torch.Tensor]], cfg: Any
-               ) -> list[RoundOutcome]:
-    from hivemind.utils import get_dht_time
-
-    start = get_dht_time() + cfg.averaging.window_s
-    futures = []
-    for i, (peer, t) in enumerate(zip(peers, tensors)):
-        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(cfg), tokens=TOKENS[i], steps=10,
-                         weight=float(TOKENS[i]), due=get_dht_time(), norms={})
-        futures.append(peer.start_round(Contribution(meta, t, start, cfg.averaging.window_s)))
-    return [f.result(timeout=ROUND_DEADLINE_S) for f in futures]
-
-
 @pytest.mark.parametrize("robust", ["none", "clip"])
 def test_a_member_sending_nan_every_round_does_not_block_the_rounds(tmp_path: Path, robust: str) -> None:
     cfg = _config(robust)
@@ -242,7 +227,7 @@ def test_a_member_sending_nan_every_round_does_not_block_the_rounds(tmp_path: Pa
         for round_index in range(2):  # consecutive rounds: the NaN member is not banned from the next
             tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
             fired, left_out, parts = FIRED.value, LEFT_OUT.value, PARTS.value
-            outcomes = _run_round(peers, tensors, cfg)
+            outcomes = run_round(peers, tensors, cfg, TOKENS, ROUND_DEADLINE_S)
             for o in outcomes:
                 print(f"\nround {round_index}: committed={o.committed} group={o.group_size} {o.reason}")
             assert FIRED.value == fired + 1, "the fault did not fire"
@@ -278,7 +263,8 @@ def test_a_malformed_part_still_bans_its_sender_and_fails_the_round(tmp_path: Pa
     with averaging_swarm(tmp_path, cfg, NAMES, SHAPES, (SendsWrongShape, ExactAllReduceRunner,
                                                         ExactAllReduceRunner)) as peers:
         gen = torch.Generator().manual_seed(2)
-        outcomes = _run_round(peers, [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers], cfg)
+        tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
+        outcomes = run_round(peers, tensors, cfg, TOKENS, ROUND_DEADLINE_S)
     for o in outcomes:
         print(f"\nmalformed sender: committed={o.committed} {o.reason}")
     assert FIRED.value >= 1, "the fault did not fire"
