@@ -131,6 +131,34 @@ def test_status_rendering_plain_and_json() -> None:
     assert render_rich(data) is not None
 
 
+def test_status_at_sixteen_peers_is_one_line_each_in_name_order_and_a_summary() -> None:
+    """Issue 22 asks that ``status`` stay readable past a handful of peers: one line per peer (l2 before l10),
+    one summary line, and ``--json`` of the same shape as with three."""
+    import json
+
+    from p2p_diloco.net.records import LocalRun, PeerRecord, classify
+    from p2p_diloco.net.membership import SwarmSnapshot
+    from p2p_diloco.net.report import render_plain, snapshot_json
+
+    local, now = LocalRun("run-a", 1, "h", "0.1.0"), 1000.0
+
+    def shown(n: int) -> dict[str, object]:
+        records = [(PeerRecord("run-a", 1, "h", "0.1.0", f"QmPeer{i:04d}", f"l{i}", state="training", inner_step=i,
+                               tokens=512 * i, tokens_per_s=64.0, fragment_versions=(12, 11), loss=2.5, time=now - 1),
+                    now + 20) for i in reversed(range(n))]
+        snap = SwarmSnapshot(now, local, tuple(classify(records, local, now)), {"run-a": n})
+        return json.loads(json.dumps(snapshot_json(snap, {"import": 1.0})))
+
+    data = shown(16)
+    lines = render_plain(data).splitlines()
+    rows = [line.split()[0] for line in lines[1:] if line.startswith("l")]
+    assert rows == [f"l{i}" for i in range(16)], rows
+    assert len(lines) == 1 + 16 + 1 and lines[-1].startswith("run run-a: 16 live peers"), lines[-1]
+    small = shown(3)
+    assert data.keys() == small.keys() and data["summary"].keys() == small["summary"].keys()  # type: ignore[union-attr]
+    assert [p.keys() for p in data["peers"]] == [small["peers"][0].keys()] * 16  # type: ignore[index,union-attr]
+
+
 class _FlakyDHT:
     """A DHT whose first ``refusals`` stores are refused (store returns False), then accepted."""
 

@@ -463,8 +463,14 @@ def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: Lo
             views.append(PeerView(record, expiration, "left", f"left at {record.time:.1f}"))
         else:
             views.append(PeerView(record, expiration, "live", reason))
-    views.sort(key=lambda v: (v.record.name, v.peer_id))
+    views.sort(key=lambda v: (natural_key(v.record.name), v.peer_id))
     return views
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders the numbers inside a peer name by value: l2 before l10 (the launcher names peers
+    l0, l1, ... and a swarm of more than ten is listed in that order)."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part)
 
 
 def merge_index(views: list[PeerView], index_views: list[PeerView]) -> list[PeerView]:
@@ -473,7 +479,7 @@ def merge_index(views: list[PeerView], index_views: list[PeerView]) -> list[Peer
     known = {v.peer_id for v in views}
     extra = [v for v in index_views if v.peer_id not in known and v.status in ("foreign",)
              and v.record.state != ANNOUNCE_STATE]
-    return sorted(views + extra, key=lambda v: (v.status != "live", v.record.name, v.peer_id))
+    return sorted(views + extra, key=lambda v: (v.status != "live", natural_key(v.record.name), v.peer_id))
 
 
 def check_join(views: Iterable[PeerView], local: LocalRun, own_peer_id: str) -> tuple[bool, str]:
