@@ -101,6 +101,9 @@ class IdleAveraging:
     def set_anchor(self, version: int, anchor: str) -> None:
         pass
 
+    def vouch(self, version: int, anchor: str) -> None:
+        pass
+
     def cancel(self) -> None:
         pass
 
