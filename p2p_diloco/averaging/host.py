@@ -240,19 +240,14 @@ class FragmentAveragerHost:
     def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> Decision:
         """Post our verdict under ``key`` (signed subkey), then read the others' until all are in or
         ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read."""
-        from p2p_diloco.net.membership import owner_peer_id
+        from p2p_diloco.net.membership import owned_values
 
         timeout_s = self.cfg.averaging.commit_timeout_s
         deadline = time.monotonic() + timeout_s
         self.dht.store(key, own_verdict[:300], get_dht_time() + 10 * timeout_s + 60, subkey=self.report_subkey)
         reports: dict[str, str] = {}
         while True:
-            found = self.dht.get(key, latest=True)
-            if found is not None and isinstance(found.value, dict):
-                for subkey, item in found.value.items():
-                    pid = owner_peer_id(subkey)
-                    if pid is not None and isinstance(item.value, str):
-                        reports[pid] = item.value
+            reports.update({p: v for p, v in owned_values(self.dht.get(key, latest=True)).items() if isinstance(v, str)})
             decision = commit_decision(reports, peers)
             if decision.ok or any(reports.get(p, "ok") != "ok" for p in peers) or time.monotonic() >= deadline:
                 if not decision.ok and "no verdict" in decision.reason:

@@ -224,16 +224,11 @@ class FragmentAveragerProcess(DecentralizedAverager):
         """Refuse (:class:`PeerDataError`, ``unvouched``) a downloaded anchor that no peer but its donor has
         signed for under :func:`vouch_key` (re-read for up to ``VOUCH_WAIT_S``: the other committers' entries
         may land just after the donor's state)."""
-        from p2p_diloco.net.membership import owner_peer_id
+        from p2p_diloco.net.membership import owned_values
 
         deadline = time.monotonic() + VOUCH_WAIT_S
         while True:
-            found = await self.dht.get(vouch_key(self.prefix, version), latest=True, return_future=True)
-            signed: dict[str, Any] = {}
-            for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-                peer = owner_peer_id(subkey)
-                if peer is not None:
-                    signed[peer] = item.value
+            signed = owned_values(await self.dht.get(vouch_key(self.prefix, version), latest=True, return_future=True))
             if vouchers(signed, anchor) - {donor}:
                 return
             if time.monotonic() >= deadline:

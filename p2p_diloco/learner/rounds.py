@@ -82,7 +82,12 @@ class AveragerLink:
         return self.host.fetch_state(ours)
 
     def anchor_changed(self, version: int, anchor_hash: str) -> None:
+        """Our anchor moved (a commit, a checked download, the start or a verified restore): rank ourselves as a
+        donor by it, and vouch for it -- what a peer downloading it from another donor checks. Version 0 is
+        everyone's seeded start: nobody downloads it."""
         self.host.set_anchor(version, anchor_hash)
+        if version > 0:
+            self.host.vouch(version, anchor_hash)
 
 
 def start_averagers(cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size], dht: Any,
@@ -139,8 +144,6 @@ class Rounds:
         restore: a restarted peer renews the vouches of the anchors it committed)."""
         for sync, link in zip(self.syncs, self.links):
             link.anchor_changed(*sync.slot.rank)
-            if sync.slot.version > 0:  # version 0 is everyone's seeded start: nobody downloads it
-                link.host.vouch(*sync.slot.rank)
 
     # ------------------------------------------------------------ hand off
 
@@ -213,7 +216,6 @@ class Rounds:
         sent_tokens, sent_steps = slot.sent_tokens, slot.sent_steps
         sync.apply_round(outcome)
         if outcome.committed:
-            self.hosts[slot.index].vouch(*slot.rank)  # what a peer downloading this anchor from another donor checks
             self.last_sync_time = self.dht_time()
             if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
                 ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
@@ -265,7 +267,6 @@ class Rounds:
             slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
         old, old_hash = slot.version, slot.anchor_hash
         how = sync.apply_fetched(fetched)
-        self.hosts[slot.index].vouch(*slot.rank)  # verified against another peer's vouch before it got here
         extra = {"consensus_distance": slot.consensus_distance} if fork else {}
         self.event({"event": "resync", "fragment": slot.index, "outcome": how, "version": old,
                     "version_after": slot.version, "anchor_hash_before": old_hash, "anchor_hash": slot.anchor_hash,

@@ -235,7 +235,7 @@ class SwarmView:
         the latest of the first ``wait_peers`` proposals -- the same instant for everyone, which keeps
         step-count schedules in phase (seeing the records at different moments would not)."""
         from p2p_diloco.averaging.decisions import start_instant
-        from p2p_diloco.net.membership import owner_peer_id, owner_subkey
+        from p2p_diloco.net.membership import owned_values, owner_subkey
 
         me = self.learner
         opts, dht = me.opts, me.joined.dht
@@ -268,13 +268,8 @@ class SwarmView:
         now = me._dht_time()
         dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
         while True:
-            found = dht.get(key, latest=True)
-            proposals: dict[str, float] = {}
-            if found is not None and isinstance(found.value, dict):
-                for subkey, item in found.value.items():
-                    pid = owner_peer_id(subkey)
-                    if pid is not None and isinstance(item.value, (int, float)) and math.isfinite(item.value):
-                        proposals[pid] = float(item.value)
+            proposals = {p: float(v) for p, v in owned_values(dht.get(key, latest=True)).items()
+                         if isinstance(v, (int, float)) and math.isfinite(v)}
             start = start_instant(proposals, n)
             if start is not None:
                 break

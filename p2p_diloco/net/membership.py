@@ -107,6 +107,17 @@ def owner_subkey(private_key: RSAPrivateKey) -> bytes:
     return RSASignatureValidator(private_key).local_public_key
 
 
+def owned_values(found: Any) -> dict[str, Any]:
+    """The values of a ``dht.get(key, latest=True)`` result by the peer id of the owner-marker subkey each was
+    stored under (signed: only that peer can have stored it); subkeys of any other kind are skipped."""
+    owned: dict[str, Any] = {}
+    for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+        peer = owner_peer_id(subkey)
+        if peer is not None:
+            owned[peer] = item.value
+    return owned
+
+
 def owner_peer_id(subkey: bytes) -> str | None:
     """The peer id of an owner-marker subkey, or None if it is not one."""
     m = OWNER_MARKER_RE.match(subkey) if isinstance(subkey, bytes) else None
