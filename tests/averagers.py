@@ -57,9 +57,10 @@ def wait_declared(dht: Any, donor: Any, priority: float, timeout_s: float = DECL
 
 
 def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]], cfg: Any, tokens: Sequence[int],
-              deadline_s: float) -> list[Any]:
+              deadline_s: float, timeouts: Any = None) -> list[Any]:
     """One round of fragment 0 at version 0 among ``peers``, peer i bringing ``tensors[i]`` and ``tokens[i]``
-    tokens (its weight), all scheduled one window from now; returns every peer's :class:`RoundOutcome`."""
+    tokens (its weight), all scheduled one window from now, with ``timeouts`` (a :class:`RoundTimeouts`; None:
+    the config's); returns every peer's :class:`RoundOutcome`."""
     from hivemind.utils import get_dht_time
 
     from p2p_diloco.averaging.decisions import RoundMeta
@@ -71,5 +72,5 @@ def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]
     for peer, t, n in zip(peers, tensors, tokens, strict=True):
         meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(cfg), tokens=n, steps=10,
                          weight=float(n), due=get_dht_time(), norms={})
-        futures.append(peer.start_round(Contribution(meta, dict(t), start, cfg.averaging.window_s)))
+        futures.append(peer.start_round(Contribution(meta, dict(t), start, cfg.averaging.window_s, timeouts=timeouts)))
     return [f.result(timeout=deadline_s) for f in futures]

@@ -1,8 +1,13 @@
-"""Pure decisions of per-fragment averaging: group checks, completeness, window, schedule, state parsing."""
+"""Pure decisions of per-fragment averaging: group checks, completeness, window, schedule, state parsing; and
+one swarm of two real averagers: each round runs with the timeouts its contribution brings."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +15,7 @@ import torch
 from p2p_diloco.averaging.decisions import (
     RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem, version_group_bits,
 )
+from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core.config import AveragingConfig
 
@@ -201,3 +207,50 @@ def test_state_size_cap_allows_the_state_and_little_more() -> None:
     shapes = [torch.Size([64, 32]), torch.Size([32])]
     fp32 = 4 * (64 * 32 + 32)
     assert 2 * fp32 < state_size_cap(shapes) < 2.2 * fp32 + 65537
+
+
+# -- integration: the averager process runs each round with the timeouts that came with its contribution
+
+SEEN_TIMEOUTS = mp.Array(ctypes.c_double, 2)  # (sender, reducer) of the last runner built, shared with the forks
+ROUND_DEADLINE_S = 60.0
+
+
+class RecordsTimeouts(ExactAllReduceRunner):
+    """Records the sender and reducer timeouts hivemind built this all-reduce's runner with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        SEEN_TIMEOUTS[0], SEEN_TIMEOUTS[1] = self.sender_timeout, self.reducer_timeout
+
+
+@pytest.mark.integration
+def test_the_averager_process_applies_each_rounds_timeouts(tmp_path: Path) -> None:
+    from averagers import averaging_swarm, run_round
+
+    from p2p_diloco.averaging.linktime import RoundTimeouts, floor_timeouts
+    from p2p_diloco.core.config import load_config
+
+    cfg = load_config(None, ["run.run_id=linktime", "model.n_layer=2", "outer.fragments=2", "outer.merge=\"mean\"",
+                             "averaging.window_s=1.5", "averaging.next_chunk_timeout_s=2.0",
+                             "averaging.allreduce_timeout_s=10.0"])
+    names = ("blocks.0.fc.weight", "blocks.1.fc.weight")
+    shapes = {n: torch.Size([64, 32]) for n in names}
+    derived = RoundTimeouts(request_timeout_s=0.6, sender_timeout_s=7.5, reducer_timeout_s=15.0,
+                            allreduce_timeout_s=40.0, matchmaking_slack_s=0.4)
+    with averaging_swarm(tmp_path, cfg, names, shapes, (RecordsTimeouts,) * 2) as peers:
+        gen = torch.Generator().manual_seed(0)
+        tensors = [{n: torch.randn(shapes[n], generator=gen) for n in names} for _ in peers]
+        first = run_round(peers, tensors, cfg, (100, 300), ROUND_DEADLINE_S, timeouts=derived)
+        assert all(o.committed for o in first), [o.reason for o in first]
+        assert tuple(SEEN_TIMEOUTS) == (7.5, 15.0)  # the runner of this round was built with them
+        assert all(o.timeouts == derived and o.event()["timeouts"]["sender_timeout_s"] == 7.5 for o in first)
+        assert all(o.allreduce_s > 0 and o.rtt_s > 0 for o in first), [(o.allreduce_s, o.rtt_s) for o in first]
+        # a round without its own timeouts runs with the config's: nothing sticks from the round before
+        second = run_round(peers, tensors, cfg, (100, 300), ROUND_DEADLINE_S)
+        assert all(o.committed for o in second), [o.reason for o in second]
+        floor = floor_timeouts(cfg.averaging)
+        assert tuple(SEEN_TIMEOUTS) == (floor.sender_timeout_s, floor.reducer_timeout_s) == (2.0, 4.0)
+        # what the averager process holds once a round's timeouts are applied: every hivemind bound
+        held = peers[0].averager.set_round_timeouts(derived).result(timeout=ROUND_DEADLINE_S)
+        assert held == {"request_timeout_s": 0.6, "sender_timeout_s": 7.5, "reducer_timeout_s": 15.0,
+                        "allreduce_timeout_s": 40.0, "next_chunk_timeout_s": 7.5}

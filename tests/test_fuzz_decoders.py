@@ -42,7 +42,7 @@ from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state, state_payload
 from p2p_diloco.core.codecs import CODEC_NAMES
 from p2p_diloco.hivemind_ext.codecs import decode_part, get_codec, roundtrip
-from p2p_diloco.net.records import INDEX_KEY, MAX_INT, STATES, IndexEntry, PeerRecord, peer_schemas, run_key
+from p2p_diloco.net.records import INDEX_KEYS, MAX_INT, STATES, IndexEntry, PeerRecord, peer_schemas, run_keys
 from p2p_diloco.core.rejects import PeerDataError, Reason
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -162,7 +162,7 @@ def test_record_refusals_carry_reason_codes() -> None:
 
 
 VALIDATORS = peer_schemas("run-a")
-DHT_KEYS = {index: DHTID.generate(source=INDEX_KEY if index else run_key("run-a")).to_bytes()
+DHT_KEYS = {index: DHTID.generate(source=INDEX_KEYS[0] if index else run_keys("run-a")[0]).to_bytes()
             for index in (False, True)}
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from p2p_diloco.learner.options import publish_due, view_due
+from p2p_diloco.learner.options import published_key, publish_due, read_period_s, view_due
+from p2p_diloco.learner.view import vouched_heads, with_heads
 
 KEY = ("training", (3, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -47,3 +48,36 @@ def test_waiting_for_peers_counts_inside_max_time() -> None:
     assert wait_verdict(230.0, 110.0, 100.0, 0.0, 120.0) == "timeout"
     assert wait_verdict(230.0, 110.0, 100.0, 500.0, 120.0) == "timeout"
     assert waiting_line(1, 3, 12.4) == "waiting for peers: 1 of 3 live (12 s)"
+
+
+def test_while_training_only_a_state_change_publishes_at_once() -> None:
+    """Versions travel as vouches while training (the head probe); lingering peers still need them in records."""
+    a = published_key("training", (3, 2), ("a" * 16, "b" * 16), training=True)
+    assert a == published_key("training", (4, 2), ("c" * 16, "b" * 16), training=True)
+    assert a != published_key("averaging", (3, 2), ("a" * 16, "b" * 16), training=True)
+    assert published_key("syncing", (3, 2), ("a" * 16, "b" * 16), training=False) != published_key(
+        "syncing", (4, 2), ("c" * 16, "b" * 16), training=False)
+
+
+def test_full_reads_stretch_with_the_swarm_so_read_bytes_per_second_stay_flat() -> None:
+    assert read_period_s(3.0, 1) == read_period_s(3.0, 4) == 3.0
+    assert read_period_s(3.0, 16) == 12.0 and read_period_s(3.0, 64) == 48.0
+    for n in (8, 16, 64, 256):  # records read per second: n records every read_period_s
+        assert math.isclose(n / read_period_s(3.0, n), 4 / 3.0)
+
+
+def test_a_probed_head_raises_a_record_only_if_seen_after_it_was_published() -> None:
+    ranks = [(3, "a" * 16), (2, "b" * 16)]
+    heads = {0: ((4, "c" * 16), 110.0)}
+    assert with_heads(ranks, 100.0, heads) == [(4, "c" * 16), (2, "b" * 16)]
+    assert with_heads(ranks, 120.0, heads) == ranks  # the record is newer than the probe: it wins
+    assert with_heads(ranks, 100.0, {0: ((2, "f" * 16), 110.0)}) == ranks  # never lowered
+    assert with_heads(ranks, 100.0, {5: ((9, "c" * 16), 110.0)}) == ranks  # no such fragment
+    assert ranks == [(3, "a" * 16), (2, "b" * 16)]  # not changed in place
+
+
+def test_vouched_heads_are_live_peers_other_than_us_with_a_well_formed_hash() -> None:
+    signed = {"A": "a" * 16, "B": "b" * 16, "C": "c" * 16, "D": "not-a-hash", "E": 7, "ME": "e" * 16}
+    live = {"A", "B", "D", "E", "ME"}
+    assert vouched_heads(signed, 5, live, "ME") == {"A": (5, "a" * 16), "B": (5, "b" * 16)}  # C: dead
+    assert vouched_heads({}, 5, live, "ME") == {}

@@ -188,7 +188,7 @@ def test_outsiders_are_refused_at_every_layer_and_the_swarms_never_touch(swarms:
 
     # the outsiders know a1's full address, the run id, its DHT key and the averager prefix
     target = dict(target=ids["a1"], maddrs=tuple(m.split("/p2p/")[0] for m in visible_addresses(dhts["a1"])),
-                  prefix=averager_prefix(CFG.run.run_id, 0), run_key=run_key(CFG.run.run_id))
+                  prefix=averager_prefix(CFG.run.run_id, 0), run_key=run_key(CFG.run.run_id, ids["a1"]))
     for outsider in ("o", "b1"):
         refused0, dht_refused0 = a1.refusals(), dht_refusals(dhts["a1"])
         got = dhts[outsider].run_coroutine(Probe(**target))

@@ -10,9 +10,10 @@ from typing import Any, Callable
 import pytest
 
 from p2p_diloco.net.records import (
-    INDEX_KEY, IndexEntry, LocalRun, PeerRecord, adopt_majority, check_join, classify, is_compatible, merge_index,
-    run_key, summarize, tombstone,
+    INDEX_KEYS, RECORD_SHARDS, IndexEntry, LocalRun, PeerRecord, adopt_majority, check_join, classify, index_key,
+    is_compatible, merge_index, record_shard, run_key, run_keys, tombstone,
 )
+from p2p_diloco.net.report import summarize
 
 LOCAL = LocalRun("run-a", 1, "hash-a", "0.1.0")
 NOW = 1_000_000.0
@@ -152,9 +153,15 @@ def test_summarize() -> None:
     assert empty.live == 0 and empty.consensus is True and empty.fragments == ()
 
 
-def test_keys() -> None:
-    assert run_key("run-a") == "p2p-diloco.run.run-a_peers"
-    assert INDEX_KEY == "p2p-diloco_runs"
+def test_keys_are_sharded_by_peer_id() -> None:
+    """A peer's record and index entry live in its shard's keys (a store is answered with one shard, not the
+    whole swarm); the shard is a stable hash of its peer id, and peer ids spread over every shard."""
+    assert run_keys("run-a") == tuple(f"p2p-diloco.run.run-a_peers_{s}" for s in range(RECORD_SHARDS))
+    assert INDEX_KEYS == tuple(f"p2p-diloco_runs_{s}" for s in range(RECORD_SHARDS))
+    shard = record_shard("QmAlice")
+    assert run_key("run-a", "QmAlice") == f"p2p-diloco.run.run-a_peers_{shard}" and record_shard("QmAlice") == shard
+    assert index_key("QmAlice") == f"p2p-diloco_runs_{shard}"
+    assert {record_shard(f"Qm{i}") for i in range(400)} == set(range(RECORD_SHARDS))
 
 
 # ---------------------------------------------------------------- what every DHT node enforces (no network)
@@ -183,10 +190,12 @@ def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, An
     alice, mallory = t["RSAPrivateKey"](), t["RSAPrivateKey"]()
     node = t["CompositeValidator"]([t["RSASignatureValidator"](t["RSAPrivateKey"]()), *t["peer_schemas"]("run-a")])
     good = rec("alice").to_wire()
-    key = run_key("run-a")
+    key = run_key("run-a", "Qmalice")
 
     assert node.validate(signed(t, alice, alice, key, good))
-    assert node.validate(signed(t, alice, alice, INDEX_KEY, IndexEntry.of(rec("alice")).to_wire()))
+    for other in run_keys("run-a"):  # any shard validates (readers read them all)
+        assert node.validate(signed(t, alice, alice, other, good))
+    assert node.validate(signed(t, alice, alice, index_key("Qmalice"), IndexEntry.of(rec("alice")).to_wire()))
     # another peer's subkey: signed by the wrong key, or not signed at all
     assert not node.validate(signed(t, mallory, alice, key, good))
     unsigned = signed(t, alice, alice, key, good)
@@ -195,7 +204,19 @@ def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, An
     for bad in ({**good, "tokens": "lots"}, {**good, "tokens_per_s": 1}, {**good, "state": "hacking"},
                 {**good, "admin": True}, "not a dict"):
         assert not node.validate(signed(t, mallory, mallory, key, bad)), bad
-    assert not node.validate(signed(t, mallory, mallory, INDEX_KEY, {**IndexEntry.of(rec("m")).to_wire(), "time": 1}))
+    assert not node.validate(signed(t, mallory, mallory, INDEX_KEYS[0], {**IndexEntry.of(rec("m")).to_wire(), "time": 1}))
     plain_subkey = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(b"mallory"),
                                   value=t["ser"].dumps(good), expiration_time=NOW + 30)
     assert not node.validate(plain_subkey)
+
+
+def test_the_index_entry_is_stored_when_it_changes_or_once_a_record_ttl_has_passed() -> None:
+    from p2p_diloco.net.membership import index_due
+
+    entry = IndexEntry.of(rec("alice"))
+    assert index_due(100.0, None, entry, 10.0)  # the first publish
+    sent = (100.0, replace(entry, time=0.0))
+    assert not index_due(103.3, sent, replace(entry, time=103.3), 10.0)  # a heartbeat: only the time moved
+    assert not index_due(109.9, sent, entry, 10.0)
+    assert index_due(110.0, sent, entry, 10.0)  # a record TTL later (the entry lives three)
+    assert index_due(101.0, sent, replace(entry, state="leaving"), 10.0)  # what it says changed

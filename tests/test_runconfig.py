@@ -15,8 +15,9 @@ import pytest
 from p2p_diloco.core.config import ConfigError, config_hash, load_config, load_config_data, pin_data
 from p2p_diloco.net.records import (
     ANNOUNCE_STATE, MAX_CONFIG_CHARS, IndexEntry, LocalRun, PeerRecord, RunConfigRecord, classify, config_key,
-    config_mismatch, merge_index, summarize, tombstone,
+    merge_index, tombstone,
 )
+from p2p_diloco.net.report import config_mismatch, summarize
 from p2p_diloco.net.runs import RunInfo, pick_run, primary_run, runs_in_index
 from p2p_diloco.core.rejects import Reason
 from p2p_diloco.net.runconfig import config_from_record, config_from_records, config_record, config_text
@@ -124,7 +125,7 @@ def test_every_node_enforces_the_config_record_and_the_bootstrap_state(sign_reco
     from hivemind.dht.validation import CompositeValidator, DHTRecord
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.net.records import INDEX_KEY, peer_schemas, run_key
+    from p2p_diloco.net.records import INDEX_KEYS, peer_schemas, run_keys
     signed = functools.partial(sign_record, now=NOW)  # signs a record as its owner (or a forger) would
 
     t = dict(RSASignatureValidator=RSASignatureValidator, ser=DHTProtocol.serializer, DHTID=DHTID, DHTRecord=DHTRecord)
@@ -139,8 +140,8 @@ def test_every_node_enforces_the_config_record_and_the_bootstrap_state(sign_reco
     assert not node.validate(signed(t, alice, alice, key, {**good, "admin": True}))
     # a bootstrap's announcement is a valid index entry, but no peer record may claim that state
     announcement = entry("boot", state=ANNOUNCE_STATE, peer_id="QmAlice").to_wire()
-    assert node.validate(signed(t, alice, alice, INDEX_KEY, announcement))
-    assert not node.validate(signed(t, alice, alice, run_key("tiny"), rec("a", state=ANNOUNCE_STATE).to_wire()))
+    assert node.validate(signed(t, alice, alice, INDEX_KEYS[0], announcement))
+    assert not node.validate(signed(t, alice, alice, run_keys("tiny")[0], rec("a", state=ANNOUNCE_STATE).to_wire()))
     with pytest.raises(ValueError, match="invalid peer record"):
         PeerRecord.from_wire(rec("a", state=ANNOUNCE_STATE).to_wire())
     assert IndexEntry.from_wire(announcement).announces

@@ -47,7 +47,7 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
     from hivemind.utils.crypto import RSAPrivateKey
 
     from p2p_diloco.net.identity import load_or_create_identity
-    from p2p_diloco.net.records import PeerRecord, run_key
+    from p2p_diloco.net.records import PeerRecord, record_shard, run_key
     from p2p_diloco.core.config import load_config, config_hash
 
     with ProcGroup(tmp_path) as procs:
@@ -70,7 +70,7 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
 
         # forgers: one writes into the victim's subkey, one writes wrong types into its own (signed)
         run_id = load_config().run.run_id
-        key = run_key(run_id)
+        key = run_key(run_id, victim_id.peer_id)  # the victim's shard of the records
         forger_key = RSAPrivateKey()
         forger = DHT(initial_peers=[peers], start=True, client_mode=True,
                      record_validators=[RSASignatureValidator(forger_key)], **DHT_KW)
@@ -93,7 +93,8 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
             for pid in nodes:
                 assert forger_subkey not in stored[pid], pid
             honest = set().union(*stored.values())
-            assert len(honest) == 2 and victim_subkey in honest, stored  # the victim's and the other member's
+            sharing = [p for p in (victim_id.peer_id, other_id) if record_shard(p) == record_shard(victim_id.peer_id)]
+            assert len(honest) == len(sharing) and victim_subkey in honest, stored  # the victim's (and the other member's)
         finally:
             forger.shutdown()
             inspector.shutdown()

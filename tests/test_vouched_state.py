@@ -13,10 +13,12 @@ import pytest
 import torch
 from averagers import averaging_swarm, wait_declared
 
-from p2p_diloco.averaging.decisions import anchor_hash, sharing_priority, vouchers
+from p2p_diloco.averaging.decisions import anchor_hash, sharing_priority, vouch_key, vouchers
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import load_config
+from p2p_diloco.learner.view import vouched_heads
+from p2p_diloco.net.membership import owned_values, read_many
 
 NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(2))
 SHAPES = {n: torch.Size([16, 8]) for n in NAMES}
@@ -60,3 +62,14 @@ def test_a_fabricated_newer_anchor_is_refused_and_the_next_donor_used(tmp_path: 
         assert tried[-1] == donor.dht.peer_id.to_base58() and got.attempts[-1][1] == "ok", got.attempts
         assert got.fetched is not None and got.fetched.version == 5 and got.fetched.anchor_hash == honest_hash
         assert all(torch.equal(got.fetched.anchor[n], HONEST[n]) for n in NAMES)
+
+        # The learners' head probe reads the same vouches, several keys in one batched search: who among
+        # the live peers holds the next version, on which anchor (the view's fast path, O(1) in the swarm).
+        ids = [p.dht.peer_id.to_base58() for p in peers]
+        keys = [vouch_key(liar.prefix, v) for v in (5, 6, 7)]
+        found = read_many(newcomer.dht, keys)
+        assert set(found) == set(keys) and found[keys[2]] is None
+        assert vouched_heads(owned_values(found[keys[0]]), 5, set(ids), ids[3]) == {
+            ids[1]: (5, honest_hash), ids[2]: (5, honest_hash)}
+        assert vouched_heads(owned_values(found[keys[0]]), 5, {ids[1]}, ids[3]) == {ids[1]: (5, honest_hash)}  # dead: out
+        assert vouched_heads(owned_values(found[keys[1]]), 6, set(ids), ids[0]) == {}  # our own vouch is no news

@@ -63,8 +63,10 @@ hivemind surprise: RPC handler names carry the servicer's *class name*, so every
 the same averager class; fault injection therefore swaps the runner (``runner_class``), not the
 averager class.
 
-Every hivemind timeout is set from :class:`~p2p_diloco.core.config.AveragingConfig` (seconds), and
-``allow_retries=False``: a failed round is reported, not silently retried with other tensors.
+Every hivemind timeout is set for each round from the bytes it moves and the link measured in earlier rounds
+(:mod:`p2p_diloco.averaging.linktime`), never below the values of
+:class:`~p2p_diloco.core.config.AveragingConfig` (seconds), and ``allow_retries=False``: a failed round is
+reported, not silently retried with other tensors.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from p2p_diloco.averaging.decisions import (
     version_group_bits,
     vouch_key,
 )
+from p2p_diloco.averaging.linktime import RoundTimeouts, floor_timeouts
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
@@ -39,6 +40,14 @@ from p2p_diloco.hivemind_ext.codecs import get_codec
 from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
 
 logger = logging.getLogger(__name__)
+
+DECLARE_STATE_PERIOD_S = 30.0
+"""hivemind re-declares each averager as a state donor this often (its default; and at every commit, when its
+priority changes): every declaration is a store that the fragment's whole donor list answers, so it
+grows with the swarm; a departed donor's stays up to this long, and a download tries the next one."""
+SET_TIMEOUTS_DEADLINE_S = 10.0
+"""How long a round waits for its averager process to take its timeouts (a control-pipe message: milliseconds
+when healthy; generous for a loaded machine)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,9 @@ class Contribution:
     doomed: Callable[[], bool] | None = None
     """Polled while the round is still matching: True abandons it (a live peer is already past our version,
     so no group can form at it and waiting out the window only delays our catching up)."""
+    timeouts: RoundTimeouts | None = None
+    """This round's hivemind timeouts, derived from the link (:func:`~p2p_diloco.averaging.linktime.round_timeouts`);
+    None: the config's fixed values (:func:`~p2p_diloco.averaging.linktime.floor_timeouts`)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,12 @@ class RoundOutcome:
     """When the round ended (committed or not), on this process's ``time.monotonic()`` clock."""
     arrival_spread_s: float = float("nan")
     window_s: float = 0.0
+    allreduce_s: float = float("nan")
+    """Seconds the all-reduce itself ran (timed in the averager process); NaN: no group formed."""
+    rtt_s: float = float("nan")
+    """The fastest DHT read of the members' verdicts (a round trip to the group); NaN: none was read."""
+    timeouts: RoundTimeouts | None = None
+    """The timeouts the round ran with."""
     merged: dict[str, torch.Tensor] | None = None
 
     def event(self) -> dict[str, Any]:
@@ -85,8 +103,10 @@ class RoundOutcome:
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
-        if not math.isfinite(d["arrival_spread_s"]):
-            d["arrival_spread_s"] = None
+        for key in ("arrival_spread_s", "allreduce_s", "rtt_s"):
+            if not math.isfinite(d[key]):
+                d[key] = None
+        d["timeouts"] = self.timeouts.event() if self.timeouts is not None else None
         return d
 
 
@@ -130,15 +150,16 @@ class FragmentAveragerHost:
         self.radial_names = tuple(n for n in names if cfg.outer.merge == "radial" and not outer.uses_plain_merge(n))
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names]
+        floor = floor_timeouts(a)  # until a round sets its own (Contribution.timeouts)
         self.averager = FragmentAveragerProcess(
             self.buffers, dht, start=start, prefix=self.prefix,
             target_group_size=a.target_group_size or None, min_group_size=a.min_group_size,
             initial_group_bits=version_group_bits(0), min_matchmaking_time=a.window_s,
-            request_timeout=a.request_timeout_s, allreduce_timeout=a.allreduce_timeout_s,
-            next_chunk_timeout=a.next_chunk_timeout_s, sender_timeout=a.next_chunk_timeout_s,
-            reducer_timeout=2 * a.next_chunk_timeout_s, compression=get_codec(cfg.outer.codec),
+            request_timeout=floor.request_timeout_s, allreduce_timeout=floor.allreduce_timeout_s,
+            next_chunk_timeout=floor.sender_timeout_s, sender_timeout=floor.sender_timeout_s,
+            reducer_timeout=floor.reducer_timeout_s, compression=get_codec(cfg.outer.codec),
             shutdown_timeout=a.shutdown_timeout_s, allow_state_sharing=state_provider is not None,
-            declare_state_period=max(1.0, a.record_ttl_s), membership=membership, state_provider=state_provider,
+            declare_state_period=DECLARE_STATE_PERIOD_S, membership=membership, state_provider=state_provider,
             runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
             robust=self.robust,
             layout=(self.names, {n: b.shape for n, b in zip(self.names, self.buffers)}),
@@ -166,28 +187,37 @@ class FragmentAveragerHost:
     def _round(self, c: Contribution) -> RoundOutcome:
         a = self.cfg.averaging
         t0 = time.monotonic()
-        base = dict(fragment=self.fragment, version=c.meta.version, window_s=c.window_s)
+        limits = c.timeouts if c.timeouts is not None else floor_timeouts(a)
+        base = dict(fragment=self.fragment, version=c.meta.version, window_s=c.window_s, timeouts=limits)
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
+        self.averager.last_allreduce_s.value = math.nan  # the averager process times this round's all-reduce
 
         def failed(reason: str, **extra: Any) -> RoundOutcome:
             now = time.monotonic()
             return RoundOutcome(**base, committed=False, reason=reason, duration_s=now - t0, finished_at=now,
                                 bytes_sent=self.averager.bytes_sent.value - sent0,
-                                bytes_received=self.averager.bytes_received.value - received0, **extra)
+                                bytes_received=self.averager.bytes_received.value - received0,
+                                allreduce_s=self.averager.last_allreduce_s.value, **extra)
 
         if c.meta.weight <= 0:
             return failed("no progress since the last sync (weight 0): not joining")
         if self._cancelled.is_set():
             return failed("cancelled: this peer is leaving")
+        logger.debug("fragment %d v%d: round timeouts %s", self.fragment, c.meta.version, limits.event())
+        try:
+            self.averager.set_round_timeouts(limits).result(timeout=SET_TIMEOUTS_DEADLINE_S)
+        except Exception as e:  # the averager process is gone or stuck: this round cannot run; say why
+            return failed(f"the averager did not take the round's timeouts: {type(e).__name__}: {e}"[:300])
         self.averager.set_group_bits(version_group_bits(c.meta.version, c.meta.anchor))
         with self.averager.get_tensors() as buffers:
             for buf, name in zip(buffers, self.names):
                 buf.copy_(c.tensors[name])
-        # a lone peer gives up after two windows past the scheduled start
-        matchmaking_timeout_s = max(0.0, c.scheduled_time - get_dht_time()) + 2 * c.window_s
+        # a lone peer gives up after two windows past the scheduled start (plus a slow link's join round trips)
+        matchmaking_timeout_s = (max(0.0, c.scheduled_time - get_dht_time()) + 2 * c.window_s
+                                 + limits.matchmaking_slack_s)
         control = self.averager.step(gather=c.meta.to_wire(), weight=c.meta.weight, scheduled_time=c.scheduled_time,
                                      timeout=matchmaking_timeout_s, allow_retries=False, wait=False)
-        give_up_at = time.monotonic() + matchmaking_timeout_s + a.allreduce_timeout_s + a.request_timeout_s
+        give_up_at = time.monotonic() + matchmaking_timeout_s + limits.allreduce_timeout_s + limits.request_timeout_s
         while True:
             try:
                 gathered = control.result(timeout=max(0.01, min(CANCEL_POLL_S, give_up_at - time.monotonic())))
@@ -201,7 +231,7 @@ class FragmentAveragerHost:
                     return failed(f"abandoned while matching: a live peer is past v{c.meta.version}")
                 if time.monotonic() >= give_up_at:
                     control.cancel()
-                    return failed(f"round exceeded {matchmaking_timeout_s + a.allreduce_timeout_s:.1f} s")
+                    return failed(f"round exceeded {matchmaking_timeout_s + limits.allreduce_timeout_s:.1f} s")
             except Exception as e:  # hivemind raises on every failure; the round is discarded with its reason
                 text = str(e).strip().splitlines()
                 return failed(f"{type(e).__name__}: {text[-1] if text else ''}"[:300])
@@ -225,7 +255,8 @@ class FragmentAveragerHost:
                 decision = Decision(False, "averaged tensors are not finite")
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         key = commit_key(self.prefix, dict(zip(peers, metas)))
-        verdict = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        verdict, rtt_s = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        extra["rtt_s"] = rtt_s
         if not decision.ok:
             return failed(decision.reason, **extra)
         if not verdict.ok:
@@ -235,24 +266,30 @@ class FragmentAveragerHost:
         now = time.monotonic()
         return RoundOutcome(**base, committed=True, reason="ok", own_share=c.meta.weight / sum(weights),
                             duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
-                            bytes_received=self.averager.bytes_received.value - received0, merged=merged, **extra)
+                            bytes_received=self.averager.bytes_received.value - received0,
+                            allreduce_s=self.averager.last_allreduce_s.value, merged=merged, **extra)
 
-    def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> Decision:
+    def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> tuple[Decision, float]:
         """Post our verdict under ``key`` (signed subkey), then read the others' until all are in or
-        ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read."""
+        ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read, and the fastest read's
+        seconds: a round trip to the group's peers (the DHT nodes nearest the key), our RTT sample."""
         from p2p_diloco.net.membership import owned_values
 
         timeout_s = self.cfg.averaging.commit_timeout_s
         deadline = time.monotonic() + timeout_s
         self.dht.store(key, own_verdict[:300], get_dht_time() + 10 * timeout_s + 60, subkey=self.report_subkey)
         reports: dict[str, str] = {}
+        rtt_s = math.inf
         while True:
-            reports.update({p: v for p, v in owned_values(self.dht.get(key, latest=True)).items() if isinstance(v, str)})
+            asked = time.monotonic()
+            found = self.dht.get(key, latest=True)
+            rtt_s = min(rtt_s, time.monotonic() - asked)
+            reports.update({p: v for p, v in owned_values(found).items() if isinstance(v, str)})
             decision = commit_decision(reports, peers)
             if decision.ok or any(reports.get(p, "ok") != "ok" for p in peers) or time.monotonic() >= deadline:
                 if not decision.ok and "no verdict" in decision.reason:
                     decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
-                return decision
+                return decision, rtt_s
             time.sleep(0.05)
 
     # -- state download

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from p2p_diloco.averaging.decisions import (
     vouch_key,
     vouchers,
 )
+from p2p_diloco.averaging.linktime import RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
 from p2p_diloco.core import faults, outer
@@ -64,6 +66,9 @@ class FragmentAveragerProcess(DecentralizedAverager):
         self.bytes_received = mp.Value(ctypes.c_longlong, 0)
         self.refused = mp.Value(ctypes.c_longlong, 0)
         """Requests our handlers refused (non-members), counted in the averager process."""
+        self.last_allreduce_s = mp.Value(ctypes.c_double, math.nan)
+        """Seconds the last all-reduce ran (group formed to done or failed), timed in the averager process: the
+        host sets NaN before a round and reads it after (the link's throughput, :mod:`linktime`)."""
         self.membership = membership
         self.state_provider = state_provider
         self.fragment = fragment
@@ -89,6 +94,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             raise AllreduceException("fragment averagers never run as auxiliaries")
+        t0 = time.monotonic()
         try:
             # the outputs are averages (not deltas); tensors are our private buffers, so a failure leaves
             # garbage there that nobody reads: the host reads them only after step() succeeded
@@ -102,7 +108,37 @@ class FragmentAveragerProcess(DecentralizedAverager):
             # the members whose all-reduce looked fine stop waiting for our verdict at once
             await self._post_veto(group_info, f"{type(e).__name__}: {e}")
             raise
+        finally:
+            self.last_allreduce_s.value = time.monotonic() - t0
         self.last_updated = get_dht_time()
+
+    # -- per-round timeouts (:mod:`linktime`): hivemind reads these attributes afresh for every round
+    def set_round_timeouts(self, timeouts: RoundTimeouts) -> MPFuture:
+        """(host) Use ``timeouts`` from the next round on; the future's result is what the averager process then
+        holds (:meth:`round_timeouts`). Sent on the control pipe before the round's step, so applied before it."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_round_timeouts", [], dict(future=future, timeouts=timeouts)))
+        return future
+
+    async def _set_round_timeouts(self, future: MPFuture, timeouts: RoundTimeouts) -> None:
+        try:
+            self.allreduce_kwargs.update(sender_timeout=timeouts.sender_timeout_s,
+                                         reducer_timeout=timeouts.reducer_timeout_s)  # each runner gets them
+            self._allreduce_timeout = timeouts.allreduce_timeout_s  # the bound _step puts on _aggregate_with_group
+            self.next_chunk_timeout = timeouts.sender_timeout_s  # state downloads' silence bound
+            self._matchmaking.request_timeout = timeouts.request_timeout_s  # join requests
+            future.set_result(self.round_timeouts())
+        except BaseException as e:
+            future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+
+    def round_timeouts(self) -> dict[str, float]:
+        """(averager process) The timeouts hivemind will use for the next round, read back from its attributes."""
+        return {"request_timeout_s": self._matchmaking.request_timeout,
+                "sender_timeout_s": self.allreduce_kwargs["sender_timeout"],
+                "reducer_timeout_s": self.allreduce_kwargs["reducer_timeout"],
+                "allreduce_timeout_s": self._allreduce_timeout, "next_chunk_timeout_s": self.next_chunk_timeout}
 
     def _robust_weights(self, group_info: GroupInfo) -> tuple[dict[Any, float], outer.Robust] | None:
         """(each member's gathered weight after :func:`outer.clip_to_median`, the rule), or None when the

@@ -175,9 +175,10 @@ class AveragingConfig:
     window_s: float = _f(2.0, "Initial matchmaking window: how long the first peer of a round waits for the others.")
     window_min_s: float = _f(1.0, "Lower bound of the adaptive matchmaking window.")
     window_max_s: float = _f(10.0, "Upper bound of the adaptive matchmaking window.")
-    request_timeout_s: float = _f(0.5, "hivemind request_timeout: how long a join request waits for a leader's answer.")
-    allreduce_timeout_s: float = _f(30.0, "Upper bound on one all-reduce once its group has formed.")
-    next_chunk_timeout_s: float = _f(5.0, "A sender silent this long mid-all-reduce is dropped (its reducers wait 2x).")
+    request_timeout_s: float = _f(0.5, "hivemind request_timeout: a join request's wait for the leader (at least).")
+    allreduce_timeout_s: float = _f(30.0, "Bound on one all-reduce once its group has formed: the least; each round "
+                                    "scales it and next_chunk_timeout_s to its bytes over the measured link, up to 10x.")
+    next_chunk_timeout_s: float = _f(5.0, "A sender silent this long mid-all-reduce is dropped (reducers: 2x); at least.")
     commit_timeout_s: float = _f(3.0, "After an all-reduce, how long members wait for each other's verdicts; a round "
                                  "commits only if every member reported success in time.")
     state_timeout_s: float = _f(15.0, "Upper bound on downloading a fragment's anchor and outer state from a peer.")
@@ -188,7 +189,7 @@ class AveragingConfig:
     sync_period_s: float = _f(0.0, "Clock schedule: fragment f is due every sync_period_s of DHT time, offset by f/F of "
                               "a period; 0 = derived: outer.sync_every x the live learners' median step time, chosen "
                               "by one learner and published in the DHT.")
-    record_ttl_s: float = _f(10.0, "Lifetime of the learner's peer record; republished every ttl/3.")
+    record_ttl_s: float = _f(30.0, "Lifetime of the learner's peer record; republished every ttl/3.")
 
 
 @dataclass(frozen=True)

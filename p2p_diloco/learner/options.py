@@ -200,6 +200,29 @@ def publish_due(now: float, last_at: float, refresh_s: float, key: tuple[Any, ..
     return key != last_key or now - last_at >= refresh_s
 
 
+def published_key(state: str, versions: tuple[int, ...], hashes: tuple[str, ...], training: bool) -> tuple[Any, ...]:
+    """What, when it changes, makes the status thread publish our record at once (:func:`publish_due`). While
+    training, only the state: the other learners learn our versions from the vouches we sign at each commit
+    (the view's head probes, O(1) per read), so a record per commit -- about one a second per learner at
+    200 Mbit/s, each a 1.4 KB signed value stored on several nodes -- is not needed; the heartbeat still
+    carries them for ``status``. Otherwise (syncing, leaving) the versions too: the last rounds' outcomes
+    are what lingering peers wait to agree on."""
+    return (state,) if training else (state, versions, hashes)
+
+
+PEERS_PER_VIEW_PERIOD = 4
+"""Full reads of the swarm: one per ``view_period_s`` for every this many live learners (:func:`read_period_s`)."""
+
+
+def read_period_s(view_period_s: float, live_learners: int) -> float:
+    """Seconds between two full reads of the swarm (every live learner's record) while training. A read
+    returns every record from every node that holds them, so its bytes grow with the swarm: stretching the
+    period in proportion keeps each learner's read bytes per second the same at any size (4 learners:
+    ``view_period_s``; 64: 16x longer). What a learner must see quickly -- a peer past its version, the
+    sync clock -- comes from the head probe every ``view_period_s`` instead, whose size does not grow."""
+    return view_period_s * max(1.0, live_learners / PEERS_PER_VIEW_PERIOD)
+
+
 def view_due(now: float, last_at: float, period_s: float, training: bool) -> bool:
     """Whether the status thread reads the swarm (and the sync clock) now. Training, once per ``period_s``:
     each read is a DHT search that every node holding the run's records answers with all of them (on a

@@ -32,6 +32,13 @@ from p2p_diloco.averaging.decisions import (
     round_is_doomed,
 )
 from p2p_diloco.averaging.host import Contribution, Download, FragmentAveragerHost, RoundOutcome
+from p2p_diloco.averaging.linktime import (
+    LinkHistory,
+    allreduce_bytes,
+    expected_group_size,
+    payload_bytes,
+    round_timeouts,
+)
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core import faults
 from p2p_diloco.core.config import Config
@@ -55,7 +62,8 @@ Event = Callable[[dict[str, Any]], None]
 
 class AveragerLink:
     """A fragment's transport over its averager: an offer becomes a round scheduled on the swarm clock's
-    boundary (everyone due at it starts at the same instant) or one matchmaking window from now."""
+    boundary (everyone due at it starts at the same instant) or one matchmaking window from now, with timeouts
+    derived from what it must move and what the link did in earlier rounds (:mod:`~p2p_diloco.averaging.linktime`)."""
 
     def __init__(self, host: FragmentAveragerHost, rounds: Rounds) -> None:
         self.host, self.rounds = host, rounds
@@ -75,8 +83,12 @@ class AveragerLink:
                          due=now, norms=offer.norms)
         faults.hit("before-send", offer.fragment)
         slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
+        payload = payload_bytes(sum(t.numel() for t in offer.tensors.values()), r.cfg.outer.codec)
+        group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
+        timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging)
         return self.host.start_round(Contribution(meta, offer.tensors, scheduled, r.window_s,
-                                                  doomed=lambda: round_is_doomed(ours, r.peer_ranks(slot))))
+                                                  doomed=lambda: round_is_doomed(ours, r.peer_ranks(slot)),
+                                                  timeouts=timeouts))
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
         return self.host.fetch_state(ours)
@@ -130,6 +142,8 @@ class Rounds:
                       for s, link in zip(slots, self.links)]
         self.window_s = cfg.averaging.window_s
         self.spreads: list[float] = []
+        self.link = LinkHistory()
+        """Throughput and round trips seen in our rounds: every round's timeouts are derived from them."""
         self.last_sync_time = 0.0
         """DHT time of our last committed round (0.0: none yet); published, ``status`` shows its age."""
         self.first_contribution_s: float | None = None
@@ -227,6 +241,8 @@ class Rounds:
             if math.isfinite(outcome.arrival_spread_s):
                 self.spreads.append(outcome.arrival_spread_s)
                 self.window_s = adapt_window(self.spreads, self.cfg.averaging)
+        self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
+                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s)
         self.event({"event": "round", **outcome.event(), "anchor_hash": slot.anchor_hash,
                     "version_after": slot.version, "tokens_sent": sent_tokens, "steps_sent": sent_steps})
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
+from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
 from p2p_diloco.learner.options import (
     CLOCK_REPUBLISH_S,
     CLOCK_START_MARGIN_S,
@@ -20,11 +22,13 @@ from p2p_diloco.learner.options import (
     SPEED_WINDOW_S,
     START_MARGIN_S,
     publish_due,
+    published_key,
+    read_period_s,
     view_due,
     wait_verdict,
     waiting_line,
 )
-from p2p_diloco.net.clock import SyncClock
+from p2p_diloco.net.clock import SyncClock, clock_in, clock_key
 
 if TYPE_CHECKING:
     from p2p_diloco.learner.loop import Learner
@@ -35,6 +39,30 @@ START_BARRIER_POLL_S = 0.1
 """Seconds between two looks at the live learners and the start proposals while waiting for peers."""
 STATUS_JOIN_TIMEOUT_S = 5.0
 """Seconds :meth:`SwarmView.stop` waits for the status thread (it is between two DHT calls at most)."""
+ANCHOR_HASH_RE = re.compile(r"^[0-9a-f]{16}$")
+"""A vouched anchor hash (:attr:`FragmentSlot.anchor_hash`); any other value under a vouch key is ignored."""
+
+Rank = tuple[int, str]
+"""(version, anchor hash) of one fragment."""
+
+
+def with_heads(ranks: list[Rank], published_at: float, heads: dict[int, tuple[Rank, float]]) -> list[Rank]:
+    """One peer's per-fragment ranks from its record (published at DHT time ``published_at``), each raised to
+    what a head probe saw it vouch for (``heads``: fragment -> (rank, DHT time of the probe)) after the record
+    was published: records are republished only on a heartbeat while training, vouches at every commit."""
+    out = list(ranks)
+    for f, (rank, seen_at) in heads.items():
+        if f < len(out) and seen_at > published_at and anchor_order(*rank) > anchor_order(*out[f]):
+            out[f] = rank
+    return out
+
+
+def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str) -> dict[str, Rank]:
+    """From one vouch key's signed values (peer id -> anchor hash) of ``version``: the live peers other than
+    us that hold that version, and their anchor. Dead peers' vouches stay in the DHT for a day; a malformed
+    value is skipped."""
+    return {peer: (version, value) for peer, value in signed.items()
+            if peer != own and peer in live and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
 
 
 class SwarmView:
@@ -43,7 +71,11 @@ class SwarmView:
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
-        self.peer_anchors: list[list[tuple[int, str]]] = []  # (version, anchor hash) per fragment, other live learners
+        self._anchors: dict[str, list[Rank]] = {}
+        """Other live learners' (version, anchor hash) per fragment, by peer id: from their records, raised by
+        the head probes. Rebound whole, never changed in place (the training thread reads it)."""
+        self._records: dict[str, tuple[list[Rank], float]] = {}  # peer id -> ranks in its record, published at
+        self._heads: dict[str, dict[int, tuple[Rank, float]]] = {}  # peer id -> fragment -> (probed rank, when)
         self.peer_states: list[str] = []
         self.peer_steps: list[tuple[int, float, float]] = []
         """(inner step, DHT time published, step time) of the other live learners that train."""
@@ -56,6 +88,11 @@ class SwarmView:
         self._clock_published_at = self._clock_retuned_at = -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
+
+    @property
+    def peer_anchors(self) -> list[list[Rank]]:
+        """(version, anchor hash) per fragment of each other live learner."""
+        return list(self._anchors.values())
 
     def start(self) -> None:
         self._thread.start()
@@ -82,13 +119,45 @@ class SwarmView:
         others = [v.record for v in snapshot.live()
                   if isinstance(v.record, PeerRecord) and v.peer_id != joined.peer_id
                   and v.record.state in LEARNER_STATES and len(v.record.fragment_versions) == fragments]
-        self.peer_anchors = [list(zip(r.fragment_versions, r.anchor_hashes)) for r in others
-                             if len(r.anchor_hashes) == len(r.fragment_versions)]
+        self._records = {r.peer_id: (list(zip(r.fragment_versions, r.anchor_hashes)), r.time) for r in others
+                         if len(r.anchor_hashes) == len(r.fragment_versions)}
+        self._heads = {p: h for p, h in self._heads.items() if p in self._records}
+        self._merge()
         self.peer_states = [r.state for r in others]
         self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in ("training", "averaging")]
         self.live_learners = 1 + len(others)
         self.swarm_reads += 1
         return others
+
+    def _merge(self) -> None:
+        self._anchors = {p: with_heads(ranks, at, self._heads.get(p, {})) for p, (ranks, at) in self._records.items()}
+
+    def probe_heads(self) -> bool:
+        """The fast path, every ``view_period_s`` while training: one batched DHT search for the vouches of
+        each fragment's next version (who among the live learners is past us, and on which anchor) and for
+        the sync clock. Its size does not grow with the swarm (the next version's vouchers are one group at
+        most, and only while we are behind), unlike a full read. False if the search failed (logged whole;
+        the last view is kept)."""
+        from p2p_diloco.net.membership import owned_values, read_many
+
+        me = self.learner
+        run_id, own = me.local.run_id, me.joined.peer_id
+        wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots}
+        keys = list(wanted) + ([clock_key(run_id)] if self.auto_clock else [])
+        try:
+            found = read_many(me.joined.dht, keys)
+        except Exception:  # a DHT hiccup: keep the last view, try again next period
+            logger.exception("probing the fragments' next versions failed")
+            return False
+        now, heads, live = me._dht_time(), dict(self._heads), set(self._records)
+        for key, (f, version) in wanted.items():
+            for peer, rank in vouched_heads(owned_values(found.get(key)), version, live, own).items():
+                heads[peer] = {**heads.get(peer, {}), f: (rank, now)}
+        self._heads = heads
+        self._merge()
+        if self.auto_clock:
+            self._adopt(clock_in(found.get(clock_key(run_id))))
+        return True
 
     def look_before_training(self, stop: threading.Event) -> None:
         """Joining a running swarm: read it now, before the first step, adopt its sync clock and download
@@ -103,8 +172,7 @@ class SwarmView:
         others = self.read(joined if me._dht_time() - joined.now < JOIN_VIEW_FRESH_S else None)
         if others is None:
             return
-        if self.auto_clock:
-            self.adopt_clock()
+        self.probe_heads()
         me.rounds.catch_up()
         fetching = [s for s in me.slots if s.inflight is not None]
         logger.info("looked at the swarm before training (%.2f s): %d other learners, sync clock %s, fetching "
@@ -130,7 +198,7 @@ class SwarmView:
         was_training = False
         refresh_s = publisher.period_s  # a third of the record's TTL, as a heartbeat
         published: tuple[float, tuple[Any, ...] | None] = (-math.inf, None)  # (when, what peers act on)
-        viewed_at = -math.inf
+        viewed_at = probed_at = -math.inf
         while not self._stop.wait(me.opts.status_period_s):
             now = time.monotonic()
             if me.training and not was_training:  # waiting for peers is no step time
@@ -150,17 +218,20 @@ class SwarmView:
                              last_sync_time=me.rounds.last_sync_time, bytes_sent=sent,
                              bytes_received=received, loss=me._finite_loss())
             record = publisher.record
-            key = (record.state, record.fragment_versions, record.anchor_hashes)
+            key = published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training)
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
-            if not view_due(now, viewed_at, me.opts.view_period_s, me.training):
+            if not view_due(now, viewed_at, read_period_s(me.opts.view_period_s, self.live_learners), me.training):
+                if now - probed_at >= me.opts.view_period_s:
+                    probed_at = now
+                    self.probe_heads()
                 continue
-            viewed_at = now
+            viewed_at = probed_at = now
             others = self.read()
             if others is None:
                 continue
-            if self.auto_clock and me.training:
+            if me.training and self.probe_heads() and self.auto_clock:  # the probe adopted the newest clock
                 self._tend_clock(step_time_s, others)
 
     def _step_time_s(self) -> float:
@@ -171,24 +242,15 @@ class SwarmView:
             return 0.0
         return (time.monotonic() - me.t_start) / steps
 
-    def adopt_clock(self) -> bool:
-        """Adopt the newest sync clock published for the run, if newer than ours; False if the read failed
-        (logged whole: we keep the clock we have and try again next period)."""
-        from p2p_diloco.net.clock import read_clock
-
-        try:
-            published = read_clock(self.learner.joined.dht, self.learner.local.run_id)
-        except Exception:
-            logger.exception("reading the sync clock failed")
-            return False
+    def _adopt(self, published: SyncClock | None) -> None:
+        """Adopt ``published`` (the newest clock a probe found) if it is newer than ours."""
         if published is not None and published.newer_than(self.clock):
             if self.clock is None or published.period_s != self.clock.period_s:
                 logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
             self.clock = published
-        return True
 
     def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
-        """(status thread) Adopt the newest published sync clock; if we are the clock leader (smallest peer
+        """(status thread, after a probe adopted the newest published sync clock) If we are the clock leader (smallest peer
         id among the training learners), derive the period from everyone's step time and publish it when
         it is off (or missing), and keep it alive in the DHT."""
         from p2p_diloco.net.clock import (
@@ -202,8 +264,6 @@ class SwarmView:
         from p2p_diloco.net.membership import owner_subkey
 
         me = self.learner
-        if not self.adopt_clock():
-            return
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
         if clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) != me.joined.peer_id:
             return

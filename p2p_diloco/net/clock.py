@@ -16,7 +16,7 @@ is still far enough ahead for everyone to have read it, so a retune delays the n
 one fragment spacing plus a few seconds. If the leader leaves, the next smallest peer id takes over, starting from the
 clock already in the DHT.
 
-Everything here is pure except :func:`read_clock` / :func:`publish_clock` (a hivemind DHT).
+Everything here is pure except :func:`publish_clock` (a hivemind DHT).
 """
 
 from __future__ import annotations
@@ -145,9 +145,8 @@ def newest_clock(values: Iterable[Any]) -> SyncClock | None:
     return best
 
 
-def read_clock(dht: Any, run_id: str) -> SyncClock | None:
-    """The newest clock published for ``run_id`` (None if none)."""
-    found = dht.get(clock_key(run_id), latest=True)
+def clock_in(found: Any) -> SyncClock | None:
+    """The newest clock in a ``dht.get(clock_key(run_id), latest=True)`` result (None if none)."""
     if found is None or not isinstance(found.value, dict):
         return None
     return newest_clock(item.value for item in found.value.values())

@@ -23,7 +23,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Callable
 
 from hivemind.dht import DHT
@@ -41,7 +43,7 @@ from p2p_diloco.net.identity import (
 )
 from p2p_diloco.net.records import (
     ANNOUNCE_STATE,
-    INDEX_KEY,
+    INDEX_KEYS,
     OWNER_MARKER_RE,
     IndexEntry,
     LocalRun,
@@ -51,7 +53,9 @@ from p2p_diloco.net.records import (
     classify,
     merge_index,
     peer_schemas,
+    index_key,
     run_key,
+    run_keys,
     tombstone,
 )
 from p2p_diloco.net.runs import RunInfo, runs_in_index
@@ -272,13 +276,15 @@ class SwarmSnapshot:
         return [v for v in self.views if v.status == "live"]
 
 
-def read_entries(dht: DHT, key: str, parse: Callable[[Any], Any]) -> tuple[list[tuple[Any, float]], list[str]]:
-    """One read of ``key``: (record parsed by ``parse``, expiration time) per subkey whose owner published
-    it, and one line per dropped subkey (bad schema, record of another peer id than its owner key)."""
+def read_entries(dht: DHT, keys: Sequence[str], parse: Callable[[Any], Any]) -> tuple[list[tuple[Any, float]], list[str]]:
+    """One read of ``keys`` (the shards of one kind of record, or a single key): (record parsed by ``parse``,
+    expiration time) per subkey whose owner published it, and one line per dropped subkey (bad schema,
+    record of another peer id than its owner key)."""
     rejected: list[str] = []
-    entries = _entries(dht.get(key, latest=True), parse, rejected)
+    found = read_many(dht, keys)
+    entries = [e for key in keys for e in _entries(found.get(key), parse, rejected)]
     for line in rejected:
-        logger.warning("dropped a record under %s: %s", key, line)
+        logger.warning("dropped a record under %s: %s", keys[0] if len(keys) == 1 else f"{len(keys)} keys", line)
     return entries, rejected
 
 
@@ -300,20 +306,31 @@ def _entries(result: Any, parse: Any, rejected: list[str]) -> list[tuple[Any, fl
     return out
 
 
+async def _get_latest_many(keys: tuple[str, ...], _dht: DHT, node: Any) -> dict[str, Any]:
+    """(DHT process) :meth:`DHTNode.get_many` of ``keys``, latest values: one search for all of them."""
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    return {key: found.get(key) for key in keys}
+
+
+def read_many(dht: DHT, keys: Sequence[str]) -> dict[str, Any]:
+    """The latest value of each key (None where there is none), as ``dht.get(key, latest=True)`` returns it,
+    found by one batched DHT search: each node asked answers for every key in one message, so ``k`` small
+    keys cost about what one costs (what the learner's fast path reads every view period)."""
+    return dht.run_coroutine(partial(_get_latest_many, tuple(dict.fromkeys(keys))))
+
+
 def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
     """One read of the run's records and (``index``) the run index, classified at the current DHT time.
     A learner reading every second leaves the index out: it only needs its own run's records, and each
     read is a DHT search that every other peer's DHT process answers."""
-    run_future = dht.get(run_key(local.run_id), latest=True, return_future=True)
-    index_future = dht.get(INDEX_KEY, latest=True, return_future=True) if index else None
-    run_result = run_future.result()
-    index_result = index_future.result() if index_future is not None else None
+    keys = run_keys(local.run_id)
+    found = read_many(dht, keys + (INDEX_KEYS if index else ()))  # one batched search of every shard
     now = get_dht_time()
     rejected: list[str] = []
-    run_entries = _entries(run_result, PeerRecord.from_wire, rejected)
+    run_entries = [e for key in keys for e in _entries(found.get(key), PeerRecord.from_wire, rejected)]
     local = adopt_majority(local, (r for r, _ in run_entries))
     views = classify(run_entries, local, now)
-    index_entries = _entries(index_result, IndexEntry.from_wire, rejected)
+    index_entries = [e for key in INDEX_KEYS if index for e in _entries(found.get(key), IndexEntry.from_wire, rejected)]
     index_views = classify(index_entries, local, now)
     runs: dict[str, int] = {}
     for v in index_views:
@@ -364,6 +381,19 @@ class Membership:
 # ---------------------------------------------------------------- publishing
 
 
+INDEX_TTL_FACTOR = 3.0
+"""A run index entry lives this many record TTLs, and is stored again once a record TTL has passed (every third
+heartbeat) or when it changes: it only says which run a peer is in and its state, and every store of it is
+answered with its whole shard."""
+
+
+def index_due(now: float, sent: tuple[float, IndexEntry] | None, entry: IndexEntry, ttl_s: float) -> bool:
+    """Whether a publish stores the index entry too: the first time, when what it says changed (its time
+    aside: a state change, a tombstone), or once ``ttl_s`` has passed since the last one (its lifetime is
+    ``INDEX_TTL_FACTOR x ttl_s``, so two refreshes may be lost before it expires)."""
+    return sent is None or replace(entry, time=0.0) != sent[1] or now - sent[0] >= ttl_s
+
+
 class RecordPublisher:
     """Publishes this peer's record every ``ttl_s / 3`` s in a thread; a tombstone on :meth:`leave`.
 
@@ -383,6 +413,8 @@ class RecordPublisher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failures = 0
+        self._index_sent: tuple[float, IndexEntry] | None = None
+        """(DHT time, entry without its time) of the last index entry stored."""
 
     @property
     def record(self) -> PeerRecord:
@@ -395,15 +427,22 @@ class RecordPublisher:
             self._record = replace(self._record, **changes)
 
     def publish(self, record: PeerRecord | None = None, ttl_s: float | None = None) -> bool:
-        """Store the record (and its index entry) now; True if some DHT node accepted both."""
+        """Store the record now, and its index entry when :func:`index_due`; True if some DHT node accepted
+        each store."""
         now = get_dht_time()
         record = replace(record or self.record, time=now)
-        expiration = now + (ttl_s if ttl_s is not None else self.ttl_s)
-        futures = [
-            self._dht.store(run_key(record.run_id), record.to_wire(), expiration, subkey=self._subkey, return_future=True),
-            self._dht.store(INDEX_KEY, IndexEntry.of(record).to_wire(), expiration, subkey=self._subkey, return_future=True),
-        ]
+        index_ttl_s = ttl_s if ttl_s is not None else INDEX_TTL_FACTOR * self.ttl_s  # a tombstone's: its own
+        ttl_s = ttl_s if ttl_s is not None else self.ttl_s
+        futures = [self._dht.store(run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
+                                   subkey=self._subkey, return_future=True)]
+        entry = IndexEntry.of(record)
+        indexed = index_due(now, self._index_sent, entry, ttl_s)
+        if indexed:
+            futures.append(self._dht.store(index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
+                                           subkey=self._subkey, return_future=True))
         ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
+        if ok and indexed:  # a refused index entry goes out again with the next publish
+            self._index_sent = (now, replace(entry, time=0.0))
         if not ok:
             self.failures += 1
             logger.warning("publishing the peer record was not accepted by any DHT node (attempt failures: %d); if this "

@@ -3,12 +3,14 @@ decisions taken from them (compatible? live, left or foreign? what does the swar
 
 Layout in the DHT (documented in ``status --help`` too):
 
-* ``run_key(run_id)`` = ``"p2p-diloco.run.<run_id>_peers"``: one subkey per peer, the subkey being
+* ``run_key(run_id, peer_id)`` = ``"p2p-diloco.run.<run_id>_peers_<shard>"``, the peer's shard of
+  :data:`RECORD_SHARDS` (:func:`record_shard`, a hash of its peer id): one subkey per peer, the subkey being
   ``RSASignatureValidator``'s owner marker ``b"[owner:<ssh-rsa public key>]"``; the value is the
   full :class:`PeerRecord` as a plain dict, stored with ``expiration_time = now + ttl_s``.
   A graceful leave stores the same record with ``state="left"`` and a longer expiration: a
   tombstone that says who left and when.
-* ``INDEX_KEY`` = ``"p2p-diloco_runs"``: the same owners, with a small :class:`IndexEntry` each
+* ``index_key(peer_id)`` = ``"p2p-diloco_runs_<shard>"`` (:data:`INDEX_KEYS`, the same shards): the same
+  owners, with a small :class:`IndexEntry` each
   (run id, protocol, config hash, name, state). It lets ``status`` list every run in a DHT and
   show peers of *other* runs as foreign (their full records live under their own run key, which
   a node of our run cannot validate because DHT keys are hashed). A ``bootstrap`` peer publishes an
@@ -19,13 +21,18 @@ Layout in the DHT (documented in ``status --help`` too):
   characters, and its hash), stored for ``CONFIG_TTL_FACTOR x ttl_s``: how a joiner without
   ``--config`` gets the run's config (:mod:`p2p_diloco.net.runconfig` verifies its hash).
 
-Every node validates both keys with ``SchemaValidator`` (the pydantic.v1 models below; strict
+Records and index entries are sharded because hivemind answers every search of a key -- a store's
+search for the nodes to store on as well -- with *all* of its subkeys: with one key for everyone, each
+heartbeat of each peer fetched every record in the swarm, and a swarm's publishing grew with N squared.
+
+Every node validates these keys with ``SchemaValidator`` (the pydantic.v1 models below; strict
 types, bounded sizes, no NaN) behind ``RSASignatureValidator`` (only the key's owner may write its
 subkey). Everything here except :func:`peer_schemas` is pure and imports no hivemind.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
@@ -41,6 +48,7 @@ from pydantic.v1 import (
     conint,
     conlist,
     constr,
+    create_model,
     validator,
 )
 
@@ -57,7 +65,11 @@ INDEX_STATES = STATES + (ANNOUNCE_STATE,)
 
 RUN_KEY_PREFIX = "p2p-diloco.run."
 INDEX_PREFIX = "p2p-diloco"
-INDEX_KEY = f"{INDEX_PREFIX}_runs"
+RECORD_SHARDS = 16
+"""Peer records and index entries are spread over this many DHT keys each, by a hash of the peer id: a store
+(heartbeat) costs what one shard holds (N / 16 records), a full read of the swarm is one batched search
+of all the shards."""
+INDEX_KEYS = tuple(f"{INDEX_PREFIX}_runs_{shard}" for shard in range(RECORD_SHARDS))
 OWNER_MARKER_RE = re.compile(rb"^\[owner:(.+?)\]$", re.S)
 """Same marker as ``hivemind.dht.crypto.RSASignatureValidator.PUBLIC_KEY_FORMAT`` (a test pins it)."""
 
@@ -75,9 +87,25 @@ def run_key_prefix(run_id: str) -> str:
     return f"{RUN_KEY_PREFIX}{run_id}"
 
 
-def run_key(run_id: str) -> str:
-    """The DHT key of a run's peer records (SchemaValidator field ``peers`` under ``run_key_prefix``)."""
-    return f"{run_key_prefix(run_id)}_peers"
+def record_shard(peer_id: str) -> int:
+    """Which of the :data:`RECORD_SHARDS` keys holds this peer's record and index entry (stable across runs)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % RECORD_SHARDS
+
+
+def run_keys(run_id: str) -> tuple[str, ...]:
+    """The DHT keys of a run's peer records, one per shard (SchemaValidator fields ``peers_<shard>`` under
+    ``run_key_prefix``)."""
+    return tuple(f"{run_key_prefix(run_id)}_peers_{shard}" for shard in range(RECORD_SHARDS))
+
+
+def run_key(run_id: str, peer_id: str) -> str:
+    """The DHT key that holds ``peer_id``'s record in ``run_id`` (its shard's)."""
+    return run_keys(run_id)[record_shard(peer_id)]
+
+
+def index_key(peer_id: str) -> str:
+    """The DHT key that holds ``peer_id``'s run index entry (its shard's)."""
+    return INDEX_KEYS[record_shard(peer_id)]
 
 
 def config_key(run_id: str) -> str:
@@ -154,7 +182,7 @@ class PeerRecord:
 
 @dataclass(frozen=True)
 class IndexEntry:
-    """The small per-peer entry under :data:`INDEX_KEY`."""
+    """The small per-peer entry under its shard of :data:`INDEX_KEYS` (:func:`index_key`)."""
 
     run_id: str
     protocol_version: int
@@ -342,13 +370,12 @@ class RunConfigModel(BaseModel):
         extra = Extra.forbid
 
 
-class RunPeersSchema(BaseModel):
-    peers: Dict[OwnerKey, PeerRecordModel]
-    config: Dict[OwnerKey, RunConfigModel]
-
-
-class RunIndexSchema(BaseModel):
-    runs: Dict[OwnerKey, IndexEntryModel]
+RunPeersSchema = create_model("RunPeersSchema", config=(Dict[OwnerKey, RunConfigModel], ...),
+                              **{f"peers_{shard}": (Dict[OwnerKey, PeerRecordModel], ...) for shard in range(RECORD_SHARDS)})
+"""The keys under :func:`run_key_prefix`: the config records and the peer records' shards."""
+RunIndexSchema = create_model("RunIndexSchema", **{f"runs_{shard}": (Dict[OwnerKey, IndexEntryModel], ...)
+                                                   for shard in range(RECORD_SHARDS)})
+"""The keys under :data:`INDEX_PREFIX`: the run index's shards."""
 
 
 def peer_schemas(run_id: str | None) -> list[Any]:
@@ -506,90 +533,6 @@ def check_join(views: Iterable[PeerView], local: LocalRun, own_peer_id: str) -> 
     return False, f"refused by run {local.run_id!r}: incompatible with its {len(same_run)} live peers"
 
 
-@dataclass(frozen=True)
-class FragmentConsensus:
-    fragment: int
-    versions: dict[str, int]
-    """Live peers per version (str keys: msgpack/JSON safe)."""
-    top_version: int
-    agreeing: int
-    """Live peers at ``top_version`` (the most common one; ties go to the newer version)."""
-    anchors: int = 0
-    """Distinct anchor hashes among the live peers at ``top_version`` (> 1: a fork not yet healed)."""
-    distance: float = 0.0
-    """Largest consensus distance a live peer reports for this fragment (its last healed fork)."""
-
-
-@dataclass(frozen=True)
-class SwarmSummary:
-    run_id: str
-    live: int
-    tokens: int
-    tokens_per_s: float
-    fragments: tuple[FragmentConsensus, ...]
-    consensus: bool
-    """Every live peer reports the same version and the same anchor hash for every fragment."""
-    states: dict[str, int]
-    left: tuple[tuple[str, str, float], ...]
-    """(name, peer id, DHT time of leaving), newest first."""
-    foreign: tuple[tuple[str, str, str], ...]
-    """(name, peer id, reason)."""
-    trainers: int = 0
-    """Live peers that train (every state but ``idle``): fragment agreement and consensus are taken over
-    these, so a ``heartbeat`` member or a monitor never holds consensus back."""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
-    """Swarm-level figures from classified views (pure). Members in state ``idle`` (they publish but train
-    no fragment) count as live but not in the fragment figures or the consensus."""
-    views = list(views)
-    live = [v.record for v in views if v.status == "live" and isinstance(v.record, PeerRecord)]
-    trainers = [r for r in live if r.state != "idle"]
-    n_frag = max((len(r.fragment_versions) for r in trainers), default=0)
-    frags = []
-    for f in range(n_frag):
-        counts = Counter(r.fragment_versions[f] for r in trainers if len(r.fragment_versions) > f)
-        top, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-        anchors = {r.anchor_hashes[f] for r in trainers if len(r.fragment_versions) > f
-                   and r.fragment_versions[f] == top and len(r.anchor_hashes) > f}
-        distance = max((r.consensus_distance[f] for r in trainers if len(r.consensus_distance) > f), default=0.0)
-        frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing,
-                                       len(anchors), distance))
-    consensus = all(fc.agreeing == len(trainers) and fc.anchors <= 1 for fc in frags)
-    left = sorted(((v.record.name, v.peer_id, v.record.time) for v in views if v.status == "left"),
-                  key=lambda t: -t[2])
-    foreign = tuple((v.record.name, v.peer_id, v.reason) for v in views if v.status == "foreign")
-    return SwarmSummary(
-        run_id=run_id,
-        live=len(live),
-        tokens=sum(r.tokens for r in live),
-        tokens_per_s=sum(r.tokens_per_s for r in live),
-        fragments=tuple(frags),
-        consensus=consensus,
-        states=dict(Counter(r.state for r in live)),
-        left=tuple(left),
-        foreign=foreign,
-        trainers=len(trainers),
-    )
-
-
 def tombstone(record: PeerRecord, now: float) -> PeerRecord:
     """The record a peer stores when it leaves gracefully."""
     return replace(record, state="left", time=now, tokens_per_s=0.0)
-
-
-
-def config_mismatch(views: Iterable[PeerView], local: LocalRun) -> str:
-    """For an observer that brought its own config: "" if the run's peers (departed ones aside) mostly
-    publish our config hash, or none is there; else one line saying that we look with another config."""
-    records = [v.record for v in views if v.status in ("live", "foreign") and isinstance(v.record, PeerRecord)]
-    theirs = adopt_majority(replace(local, config_hash=""), records).config_hash
-    if not local.config_hash or not theirs or theirs == local.config_hash:
-        return ""
-    return (f"your config's hash {local.config_hash} differs from the run's {theirs}: you are looking with another "
-            f"config (leave --config/--set out to use the run's own, or pass the ones its peers use)")
-
-

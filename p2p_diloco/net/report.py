@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterable
+
+from p2p_diloco.net.records import LocalRun, PeerRecord, PeerView, adopt_majority
 
 if TYPE_CHECKING:
     from p2p_diloco.net.membership import SwarmSnapshot
@@ -12,11 +15,91 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class FragmentConsensus:
+    fragment: int
+    versions: dict[str, int]
+    """Live peers per version (str keys: msgpack/JSON safe)."""
+    top_version: int
+    agreeing: int
+    """Live peers at ``top_version`` (the most common one; ties go to the newer version)."""
+    anchors: int = 0
+    """Distinct anchor hashes among the live peers at ``top_version`` (> 1: a fork not yet healed)."""
+    distance: float = 0.0
+    """Largest consensus distance a live peer reports for this fragment (its last healed fork)."""
+
+
+@dataclass(frozen=True)
+class SwarmSummary:
+    run_id: str
+    live: int
+    tokens: int
+    tokens_per_s: float
+    fragments: tuple[FragmentConsensus, ...]
+    consensus: bool
+    """Every live peer reports the same version and the same anchor hash for every fragment."""
+    states: dict[str, int]
+    left: tuple[tuple[str, str, float], ...]
+    """(name, peer id, DHT time of leaving), newest first."""
+    foreign: tuple[tuple[str, str, str], ...]
+    """(name, peer id, reason)."""
+    trainers: int = 0
+    """Live peers that train (every state but ``idle``): fragment agreement and consensus are taken over
+    these, so a ``heartbeat`` member or a monitor never holds consensus back."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
+    """Swarm-level figures from classified views (pure). Members in state ``idle`` (they publish but train
+    no fragment) count as live but not in the fragment figures or the consensus."""
+    views = list(views)
+    live = [v.record for v in views if v.status == "live" and isinstance(v.record, PeerRecord)]
+    trainers = [r for r in live if r.state != "idle"]
+    n_frag = max((len(r.fragment_versions) for r in trainers), default=0)
+    frags = []
+    for f in range(n_frag):
+        counts = Counter(r.fragment_versions[f] for r in trainers if len(r.fragment_versions) > f)
+        top, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+        anchors = {r.anchor_hashes[f] for r in trainers if len(r.fragment_versions) > f
+                   and r.fragment_versions[f] == top and len(r.anchor_hashes) > f}
+        distance = max((r.consensus_distance[f] for r in trainers if len(r.consensus_distance) > f), default=0.0)
+        frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing,
+                                       len(anchors), distance))
+    consensus = all(fc.agreeing == len(trainers) and fc.anchors <= 1 for fc in frags)
+    left = sorted(((v.record.name, v.peer_id, v.record.time) for v in views if v.status == "left"),
+                  key=lambda t: -t[2])
+    foreign = tuple((v.record.name, v.peer_id, v.reason) for v in views if v.status == "foreign")
+    return SwarmSummary(
+        run_id=run_id,
+        live=len(live),
+        tokens=sum(r.tokens for r in live),
+        tokens_per_s=sum(r.tokens_per_s for r in live),
+        fragments=tuple(frags),
+        consensus=consensus,
+        states=dict(Counter(r.state for r in live)),
+        left=tuple(left),
+        foreign=foreign,
+        trainers=len(trainers),
+    )
+
+
+def config_mismatch(views: Iterable[PeerView], local: LocalRun) -> str:
+    """For an observer that brought its own config: "" if the run's peers (departed ones aside) mostly
+    publish our config hash, or none is there; else one line saying that we look with another config."""
+    records = [v.record for v in views if v.status in ("live", "foreign") and isinstance(v.record, PeerRecord)]
+    theirs = adopt_majority(replace(local, config_hash=""), records).config_hash
+    if not local.config_hash or not theirs or theirs == local.config_hash:
+        return ""
+    return (f"your config's hash {local.config_hash} differs from the run's {theirs}: you are looking with another "
+            f"config (leave --config/--set out to use the run's own, or pass the ones its peers use)")
+
+
 def snapshot_json(snapshot: "SwarmSnapshot", timings_s: dict[str, float]) -> dict[str, Any]:
     """One read as JSON: the run looked at (``run_id`` "" when the DHT holds no run), its peers and summary;
     ``runs`` (live peers per run), ``runs_detail`` (every run of the index, live ones first) and
     ``config_mismatch`` (one line when our own config's hash is not the run's; else "")."""
-    from p2p_diloco.net.records import config_mismatch, summarize
 
     local = snapshot.local
     return {

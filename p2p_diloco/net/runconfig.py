@@ -33,7 +33,7 @@ from p2p_diloco.core.config import (
     load_config_data,
     pin_data,
 )
-from p2p_diloco.net.records import INDEX_KEY, IndexEntry, RunConfigRecord, config_key
+from p2p_diloco.net.records import INDEX_KEYS, IndexEntry, RunConfigRecord, config_key, index_key
 from p2p_diloco.net.runs import RunInfo, runs_in_index
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def explain_refusal(dht: Any, cfg: Config, views: Iterable[Any], reason: str) ->
     if not hashes:
         return reason
     run = RunInfo(cfg.run.run_id, live=sum(hashes.values()), config_hashes=dict(hashes))
-    entries, _rejected = read_entries(dht, config_key(run.run_id), RunConfigRecord.from_wire)
+    entries, _rejected = read_entries(dht, (config_key(run.run_id),), RunConfigRecord.from_wire)
     try:
         run_cfg, _record = config_from_records(entries, run, get_dht_time())
     except ValueError as e:  # no config record to compare with: the plain reason is all we can say
@@ -185,7 +185,7 @@ def read_runs(dht: Any) -> tuple[list[RunInfo], list[str]]:
 
     from p2p_diloco.net.membership import read_entries
 
-    entries, rejected = read_entries(dht, INDEX_KEY, IndexEntry.from_wire)
+    entries, rejected = read_entries(dht, INDEX_KEYS, IndexEntry.from_wire)
     return runs_in_index(entries, get_dht_time()), rejected
 
 
@@ -195,7 +195,7 @@ def fetch_config(dht: Any, run: RunInfo, overrides: Sequence[str] = ()) -> tuple
 
     from p2p_diloco.net.membership import read_entries
 
-    entries, _rejected = read_entries(dht, config_key(run.run_id), RunConfigRecord.from_wire)
+    entries, _rejected = read_entries(dht, (config_key(run.run_id),), RunConfigRecord.from_wire)
     return config_from_records(entries, run, get_dht_time(), overrides)
 
 
@@ -241,7 +241,7 @@ class RunAnnouncer:
         assert self.announcement is not None
         now = get_dht_time()
         entry = replace(self.announcement, time=now)
-        return self._store(INDEX_KEY, entry.to_wire(), now + self.announce_ttl_s, "run announcement")
+        return self._store(index_key(entry.peer_id), entry.to_wire(), now + self.announce_ttl_s, "run announcement")
 
     def publish_all(self) -> bool:
         ok = self.publish_config()

@@ -1,0 +1,223 @@
+"""A round's timeouts from the measured link: bytes to move / observed throughput, plus latency.
+
+Fixed timeouts fail on slow links: at 2 Mbit/s and 100 ms round trips, a sender can legitimately be silent
+longer than a fixed ``next_chunk_timeout_s``, and a round that would have completed is discarded as partial.
+So each round's hivemind timeouts are derived from what this peer must move in it and what it saw the link do:
+
+* **bytes to move** (:func:`allreduce_bytes`): in hivemind's butterfly all-reduce of a payload of V wire
+  bytes among n peers, each peer sends (n-1)/n of V to the other reducers and returns (n-1)/n of V (their
+  averaged parts), and receives as much: 2(1 - 1/n) V in each direction (measured 1.004x that).
+* **throughput** (:func:`estimate_link`): bytes / seconds of the all-reduces of recent committed rounds (the
+  all-reduce alone, timed in the averager process; a committed round moved all its bytes), their
+  ``THROUGHPUT_QUANTILE`` (a low quantile: one fast round does not shorten everything), before any round
+  ``PRIOR_THROUGHPUT_BPS``. A failed round's bytes / seconds measure the failure (a hanging peer), not the
+  link, so it is not a sample; instead each failed round whose group had formed halves the throughput
+  used, up to ``MAX_BACKOFF_STEPS`` times, until one commits (as TCP backs off its retransmission timeout):
+  a link slower than the prior still gets rounds through.
+* **latency**: hivemind and libp2p expose no round-trip time, so it is measured where a round already
+  waits on one: after an all-reduce every member reads the others' verdicts from the DHT, whose nodes
+  nearest the key are the group's peers; the fastest of those reads is the round's RTT sample (a read may
+  take more than one hop: an overestimate, which only lengthens timeouts). The median of recent samples,
+  ``PRIOR_RTT_S`` before any.
+
+From them, ``transfer_s = bytes / throughput + LATENCY_ROUND_TRIPS x rtt`` (:func:`round_timeouts`), and:
+
+* ``sender_timeout_s`` (also hivemind's ``next_chunk_timeout``) = ``SILENCE_SAFETY x transfer_s``: a
+  sender's stream shares its uplink with its others, so one stream can be silent for a good part of the
+  whole transfer;
+* ``reducer_timeout_s`` = ``REDUCER_OVER_SENDER x`` the sender timeout (hivemind's own ratio: a reducer
+  answers a part only once every sender's part is in);
+* ``allreduce_timeout_s`` = ``ALLREDUCE_SAFETY x transfer_s``;
+* ``request_timeout_s`` (a join request waiting on the leader) = ``JOIN_ROUND_TRIPS x rtt`` (a first
+  round connects: TCP, Noise, yamux, then the request), at most ``REQUEST_WINDOW_SHARE`` of
+  ``window_min_s`` (hivemind deadlocks when it is not below the matchmaking time);
+* ``matchmaking_slack_s`` = ``JOIN_ROUND_TRIPS x rtt``, added to the host's matchmaking deadline.
+
+Today's config values are the floors (a fast link gets exactly them, :func:`floor_timeouts`), and
+``MAX_TIMEOUT_SCALE`` x them the caps: a dead peer is still noticed within bounded time. Both keep
+``sender < reducer < allreduce`` (checked at construction: hivemind refuses a reducer timeout that is not
+above the sender's).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from p2p_diloco.core.codecs import bits_per_element
+from p2p_diloco.core.config import AveragingConfig
+
+PRIOR_THROUGHPUT_BPS = 125_000.0
+"""Bytes per second assumed before any round committed: 1 Mbit/s, a slow uplink (conservative: long timeouts)."""
+PRIOR_RTT_S = 0.25
+"""Round-trip time in seconds assumed before any was measured (an intercontinental path)."""
+LINK_HISTORY_ROUNDS = 8
+"""How many recent rounds' throughput and RTT samples the estimate is taken from."""
+THROUGHPUT_QUANTILE = 0.25
+"""Which quantile of the recent throughputs is used (low: the timeouts fit a slower than typical round)."""
+LATENCY_ROUND_TRIPS = 8.0
+"""Round trips an all-reduce spends beyond its bytes: opening streams (connections, in a run's first round),
+TCP slow start, the first part's way to its reducer and the average's way back."""
+JOIN_ROUND_TRIPS = 4.0
+"""Round trips of a join request in a run's first round: connecting (TCP, Noise, yamux) and the request."""
+SILENCE_SAFETY = 2.0
+"""Sender timeout / transfer_s: how long a sender may be silent, in whole expected transfers."""
+REDUCER_OVER_SENDER = 2.0
+"""Reducer timeout / sender timeout (hivemind's default ratio, which ``next_chunk_timeout_s`` documents)."""
+ALLREDUCE_SAFETY = 5.0
+"""All-reduce timeout / transfer_s; above ``SILENCE_SAFETY x REDUCER_OVER_SENDER`` so that the whole
+all-reduce outlasts a reducer's silence."""
+REQUEST_WINDOW_SHARE = 0.75
+"""The request timeout stays below this share of ``window_min_s`` (hivemind's matchmaking time)."""
+MAX_TIMEOUT_SCALE = 10.0
+"""Caps: at most this many times the config's value (300 s for the default 30 s all-reduce timeout)."""
+BACKOFF_BASE = 2.0
+"""Each failed round in a row (its group formed) divides the throughput used by this."""
+MAX_BACKOFF_STEPS = 4
+"""At most this many halvings (16x): beyond, the caps bind anyway."""
+
+assert ALLREDUCE_SAFETY > SILENCE_SAFETY * REDUCER_OVER_SENDER, "the all-reduce must outlast a reducer's silence"
+
+
+@dataclass(frozen=True)
+class RoundTimeouts:
+    """One round's hivemind timeouts (seconds) and the link figures they were derived from."""
+
+    request_timeout_s: float
+    """hivemind ``request_timeout``: a join request waits this long for the leader's answer."""
+    sender_timeout_s: float
+    """hivemind ``sender_timeout`` and ``next_chunk_timeout``: a sender silent this long is dropped."""
+    reducer_timeout_s: float
+    """hivemind ``reducer_timeout``: a reducer silent this long has failed us."""
+    allreduce_timeout_s: float
+    """hivemind ``allreduce_timeout``: the whole all-reduce, once the group has formed."""
+    matchmaking_slack_s: float = 0.0
+    """Added to the host's matchmaking deadline (scheduled start + two windows)."""
+    bytes_to_move: float = 0.0
+    """Bytes this peer sends (and receives) in the round, as estimated (0: not derived)."""
+    throughput_Bps: float = math.nan
+    """Bytes per second used (after any back-off); NaN: not derived (the config's values)."""
+    rtt_s: float = math.nan
+    transfer_s: float = math.nan
+    """bytes_to_move / throughput + latency: the expected all-reduce time the timeouts scale with."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.sender_timeout_s < self.reducer_timeout_s < self.allreduce_timeout_s:
+            raise ValueError(f"timeouts must satisfy 0 < sender ({self.sender_timeout_s}) < reducer "
+                             f"({self.reducer_timeout_s}) < all-reduce ({self.allreduce_timeout_s})")
+        if not self.request_timeout_s > 0 or not self.matchmaking_slack_s >= 0:
+            raise ValueError(f"request timeout {self.request_timeout_s} must be > 0 and matchmaking slack "
+                             f"{self.matchmaking_slack_s} >= 0")
+
+    def event(self) -> dict[str, float | None]:
+        """The round event's ``timeouts`` record (NaN -> None, rounded)."""
+        return {k: (round(v, 3) if math.isfinite(v) else None) for k, v in vars(self).items()}
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What the link is believed to do, and from how many samples (0: the prior)."""
+
+    throughput_Bps: float
+    rtt_s: float
+    throughput_samples: int = 0
+    rtt_samples: int = 0
+
+
+def payload_bytes(numel: int, codec: str) -> float:
+    """Wire bytes of ``numel`` values in ``codec`` (scales included, framing not)."""
+    return numel * bits_per_element(codec) / 8
+
+
+def allreduce_bytes(payload: float, group_size: int) -> float:
+    """Bytes one peer sends, and receives, in a butterfly all-reduce of ``payload`` bytes among
+    ``group_size`` peers: 2(1 - 1/n) x payload (a group below 2 is taken as 2: one moves nothing)."""
+    n = max(2, group_size)
+    return 2.0 * (1.0 - 1.0 / n) * payload
+
+
+def expected_group_size(live_peers: int, cfg: AveragingConfig) -> int:
+    """The group a round will likely have: us and the other live peers, within the configured sizes."""
+    n = live_peers + 1
+    if cfg.target_group_size:
+        n = min(n, cfg.target_group_size)
+    return max(n, cfg.min_group_size)
+
+
+def throughput_sample(bytes_moved: float, seconds: float) -> float | None:
+    """Bytes per second of one all-reduce, or None when it says nothing (no bytes, no or non-finite time)."""
+    if not (math.isfinite(bytes_moved) and math.isfinite(seconds)) or bytes_moved <= 0 or seconds <= 0:
+        return None
+    return bytes_moved / seconds
+
+
+def estimate_link(throughputs: Sequence[float], rtts: Sequence[float], failures: int = 0) -> LinkEstimate:
+    """The link from recent samples (only the last ``LINK_HISTORY_ROUNDS`` count; non-finite or non-positive
+    ones are ignored): throughput at ``THROUGHPUT_QUANTILE`` (lower nearest rank), RTT the median, each its
+    prior without samples; the throughput divided by ``BACKOFF_BASE`` per failed round in a row."""
+    rates = sorted(x for x in throughputs[-LINK_HISTORY_ROUNDS:] if math.isfinite(x) and x > 0)
+    trips = [x for x in rtts[-LINK_HISTORY_ROUNDS:] if math.isfinite(x) and x > 0]
+    rate = rates[int(THROUGHPUT_QUANTILE * (len(rates) - 1))] if rates else PRIOR_THROUGHPUT_BPS
+    rate /= BACKOFF_BASE ** min(max(0, failures), MAX_BACKOFF_STEPS)
+    rtt = statistics.median(trips) if trips else PRIOR_RTT_S
+    return LinkEstimate(rate, rtt, len(rates), len(trips))
+
+
+def floor_timeouts(cfg: AveragingConfig) -> RoundTimeouts:
+    """The config's fixed values: what a round gets on a fast link, and where no link was measured."""
+    return RoundTimeouts(request_timeout_s=cfg.request_timeout_s, sender_timeout_s=cfg.next_chunk_timeout_s,
+                         reducer_timeout_s=REDUCER_OVER_SENDER * cfg.next_chunk_timeout_s,
+                         allreduce_timeout_s=cfg.allreduce_timeout_s)
+
+
+def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfig) -> RoundTimeouts:
+    """A round's timeouts for moving ``bytes_to_move`` (each way) over ``link``; see the module docstring."""
+    if not (math.isfinite(bytes_to_move) and bytes_to_move >= 0):
+        raise ValueError(f"bytes_to_move must be a finite number >= 0, got {bytes_to_move}")
+    if not (math.isfinite(link.throughput_Bps) and link.throughput_Bps > 0 and math.isfinite(link.rtt_s)
+            and link.rtt_s >= 0):
+        raise ValueError(f"the link estimate must be finite and positive, got {link}")
+    floor = floor_timeouts(cfg)
+    transfer_s = bytes_to_move / link.throughput_Bps + LATENCY_ROUND_TRIPS * link.rtt_s
+
+    def bounded(value: float, least: float) -> float:
+        return min(max(value, least), MAX_TIMEOUT_SCALE * least)
+
+    sender_s = bounded(SILENCE_SAFETY * transfer_s, floor.sender_timeout_s)
+    request_cap_s = max(floor.request_timeout_s, REQUEST_WINDOW_SHARE * cfg.window_min_s)
+    return RoundTimeouts(
+        request_timeout_s=min(max(JOIN_ROUND_TRIPS * link.rtt_s, floor.request_timeout_s), request_cap_s),
+        sender_timeout_s=sender_s,
+        reducer_timeout_s=REDUCER_OVER_SENDER * sender_s,
+        allreduce_timeout_s=bounded(ALLREDUCE_SAFETY * transfer_s, floor.allreduce_timeout_s),
+        matchmaking_slack_s=min(JOIN_ROUND_TRIPS * link.rtt_s, cfg.window_max_s),
+        bytes_to_move=bytes_to_move, throughput_Bps=link.throughput_Bps, rtt_s=link.rtt_s, transfer_s=transfer_s)
+
+
+@dataclass
+class LinkHistory:
+    """What a learner saw of its link, round after round (one per learner: every fragment shares the link)."""
+
+    throughputs: list[float] = field(default_factory=list)
+    rtts: list[float] = field(default_factory=list)
+    failures: int = 0
+    """Rounds in a row whose all-reduce ran but which did not commit (the back-off)."""
+
+    def observe(self, *, committed: bool, bytes_moved: float, allreduce_s: float, rtt_s: float) -> None:
+        """Learn from a round that ended (``allreduce_s``: NaN when no all-reduce ran): its RTT sample if it
+        has one; a committed round's throughput (and the back-off ends); a failed round whose all-reduce ran
+        adds a back-off step (one that found no group says nothing about the link)."""
+        if math.isfinite(rtt_s) and rtt_s > 0:
+            self.rtts = [*self.rtts, rtt_s][-LINK_HISTORY_ROUNDS:]
+        if committed:
+            sample = throughput_sample(bytes_moved, allreduce_s)
+            if sample is not None:
+                self.throughputs = [*self.throughputs, sample][-LINK_HISTORY_ROUNDS:]
+            self.failures = 0
+        elif math.isfinite(allreduce_s):
+            self.failures += 1
+
+    def estimate(self) -> LinkEstimate:
+        return estimate_link(self.throughputs, self.rtts, self.failures)

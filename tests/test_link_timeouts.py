@@ -1,0 +1,151 @@
+"""Pure rules of the per-round timeouts (:mod:`p2p_diloco.averaging.linktime`): bytes to move / observed
+throughput plus latency, floored at the config's values, capped, learned from the rounds seen."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from p2p_diloco.averaging.linktime import (
+    ALLREDUCE_SAFETY,
+    BACKOFF_BASE,
+    JOIN_ROUND_TRIPS,
+    LATENCY_ROUND_TRIPS,
+    MAX_BACKOFF_STEPS,
+    MAX_TIMEOUT_SCALE,
+    PRIOR_RTT_S,
+    PRIOR_THROUGHPUT_BPS,
+    REDUCER_OVER_SENDER,
+    REQUEST_WINDOW_SHARE,
+    SILENCE_SAFETY,
+    LinkEstimate,
+    LinkHistory,
+    RoundTimeouts,
+    allreduce_bytes,
+    estimate_link,
+    expected_group_size,
+    floor_timeouts,
+    payload_bytes,
+    round_timeouts,
+    throughput_sample,
+)
+from p2p_diloco.core.config import AveragingConfig
+
+CFG = AveragingConfig()  # the defaults: sender 5 s, reducer 10 s, all-reduce 30 s, request 0.5 s
+SLOW = LinkEstimate(throughput_Bps=250_000.0, rtt_s=0.1)  # 2 Mbit/s, 100 ms: results/wan-rtt's link
+FAST = LinkEstimate(throughput_Bps=1e9, rtt_s=0.001)  # loopback
+
+
+def floors(t: RoundTimeouts) -> tuple[float, float, float, float]:
+    return t.request_timeout_s, t.sender_timeout_s, t.reducer_timeout_s, t.allreduce_timeout_s
+
+
+def test_a_slow_link_gets_timeouts_proportional_to_bytes_over_throughput_plus_rtt() -> None:
+    moved = 2_000_000.0
+    t = round_timeouts(moved, SLOW, CFG)
+    transfer_s = moved / SLOW.throughput_Bps + LATENCY_ROUND_TRIPS * SLOW.rtt_s  # 8 s of bytes + 0.8 s of latency
+    assert t.transfer_s == pytest.approx(transfer_s)
+    assert t.sender_timeout_s == pytest.approx(SILENCE_SAFETY * transfer_s)
+    assert t.sender_timeout_s > CFG.next_chunk_timeout_s and t.allreduce_timeout_s > CFG.allreduce_timeout_s
+    assert t.reducer_timeout_s == pytest.approx(REDUCER_OVER_SENDER * t.sender_timeout_s)
+    assert t.allreduce_timeout_s == pytest.approx(ALLREDUCE_SAFETY * transfer_s)
+    # twice the bytes: the bytes' share of every timeout doubles, the latency's does not
+    t2 = round_timeouts(2 * moved, SLOW, CFG)
+    assert t2.sender_timeout_s - t.sender_timeout_s == pytest.approx(SILENCE_SAFETY * moved / SLOW.throughput_Bps)
+    # a longer round trip lengthens the same round, and the join requests (up to their cap)
+    far = round_timeouts(moved, LinkEstimate(SLOW.throughput_Bps, 0.18), CFG)
+    assert far.sender_timeout_s == pytest.approx(t.sender_timeout_s + SILENCE_SAFETY * LATENCY_ROUND_TRIPS * 0.08)
+    assert t.request_timeout_s == CFG.request_timeout_s  # 4 x 0.1 s is below the floor
+    assert far.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.18)
+    assert far.matchmaking_slack_s == pytest.approx(JOIN_ROUND_TRIPS * 0.18)
+    assert t.bytes_to_move == moved and t.throughput_Bps == SLOW.throughput_Bps and t.rtt_s == SLOW.rtt_s
+
+
+def test_a_fast_link_gets_the_config_values() -> None:
+    t = round_timeouts(1_000_000.0, FAST, CFG)
+    assert floors(t) == floors(floor_timeouts(CFG)) == (0.5, 5.0, 10.0, 30.0)
+    assert floor_timeouts(CFG).matchmaking_slack_s == 0.0  # today's matchmaking deadline
+    assert round_timeouts(0.0, LinkEstimate(1e9, 0.0), CFG).matchmaking_slack_s == 0.0
+
+
+def test_caps_hold_and_keep_the_order_hivemind_needs() -> None:
+    t = round_timeouts(1e12, LinkEstimate(1.0, 30.0), CFG)  # hopeless: every cap binds
+    assert t.sender_timeout_s == MAX_TIMEOUT_SCALE * CFG.next_chunk_timeout_s
+    assert t.reducer_timeout_s == REDUCER_OVER_SENDER * t.sender_timeout_s
+    assert t.allreduce_timeout_s == MAX_TIMEOUT_SCALE * CFG.allreduce_timeout_s
+    assert t.request_timeout_s == REQUEST_WINDOW_SHARE * CFG.window_min_s < CFG.window_min_s
+    assert t.matchmaking_slack_s == CFG.window_max_s
+    for moved in (0.0, 1e3, 1e5, 1e6, 1e7, 1e8, 1e10):  # sender < reducer < all-reduce, floors and caps
+        for link in (FAST, SLOW, LinkEstimate(1e4, 1.0)):
+            x = round_timeouts(moved, link, CFG)
+            assert x.sender_timeout_s < x.reducer_timeout_s < x.allreduce_timeout_s
+            assert all(a >= b for a, b in zip(floors(x), floors(floor_timeouts(CFG))))  # never below the config
+            assert x.allreduce_timeout_s <= MAX_TIMEOUT_SCALE * CFG.allreduce_timeout_s
+
+
+def test_bad_inputs_and_orders_are_refused() -> None:
+    with pytest.raises(ValueError, match="bytes_to_move"):
+        round_timeouts(math.nan, SLOW, CFG)
+    with pytest.raises(ValueError, match="link estimate"):
+        round_timeouts(1.0, LinkEstimate(0.0, 0.1), CFG)
+    with pytest.raises(ValueError, match="sender"):
+        RoundTimeouts(request_timeout_s=0.5, sender_timeout_s=5.0, reducer_timeout_s=5.0, allreduce_timeout_s=30.0)
+    event = round_timeouts(1e6, SLOW, CFG).event()
+    assert event["sender_timeout_s"] is not None and set(event) >= {"request_timeout_s", "reducer_timeout_s",
+                                                                    "allreduce_timeout_s", "rtt_s", "transfer_s"}
+    assert floor_timeouts(CFG).event()["throughput_Bps"] is None  # NaN: not derived
+
+
+def test_bytes_to_move_follow_the_butterfly() -> None:
+    assert payload_bytes(1000, "fp32") == 4000 and payload_bytes(1000, "fp16") == 2000
+    assert 500 < payload_bytes(1000, "int4") < 600  # 4 bits + the blocks' scales
+    assert allreduce_bytes(1000.0, 2) == 1000.0 and allreduce_bytes(1000.0, 4) == 1500.0
+    assert allreduce_bytes(1000.0, 1) == allreduce_bytes(1000.0, 2)  # a group of one moves nothing: as two
+    assert expected_group_size(0, CFG) == CFG.min_group_size  # alone so far: the smallest group
+    assert expected_group_size(5, CFG) == 6
+    assert expected_group_size(5, AveragingConfig(target_group_size=3)) == 3
+
+
+def test_the_prior_is_used_before_any_round() -> None:
+    assert LinkHistory().estimate() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    history = LinkHistory()
+    history.observe(committed=False, bytes_moved=0, allreduce_s=math.nan, rtt_s=math.nan)  # no group formed
+    assert history.estimate() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+
+
+def test_the_estimator_ignores_rounds_that_say_nothing_about_the_link() -> None:
+    for moved, seconds in ((1000, 0.0), (1000, math.nan), (1000, math.inf), (0, 1.0), (math.nan, 1.0), (5, -1.0)):
+        assert throughput_sample(moved, seconds) is None, (moved, seconds)
+    assert throughput_sample(1000, 2.0) == 500.0
+    history = LinkHistory()
+    history.observe(committed=True, bytes_moved=1000, allreduce_s=0.0, rtt_s=0.0)  # zero duration, zero RTT
+    history.observe(committed=True, bytes_moved=1000, allreduce_s=math.nan, rtt_s=math.inf)
+    assert history.estimate() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    history.observe(committed=True, bytes_moved=1_000_000, allreduce_s=4.0, rtt_s=0.1)
+    assert history.estimate() == LinkEstimate(250_000.0, 0.1, 1, 1)
+    assert estimate_link([math.nan, -1.0, 0.0, 100.0], [math.nan, 0.2]) == LinkEstimate(100.0, 0.2, 1, 1)
+
+
+def test_the_estimate_is_a_low_quantile_of_recent_rounds() -> None:
+    assert estimate_link([500.0, 100.0, 400.0, 200.0, 300.0], []).throughput_Bps == 200.0  # not the outlier
+    assert estimate_link([1.0] + [1000.0] * 8, []).throughput_Bps == 1000.0  # only the last 8 rounds count
+    assert estimate_link([], [0.1, 0.1, 3.0]).rtt_s == 0.1  # the median: one slow read does not move it
+    history = LinkHistory()
+    for i in range(20):
+        history.observe(committed=True, bytes_moved=1000 * (i + 1), allreduce_s=1.0, rtt_s=0.01 * (i + 1))
+    assert len(history.throughputs) == len(history.rtts) == 8
+
+
+def test_failed_rounds_back_off_until_one_commits() -> None:
+    history = LinkHistory()
+    history.observe(committed=True, bytes_moved=1_000_000, allreduce_s=1.0, rtt_s=0.05)
+    for k in range(1, 7):  # a link slower than what we saw: each failed all-reduce halves the rate used
+        history.observe(committed=False, bytes_moved=10, allreduce_s=5.0, rtt_s=math.nan)
+        assert history.estimate().throughput_Bps == 1_000_000 / BACKOFF_BASE ** min(k, MAX_BACKOFF_STEPS)
+    history.observe(committed=False, bytes_moved=0, allreduce_s=math.nan, rtt_s=math.nan)  # no group: no step
+    assert history.failures == 6
+    history.observe(committed=True, bytes_moved=800_000, allreduce_s=1.0, rtt_s=0.05)
+    assert history.failures == 0 and history.estimate().throughput_Bps == 800_000  # the low quantile of two
+    longer = round_timeouts(1e7, estimate_link([1e6], [0.05], failures=2), CFG)
+    assert longer.sender_timeout_s > round_timeouts(1e7, estimate_link([1e6], [0.05]), CFG).sender_timeout_s
