@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import multiprocessing as mp
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,25 @@ def test_the_averager_process_applies_each_rounds_timeouts(tmp_path: Path) -> No
         held = peers[0].averager.set_round_timeouts(derived).result(timeout=ROUND_DEADLINE_S)
         assert held == {"request_timeout_s": 0.6, "sender_timeout_s": 7.5, "reducer_timeout_s": 15.0,
                         "allreduce_timeout_s": 40.0, "next_chunk_timeout_s": 7.5}
+
+
+def test_group_key_reads_are_throttled() -> None:
+    """hivemind's matchmaking re-reads its group key as fast as the DHT answers; ours at most once per interval
+    (a lower bound on the spacing, which sleeping guarantees: not a speed assertion)."""
+    import asyncio
+
+    from p2p_diloco.averaging.process import throttled
+
+    starts: list[float] = []
+
+    async def read(key: str, only_active: bool) -> list[str]:
+        starts.append(time.monotonic())
+        return [key]
+
+    async def main() -> list[list[str]]:
+        get = throttled(read, 0.2)
+        assert getattr(get, "throttled", False)
+        return [await get("k", only_active=True) for _ in range(3)]
+
+    assert asyncio.run(main()) == [["k"]] * 3
+    assert all(b - a >= 0.2 for a, b in zip(starts, starts[1:])), starts
