@@ -126,9 +126,10 @@ def test_no_committed_result_holds_an_absolute_path() -> None:
 
 PAGES = [
     ("chaos.py", "chaos"), ("chaos.py", "chaos-run-a"), ("chaos.py", "chaos-run-c"), ("chaos.py", "chaos-run-f"),
-    ("chaos.py", "chaos-run-g"), ("bench_goodput.py", "goodput"), ("bench_hetero.py", "hetero"),
+    ("chaos.py", "chaos-run-g"), ("bench_control.py", "control"), ("bench_goodput.py", "goodput"), ("bench_hetero.py", "hetero"),
     ("bench_learners.py", "learners"), ("bench_learners.py", "learners-steps"), ("bench_overhead.py", "overhead"),
-    ("bench_parity.py", "parity"), ("bench_poison.py", "poison"), ("bench_rejoin.py", "rejoin"),
+    ("bench_parity.py", "parity"), ("bench_parity_demo.py", "parity-demo"), ("bench_poison.py", "poison"),
+    ("bench_rejoin.py", "rejoin"),
     ("bench_reference.py", "reference"), ("wan/bench_wan.py", "wan"), ("wan/rpc_tally/summarize.py", "wan-bytes"),
 ]
 """Every results folder whose page a script generates, and that script."""
@@ -143,6 +144,8 @@ def test_every_committed_page_is_what_its_script_renders_from_the_committed_json
     for path in committed.iterdir():
         if path.is_file() and path.suffix in (".json", ".png"):
             shutil.copy(path, out / path.name)
+        elif path.name == "runs" and path.is_dir():  # a resumable grid's finished runs (bench_parity_demo.py)
+            shutil.copytree(path, out / "runs")
     module = load_script(script, f"page_{Path(script).stem}")
     assert module.main(["--render-only", "--out", str(out)]) == 0
     page = (out / "README.md").read_text().replace(f"--out {out}`", f"--out results/{folder}`")

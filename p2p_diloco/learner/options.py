@@ -212,15 +212,15 @@ def published_key(state: str, versions: tuple[int, ...], hashes: tuple[str, ...]
 
 PEERS_PER_VIEW_PERIOD = 4
 """Full reads of the swarm: one per ``view_period_s`` for every this many live learners (:func:`read_period_s`)."""
-MIN_VIEWS_PER_READ = 5
-"""...and at most one per this many view periods, whatever the size."""
+MIN_VIEWS_PER_READ = 10
+"""...and at most one per this many view periods (30 s, a record's TTL: liveness is no finer), whatever the size."""
 
 
 def read_period_s(view_period_s: float, live_learners: int) -> float:
     """Seconds between two full reads of the swarm (every live learner's record) while training. A read
     returns every record from every node that holds them, so its bytes grow with the swarm: stretching the
-    period in proportion keeps each learner's read bytes per second the same at any size (up to 20 learners:
-    5 view periods, 15 s; 64: 16 periods, 48 s). They feed liveness, states and step times (the clock
+    period in proportion keeps each learner's read bytes per second the same at any size (up to 40 learners:
+    10 view periods, 30 s; 64: 16 periods, 48 s). They feed liveness, states and step times (the clock
     leader); what a learner must see quickly -- a peer past its version, the sync clock -- comes from the head
     probe every ``view_period_s`` instead, whose size does not grow."""
     return view_period_s * max(MIN_VIEWS_PER_READ, live_learners / PEERS_PER_VIEW_PERIOD)

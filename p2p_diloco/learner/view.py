@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
 from p2p_diloco.learner.options import (
@@ -57,6 +57,13 @@ def with_heads(ranks: list[Rank], published_at: float, heads: dict[int, tuple[Ra
     return out
 
 
+def known_past(anchors: Iterable[list[Rank]], fragment: int, version: int) -> bool:
+    """A live peer is already known to be past ``version`` on ``fragment`` (``anchors``: each peer's ranks):
+    probing the next version again would only fetch the same vouchers -- a whole group's signed values, every
+    view period -- until we have caught up."""
+    return any(len(ranks) > fragment and ranks[fragment][0] > version for ranks in anchors)
+
+
 def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str) -> dict[str, Rank]:
     """From one vouch key's signed values (peer id -> anchor hash) of ``version``: the live peers other than
     us that hold that version, and their anchor. Dead peers' vouches stay in the DHT for a day; a malformed
@@ -76,6 +83,8 @@ class SwarmView:
         the head probes. Rebound whole, never changed in place (the training thread reads it)."""
         self._records: dict[str, tuple[list[Rank], float]] = {}  # peer id -> ranks in its record, published at
         self._heads: dict[str, dict[int, tuple[Rank, float]]] = {}  # peer id -> fragment -> (probed rank, when)
+        self._others: list[Any] = []
+        """The other live learners' records at the last full read."""
         self.peer_states: list[str] = []
         self.peer_steps: list[tuple[int, float, float]] = []
         """(inner step, DHT time published, step time) of the other live learners that train."""
@@ -126,6 +135,7 @@ class SwarmView:
         self.peer_states = [r.state for r in others]
         self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in ("training", "averaging")]
         self.live_learners = 1 + len(others)
+        self._others = others
         self.swarm_reads += 1
         return others
 
@@ -142,8 +152,11 @@ class SwarmView:
 
         me = self.learner
         run_id, own = me.local.run_id, me.joined.peer_id
-        wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots}
+        wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots
+                  if not known_past(self._anchors.values(), s.index, s.version)}
         keys = list(wanted) + ([clock_key(run_id)] if self.auto_clock else [])
+        if not keys:
+            return True
         try:
             found = read_many(me.joined.dht, keys)
         except Exception:  # a DHT hiccup: keep the last view, try again next period
@@ -222,17 +235,18 @@ class SwarmView:
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
-            if not view_due(now, viewed_at, read_period_s(me.opts.view_period_s, self.live_learners), me.training):
-                if now - probed_at >= me.opts.view_period_s:
-                    probed_at = now
-                    self.probe_heads()
+            if view_due(now, viewed_at, read_period_s(me.opts.view_period_s, self.live_learners), me.training):
+                viewed_at = probed_at = now
+                if self.read() is None or not me.training:
+                    continue
+            elif now - probed_at >= me.opts.view_period_s:
+                probed_at = now
+            else:
                 continue
-            viewed_at = probed_at = now
-            others = self.read()
-            if others is None:
-                continue
-            if me.training and self.probe_heads() and self.auto_clock:  # the probe adopted the newest clock
-                self._tend_clock(step_time_s, others)
+            # the clock leader tends the clock at every probe (from the last full read's step times): a
+            # derived clock must not wait for a full read, which may be 30 s or more away
+            if self.probe_heads() and self.auto_clock and me.training:  # the probe adopted the newest clock
+                self._tend_clock(step_time_s, self._others)
 
     def _step_time_s(self) -> float:
         """Wall seconds per inner step since training started (0 before the first steps)."""
