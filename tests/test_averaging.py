@@ -277,3 +277,47 @@ def test_group_key_reads_are_throttled() -> None:
 
     assert asyncio.run(main()) == [["k"]] * 3
     assert all(b - a >= 0.2 for a, b in zip(starts, starts[1:])), starts
+
+
+def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
+    """hivemind may cancel a step on its own (its matchmaking cancelled while a join request was in flight); the
+    ``asyncio.CancelledError`` that ``control.result()`` then raises is a BaseException, which once went past the
+    round's handler and killed the learner. A stand-in averager (pure host logic) raises it."""
+    import asyncio
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost
+    from p2p_diloco.core.config import load_config
+
+    steps: list[dict[str, Any]] = []
+
+    class CancelledStep:
+        began_allreduce = False
+
+        def result(self, timeout: float | None = None) -> Any:
+            raise asyncio.CancelledError()
+
+        def cancel(self) -> bool:
+            return True
+
+    def step(**kwargs: Any) -> CancelledStep:
+        steps.append(kwargs)
+        return CancelledStep()
+
+    def shared(value: float) -> SimpleNamespace:
+        return SimpleNamespace(value=value)
+
+    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0),
+                               set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
+                               set_group_bits=lambda bits: None, get_tensors=lambda: contextlib.nullcontext([]),
+                               step=step)
+    host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic
+    host.cfg, host.fragment, host.averager, host.names, host._cancelled = (
+        load_config(None, []), 0, averager, (), threading.Event())
+    outcome = host._round(Contribution(meta(weight=10.0), {}, get_dht_time() + 1.0, 1.0))
+    assert len(steps) == 1, "the fault did not fire"
+    assert not outcome.committed and outcome.reason == "CancelledError: the averager cancelled the step", outcome
