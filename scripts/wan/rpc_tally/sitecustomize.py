@@ -4,8 +4,9 @@ Put this folder on ``PYTHONPATH`` and name an output folder in ``RPC_TALLY_OUT``
 started with that environment (learners, and their forked DHT and averager processes) then writes
 ``<pid>.json`` there every 3 s: for each ``call:<rpc> <get|store> <key>`` (a unary call, request and
 response bytes, labelled with the DHT keys of the ``get_many``/``store_many`` it belongs to; hashes and
-versions in keys folded) and ``stream_send`` (every message sent on a stream: all-reduce parts and state
-downloads), ``[calls, bytes sent, bytes received]``. ``summarize.py`` adds them up. It wraps private
+versions in keys folded) and ``stream_send <message type>`` (every message sent on a stream: all-reduce parts
+and state downloads, and hivemind's matchmaking, whose join requests and leader messages are streams too),
+``[calls, bytes sent, bytes received]``. ``summarize.py`` adds them up. It wraps private
 hivemind 1.1.12 methods, so it is a measuring tool for benchmarks, never imported by p2p_diloco.
 
     sudo RPC_TALLY_OUT=/tmp/tally PYTHONPATH=scripts/wan/rpc_tally \\
@@ -70,7 +71,7 @@ def _patch_p2p(module: ModuleType) -> None:
         return response
 
     async def send(protobuf: Any, writer: Any) -> None:
-        _tally("stream_send", protobuf.ByteSize(), 0)
+        _tally(f"stream_send {type(protobuf).__name__}", protobuf.ByteSize(), 0)
         await send_protobuf(protobuf, writer)
 
     Client.call_unary_handler = call_unary

@@ -19,15 +19,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+PAYLOAD_STREAMS = ("stream_send", "stream_send AveragingData", "stream_send DownloadRequest", "stream_send DownloadData")
+"""Stream messages that carry tensors: all-reduce parts and state downloads (plain ``stream_send``: tallies from
+before stream messages were named by type, when all of them were counted here)."""
+MATCHMAKING_STREAMS = ("stream_send JoinRequest", "stream_send MessageFromLeader")
+"""hivemind's matchmaking: join requests and the leader's answers (with every member's gathered metadata)."""
 PURPOSES = (
-    ("pseudo-gradients and state downloads", lambda n: n == "stream_send"),
+    ("pseudo-gradients and state downloads", lambda n: n in PAYLOAD_STREAMS),
     ("swarm reads (peer records)", lambda n: n.startswith("call:rpc_find get p2p-diloco.run.")),
     ("sync clock reads", lambda n: "sync_clock" in n),
     ("our record published", lambda n: n.split(" ", 1)[-1].startswith("store p2p-diloco.run.")),
     ("run index entry published", lambda n: n.split(" ", 1)[-1].startswith("store p2p-diloco_runs")),
     ("commit verdicts", lambda n: "_commit_" in n),
     ("state-sharing declarations", lambda n: "all_averagers" in n),
-    ("matchmaking (hivemind)", lambda n: "_frag" in n),
+    ("matchmaking (hivemind)", lambda n: "_frag" in n or n in MATCHMAKING_STREAMS),
 )
 OTHER = "other (start barrier, pings, status)"
 METHOD = """\
