@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +88,15 @@ MAX_LOSS_VS_DILOCO = 0.01
 """... and never worse than plain DiLoCo at the same budget by more than this (relative eval loss)."""
 TRADE_TICKS = (20, 50, 100, 200, 500, 1000)
 """Payload reductions marked on the figure's log axis (plain fp32 DiLoCo at H = 25 is about 25x)."""
-RUN_KEYS = ("config", "mode", "overrides", "config_hash")
+RUN_KEYS = ("config", "mode", "overrides", "sim_hash")
 """What a run file must match for the row to be skipped."""
+
+
+def sim_hash(cfg: Config) -> str:
+    """The config hash without the ``averaging`` section, which only the networked learner reads: a finished
+    simulation stays valid when a networked default changes (``averaging.record_ttl_s`` went from 10 to 30 s
+    while the first grid ran)."""
+    return config_hash(replace(cfg, averaging=None))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ def expected(row: Row, config: str, quick: bool, extra: list[str]) -> dict[str, 
     """What a run file of ``row`` records about how it was run (:data:`RUN_KEYS`)."""
     overrides = row.run_overrides(quick, extra)
     return {"config": _bench.repo_path(config), "mode": row.mode, "overrides": overrides,
-            "config_hash": config_hash(load_config(config, overrides))}
+            "sim_hash": sim_hash(load_config(config, overrides))}
 
 
 def load_runs(out: Path) -> dict[str, dict[str, Any]]:
@@ -240,7 +247,7 @@ def summarise(rows: list[Row], runs: dict[str, dict[str, Any]], config: str, ext
         if run and run["mode"] == row.mode and run["overrides"] == row.run_overrides(run["quick"], extra):
             r = run["result"]
             entry.update(status="done", quick=run["quick"], provenance=run["provenance"],
-                         config_hash=run["config_hash"], eval_loss=r["final_eval_loss"], bytes_sent=r["bytes_sent"],
+                         sim_hash=run["sim_hash"], eval_loss=r["final_eval_loss"], bytes_sent=r["bytes_sent"],
                          bytes_saved_vs_dp_fp32=r["bytes_saved_vs_dp_fp32"], wall_s=r["wall_s"], tokens=r["tokens"],
                          curve=r["curve"])
         table.append(entry)

@@ -223,9 +223,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl+C")
     p.add_argument("--interval", dest="interval_s", type=float, default=2.0, metavar="SECONDS",
                    help=f"refresh period with --watch, at least {MIN_WATCH_INTERVAL_S:g} (default: 2)")
-    p.epilog = ("Records live under the DHT key p2p-diloco.run.<run_id>_peers (configs under ..._config); the key "
-                "p2p-diloco_runs indexes every peer of every run (and bootstraps' announcements), so other runs sharing "
-                "the DHT are listed and their peers shown as foreign.")
+    p.epilog = ("Records live under the DHT keys p2p-diloco.run.<run_id>_peers_<0-15> (16 shards by peer id; configs "
+                "under ..._config); the keys p2p-diloco_runs_<0-15> index every peer of every run (and bootstraps' "
+                "announcements), so other runs sharing the DHT are listed and their peers shown as foreign.")
 
     p = add("keygen", "write a new swarm secret for a private swarm (or, with --identity, a peer identity key)",
             cmd_keygen)
