@@ -282,7 +282,7 @@ def read_entries(dht: DHT, keys: Sequence[str], parse: Callable[[Any], Any]) -> 
     record of another peer id than its owner key)."""
     rejected: list[str] = []
     found = read_many(dht, keys)
-    entries = [e for key in keys for e in _entries(found.get(key), parse, rejected)]
+    entries = _entries_across(found, keys, parse, rejected)
     for line in rejected:
         logger.warning("dropped a record under %s: %s", keys[0] if len(keys) == 1 else f"{len(keys)} keys", line)
     return entries, rejected
@@ -306,6 +306,11 @@ def _entries(result: Any, parse: Any, rejected: list[str]) -> list[tuple[Any, fl
     return out
 
 
+def _entries_across(found: dict[str, Any], keys: Sequence[str], parse: Any, rejected: list[str]) -> list[tuple[Any, float]]:
+    """:func:`_entries` of each of ``keys`` in one :func:`read_many` result (the shards of one kind of record)."""
+    return [e for key in keys for e in _entries(found.get(key), parse, rejected)]
+
+
 async def _get_latest_many(keys: tuple[str, ...], _dht: DHT, node: Any) -> dict[str, Any]:
     """(DHT process) :meth:`DHTNode.get_many` of ``keys``, latest values: one search for all of them."""
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
@@ -327,10 +332,10 @@ def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
     found = read_many(dht, keys + (INDEX_KEYS if index else ()))  # one batched search of every shard
     now = get_dht_time()
     rejected: list[str] = []
-    run_entries = [e for key in keys for e in _entries(found.get(key), PeerRecord.from_wire, rejected)]
+    run_entries = _entries_across(found, keys, PeerRecord.from_wire, rejected)
     local = adopt_majority(local, (r for r, _ in run_entries))
     views = classify(run_entries, local, now)
-    index_entries = [e for key in INDEX_KEYS if index for e in _entries(found.get(key), IndexEntry.from_wire, rejected)]
+    index_entries = _entries_across(found, INDEX_KEYS if index else (), IndexEntry.from_wire, rejected)
     index_views = classify(index_entries, local, now)
     runs: dict[str, int] = {}
     for v in index_views:
