@@ -8,7 +8,7 @@ survives the session that started it. The page is rendered from whatever runs ex
 yet"), after every finished run and by ``--render-only``.
 
     python scripts/bench_parity_demo.py                       # the grid (runs already in --out/runs skipped)
-    python scripts/bench_parity_demo.py --only s1200-h        # rows whose slug contains this (repeatable)
+    python scripts/bench_parity_demo.py --only 's1200-h*'     # rows whose slug starts with s1200-h (repeatable)
     python scripts/bench_parity_demo.py --quick --out /tmp/pd # a smoke run of the pipeline, 1/60 of the steps
     python scripts/bench_parity_demo.py --adopt s1200-default=results/parity-demo-explore/sim-default.json
     python scripts/bench_parity_demo.py --render-only         # the page (and parity-demo.json) from --out/runs
@@ -41,8 +41,8 @@ BENCH = _bench.Bench("parity-demo", "parity-demo", "ML parity at the demo config
 Issue 20 asks what DiLoCo costs in quality at equal tokens at the size users run, and which component costs or
 buys what. Every row is one in-process simulation (the same fragment, codec, merge and outer code as the networked
 learner) of the demo model of `configs/demo.toml` (the 0.86M-parameter byte GPT of the main job: 4 blocks, width
-128, context 128, batch 16 x 128 bytes per learner, AdamW 3e-3 with warm-up + cosine; outer Nesterov lr 0.7,
-momentum 0.9) with 4 learners on the embedded corpus, at **1,200 and 2,400 inner steps per learner**, one torch
+128, context 128, batch 16 x 128 bytes per learner, AdamW 3e-3 with warm-up + cosine; outer Nesterov lr 0.5,
+momentum 0.9, H = 28) with 4 learners on the embedded corpus, at **1,200 and 2,400 inner steps per learner**, one torch
 thread each, two at a time on the 2-core machine. Each is what
 `p2p-diloco sim --config configs/demo.toml --set inner.total_steps=N [--set ...] [--mode ...] --json` prints; its
 run file (linked from each row) holds that output with the overrides, the config hash and where it came from.
@@ -51,9 +51,14 @@ run file (linked from each row) holds that output with the overrides, the config
   the same model on a 4x batch (the same tokens). "Gap closed" is the share of the single -> data-parallel gap of
   the same budget that a row closes (100% = data-parallel quality).
 - **Ablation ladder** at 1,200 steps, each rung one change on top of the previous one: plain DiLoCo (F = 1, no
-  overlap, alpha = 0, fp32, mean merge, uniform weighting, H = 25), + fragments (F = 4), + overlap (tau = 1),
-  + alpha-mixing 0.5, + int4, + radial-directional merge, + token weighting, which is the demo default.
-- **H sweep** on the default at 1,200 steps (H = 10, 25, 50, 100), and H = 100 beside the default at 2,400.
+  overlap, alpha = 0, fp32, mean merge, uniform weighting, H = 25, outer lr 0.7 as in the DiLoCo paper),
+  + fragments (F = 4), + overlap (tau = 1), + alpha-mixing 0.5, + int4, + radial-directional merge, + token
+  weighting (the previous default), + outer lr 0.5 and H = 28, which is the demo default since issue 20.
+- **H sweep** on the default at 1,200 steps (H = 10, 25, 50, 100 beside its 28), and H = 100 beside the default
+  at 2,400.
+- **Levers** tried on the default at 1,200 steps to move the curve (error feedback, a final average, the inner
+  learning rate, the outer momentum); the outer learning-rate sweep that chose 0.5 is in
+  [`results/parity-demo-explore`](../parity-demo-explore/README.md).
 
 Payload bytes are counted as the butterfly all-reduce sends them (all learners together) and compared with what
 fp32 data-parallel would send all-reducing gradients every step for the same tokens. Wall time is the simulation's
@@ -70,16 +75,25 @@ BUDGETS = (1200, 2400)
 QUICK_DIVISOR = 60
 """``--quick`` runs 1/60 of the steps: it checks the pipeline, not the numbers."""
 QUICK_WARMUP_STEPS = 2
-PLAIN_DILOCO = (*bench_parity.DILOCO, "outer.sync_every=25")
-"""Plain DiLoCo: F = 1, no overlap, alpha = 0, fp32, mean merge, uniform weighting, H = 25."""
-LADDER = (("fragments", "+ fragments (F = 4)", "outer.fragments=4"),
-          ("overlap", "+ overlap (tau = 1)", "outer.overlap=1"),
-          ("alpha", "+ alpha-mixing 0.5", "outer.alpha=0.5"),
-          ("int4", "+ int4 payloads", "outer.codec=int4"),
-          ("radial", "+ radial-directional merge", "outer.merge=radial"),
-          ("default", "+ token weighting (= the demo default)", "outer.weighting=tokens"))
-"""The rungs above plain DiLoCo: (slug suffix, label, the one override it adds). The last one is the default."""
-H_SWEEP = (10, 50, 100)
+PLAIN_DILOCO = (*bench_parity.DILOCO, "outer.sync_every=25", "outer.lr=0.7")
+"""Plain DiLoCo: F = 1, no overlap, alpha = 0, fp32, mean merge, uniform weighting, H = 25, outer lr 0.7 (the DiLoCo
+paper's; outer momentum 0.9 comes from the config)."""
+LADDER = (("fragments", "+ fragments (F = 4)", ("outer.fragments=4",)),
+          ("overlap", "+ overlap (tau = 1)", ("outer.overlap=1",)),
+          ("alpha", "+ alpha-mixing 0.5", ("outer.alpha=0.5",)),
+          ("int4", "+ int4 payloads", ("outer.codec=int4",)),
+          ("radial", "+ radial-directional merge", ("outer.merge=radial",)),
+          ("tokens", "+ token weighting (the previous default)", ("outer.weighting=tokens",)),
+          ("default", "+ outer lr 0.5, H = 28 (= the demo default)", ("outer.lr=0.5", "outer.sync_every=28")))
+"""The rungs above plain DiLoCo: (slug suffix, label, the overrides it adds). The last one is the default."""
+DEFAULT_H = 28
+H_SWEEP = (10, 25, 50, 100)
+"""H on the default (every other setting the default's) at 1,200 steps; the default's own H is its ladder row."""
+LEVERS = (("ef", "error feedback on the int4 codec", ("outer.error_feedback=true",)),
+          ("final-avg", "the last sync averages the weights (no outer step)", ("outer.final_average=true",)),
+          ("ilr4e3", "inner lr 4e-3 (3e-3)", ("inner.lr=4e-3",)),
+          ("m095", "outer momentum 0.95 (0.9)", ("outer.momentum=0.95",)))
+"""Changes tried on top of the default at 1,200 steps to move the curve: (slug suffix, label, overrides)."""
 TARGET_GAP = {1200: 0.75, 2400: 0.85}
 """Issue 20's acceptance: share of the gap the default closes, per budget."""
 TARGET_BYTES_SAVED = 200.0
@@ -88,15 +102,18 @@ MAX_LOSS_VS_DILOCO = 0.01
 """... and never worse than plain DiLoCo at the same budget by more than this (relative eval loss)."""
 TRADE_TICKS = (20, 50, 100, 200, 500, 1000)
 """Payload reductions marked on the figure's log axis (plain fp32 DiLoCo at H = 25 is about 25x)."""
-RUN_KEYS = ("config", "mode", "overrides", "sim_hash")
-"""What a run file must match for the row to be skipped."""
+RUN_KEYS = ("config", "mode", "sim_hash")
+"""What a run file must match for the row to be skipped: the same simulation, however its overrides were spelt
+(a row whose overrides now name a value that was the config's default then is the same run)."""
 
 
-def sim_hash(cfg: Config) -> str:
-    """The config hash without the ``averaging`` section, which only the networked learner reads: a finished
-    simulation stays valid when a networked default changes (``averaging.record_ttl_s`` went from 10 to 30 s
-    while the first grid ran)."""
-    return config_hash(replace(cfg, averaging=None))  # type: ignore[arg-type]
+def sim_hash(cfg: Config, mode: str) -> str:
+    """The config hash without the sections the simulation does not read: ``averaging`` (only the networked
+    learner reads it), and for the references (``single``, ``data-parallel``) ``outer`` too. A finished simulation
+    stays valid when a default it does not read changes (``averaging.record_ttl_s`` went from 10 to 30 s while the
+    first grid ran; the references stand for every outer setting)."""
+    unread = {"averaging": None} if mode == "diloco" else {"averaging": None, "outer": None}
+    return config_hash(replace(cfg, **unread))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -122,38 +139,48 @@ class Row:
 
 
 def grid() -> list[Row]:
-    """The rows in the order they are worth running: references at 1,200, the ladder, the H rows, then 2,400."""
+    """The rows in the order they are worth running: references at 1,200, the ladder, the levers, the H rows,
+    then 2,400."""
     rows = [Row("s1200-single", "reference", "one learner alone", "single", 1200),
             Row("s1200-data-parallel", "reference", "data-parallel, 4x batch", "data-parallel", 1200),
             Row("s1200-diloco", "ladder", "plain DiLoCo", "diloco", 1200, PLAIN_DILOCO)]
     ladder = dict(o.split("=", 1) for o in PLAIN_DILOCO)
-    for suffix, label, change in LADDER:
-        key, value = change.split("=", 1)
-        ladder[key] = value  # the rung's one change, in place: every key is set once
+    for suffix, label, changes in LADDER:
+        ladder.update(c.split("=", 1) for c in changes)  # the rung's changes, in place: every key is set once
         # the last rung is the default itself: run with no overrides, as `p2p-diloco sim` runs the demo config
         overrides = () if suffix == "default" else tuple(f"{k}={v}" for k, v in ladder.items())
         rows.append(Row(f"s1200-{suffix}", "ladder", label, "diloco", 1200, overrides))
+    rows += [Row(f"s1200-{suffix}", "lever", label, "diloco", 1200, changes) for suffix, label, changes in LEVERS]
     rows += [Row(f"s1200-h{h}", "H", f"H = {h}", "diloco", 1200, (f"outer.sync_every={h}",)) for h in H_SWEEP]
+    previous = ("outer.lr=0.7", "outer.sync_every=25")
     rows += [Row("s2400-single", "reference", "one learner alone", "single", 2400),
              Row("s2400-data-parallel", "reference", "data-parallel, 4x batch", "data-parallel", 2400),
-             Row("s2400-default", "2400", "the default (H = 25)", "diloco", 2400),
-             Row("s2400-h100", "2400", "H = 100", "diloco", 2400, ("outer.sync_every=100",))]
+             Row("s2400-default", "2400", f"the default (outer lr 0.5, H = {DEFAULT_H})", "diloco", 2400),
+             Row("s2400-previous", "2400", "the previous default (outer lr 0.7, H = 25)", "diloco", 2400, previous),
+             Row("s2400-h100", "2400", "H = 100 on the default", "diloco", 2400, ("outer.sync_every=100",)),
+             Row("s2400-h100-olr07", "2400", "H = 100, outer lr 0.7", "diloco", 2400,
+                 ("outer.lr=0.7", "outer.sync_every=100"))]
     return rows
+
+
+def selects(only: str, slug: str) -> bool:
+    """Whether ``--only only`` selects the row ``slug``: the same slug, or a prefix of it ending in '*'."""
+    return slug.startswith(only[:-1]) if only.endswith("*") else slug == only
 
 
 def check_ladder(config: str) -> None:
     """The ladder must end at the demo default, or its last rung is not what the page says it is."""
-    top = load_config(config, [*PLAIN_DILOCO, *(change for _, _, change in LADDER)])
+    top = load_config(config, [*PLAIN_DILOCO, *(c for _, _, changes in LADDER for c in changes)])
     if config_hash(top) != config_hash(load_config(config)):
         raise ValueError(f"{config}: plain DiLoCo plus every rung of the ladder is not the config's default "
-                         f"(the ladder assumes H = 25 and the outer settings of the config)")
+                         f"(the ladder ends at outer lr 0.5 and H = {DEFAULT_H} with the config's other settings)")
 
 
 def expected(row: Row, config: str, quick: bool, extra: list[str]) -> dict[str, Any]:
     """What a run file of ``row`` records about how it was run (:data:`RUN_KEYS`)."""
     overrides = row.run_overrides(quick, extra)
     return {"config": _bench.repo_path(config), "mode": row.mode, "overrides": overrides,
-            "sim_hash": sim_hash(load_config(config, overrides))}
+            "sim_hash": sim_hash(load_config(config, overrides), row.mode)}
 
 
 def load_runs(out: Path) -> dict[str, dict[str, Any]]:
@@ -238,13 +265,15 @@ def _summary_fields() -> list[str]:
 
 def summarise(rows: list[Row], runs: dict[str, dict[str, Any]], config: str, extra: list[str]) -> dict[str, Any]:
     """The page's figures: every row with its run's numbers, or ``status`` "not run yet"; then the acceptance.
-    A run file whose mode or overrides are not the row's (a grid changed since) counts as not run."""
+    A run file of another simulation than the row's (another mode, or a config hash that the row's overrides on
+    today's config do not give: a grid or a default changed since) counts as not run."""
     table: list[dict[str, Any]] = []
     for row in rows:
         run = runs.get(row.slug)
         entry: dict[str, Any] = {"slug": row.slug, "group": row.group, "label": row.label, "mode": row.mode,
                                  "steps": row.steps, "status": "not run yet"}
-        if run and run["mode"] == row.mode and run["overrides"] == row.run_overrides(run["quick"], extra):
+        if run and all(run.get(k) == v for k, v in expected(row, config, run["quick"], extra).items()
+                       if k in RUN_KEYS):
             r = run["result"]
             entry.update(status="done", quick=run["quick"], provenance=run["provenance"],
                          sim_hash=run["sim_hash"], eval_loss=r["final_eval_loss"], bytes_sent=r["bytes_sent"],
@@ -312,10 +341,16 @@ def table(payload: dict[str, Any]) -> str:
             f"{100 * (e['eval_loss'] / previous['eval_loss'] - 1):+.2f}%"
         lines.append(_line(e, e["label"], step))
         previous = e
-    lines += ["", "### H sweep on the default (1,200 steps per learner)", "", head.format("H", ""),
+    lines += ["", "### H sweep on the default (outer lr 0.5; 1,200 steps per learner)", "", head.format("H", ""),
               "|---|---|---|---|---|---|---|"]
-    sweep = [(h, by["s1200-default" if h == 25 else f"s1200-h{h}"]) for h in sorted((*H_SWEEP, 25))]
-    lines += [_line(e, f"H = {h}" + (" (the default)" if h == 25 else "")) for h, e in sweep]
+    sweep = [(h, by["s1200-default" if h == DEFAULT_H else f"s1200-h{h}"]) for h in sorted((*H_SWEEP, DEFAULT_H))]
+    lines += [_line(e, f"H = {h}" + (" (the default)" if h == DEFAULT_H else "")) for h, e in sweep]
+    lines += ["", "### Levers tried on the default (1,200 steps per learner)", "",
+              head.format("change", " loss vs the default |"), "|---|---|---|---|---|---|---|---|"]
+    d = by["s1200-default"]
+    for e in (e for e in payload["rows"] if e["group"] == "lever"):
+        vs = "—" if "eval_loss" not in e or "eval_loss" not in d else f"{100 * (e['eval_loss'] / d['eval_loss'] - 1):+.2f}%"
+        lines.append(_line(e, e["label"], vs))
     lines += ["", "### 2,400 steps per learner", "", head.format("what", ""), "|---|---|---|---|---|---|---|"]
     lines += [_line(e, e["label"]) for e in payload["rows"] if e["group"] == "2400"]
     lines += ["", "### Acceptance (issue 20)", "", *_acceptance_lines(payload["acceptance"], by)]
@@ -411,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     p = _bench.parser(__doc__, BENCH, config="demo.toml",
                       quick=f"1/{QUICK_DIVISOR} of the steps: checks the pipeline, not the numbers")
     p.add_argument("--workers", type=int, default=2, help="parallel simulations, one torch thread each (default: 2)")
-    p.add_argument("--only", action="append", default=[], help="run only rows whose slug contains this (repeatable)")
+    p.add_argument("--only", action="append", default=[], metavar="SLUG",
+                   help="run only this row (repeatable); SLUG ending in '*' selects every row whose slug starts with "
+                        "the rest, e.g. 's1200-h*'")
     p.add_argument("--adopt", action="append", default=[], metavar="SLUG=PATH",
                    help="record a `p2p-diloco sim --json` output of exactly that row's config and overrides as its "
                         "run, then render; nothing is simulated (repeatable)")
@@ -435,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(out)
     todo = []
     for row in rows:
-        if args.only and not any(s in row.slug for s in args.only):
+        if args.only and not any(selects(s, row.slug) for s in args.only):
             continue
         how = expected(row, args.config, args.quick, args.overrides)  # loads each config: fails before any fork
         old = runs.get(row.slug)

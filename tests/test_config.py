@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.core.config import Config, ConfigError, config_hash, load_config, parse_override, replace
+from p2p_diloco.core.config import Config, ConfigError, OuterConfig, config_hash, load_config, parse_override, replace
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -87,13 +87,14 @@ def test_override_parsing() -> None:
 
 def test_hash_is_stable_and_sensitive(tmp_path: Path) -> None:
     a = load_config(TINY)
-    # the same values spelled differently (explicit defaults, 0.7 vs 0.70, key order) hash the same
+    # the same values spelled differently (explicit defaults, 0.5 vs 0.50, key order) hash the same
+    assert OuterConfig().lr == 0.5 and OuterConfig().momentum == 0.9  # the defaults tiny.toml leaves alone
     reordered = tmp_path / "same.toml"
-    reordered.write_text(TINY.read_text().replace("[outer]\n", "[outer]\nmomentum = 0.9\nlr = 0.70\n"))
+    reordered.write_text(TINY.read_text().replace("[outer]\n", "[outer]\nmomentum = 0.9\nlr = 0.50\n"))
     assert config_hash(load_config(reordered)) == config_hash(a)
-    assert config_hash(a) == config_hash(load_config(TINY, ["outer.lr=0.7", "outer.momentum=0.9"]))
-    assert config_hash(a) == config_hash(load_config(TINY, ["outer.lr=0.70"]))
-    assert config_hash(a) != config_hash(load_config(TINY, ["outer.lr=0.71"]))
+    assert config_hash(a) == config_hash(load_config(TINY, ["outer.lr=0.5", "outer.momentum=0.9"]))
+    assert config_hash(a) == config_hash(load_config(TINY, ["outer.lr=0.50"]))
+    assert config_hash(a) != config_hash(load_config(TINY, ["outer.lr=0.51"]))
     assert len(config_hash(a)) == 16
     assert config_hash(replace(a, outer={"lr": 0.5})) == config_hash(load_config(TINY, ["outer.lr=0.5"]))
 

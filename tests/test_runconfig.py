@@ -167,7 +167,7 @@ def test_fetched_config_is_verified_and_overrides_apply_on_top() -> None:
 
 
 def test_a_config_whose_hash_differs_is_refused() -> None:
-    other = load_config(TINY_PATH, ["outer.lr=0.5"])
+    other = load_config(TINY_PATH, ["outer.lr=0.6"])
     # a record that claims the run's hash but holds another config
     forged = replace(config_record(other, "QmMallory", NOW), config_hash=TINY_HASH)
     with pytest.raises(ValueError) as refused:

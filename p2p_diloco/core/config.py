@@ -133,9 +133,9 @@ SCHEDULES = ("clock", "steps")
 
 @dataclass(frozen=True)
 class OuterConfig:
-    lr: float = _f(0.7, "Outer Nesterov learning rate.")
+    lr: float = _f(0.5, "Outer Nesterov learning rate.")
     momentum: float = _f(0.9, "Outer Nesterov momentum.")
-    sync_every: int = _f(25, "H: inner steps between two syncs of the same fragment.")
+    sync_every: int = _f(28, "H: inner steps between two syncs of the same fragment.")
     sync_every_start: int = _f(0, "H at step 0 when the sync period ramps up (0 = no ramp: always sync_every).")
     sync_ramp_steps: int = _f(0, "Inner steps over which H ramps linearly from sync_every_start to sync_every.")
     fragments: int = _f(4, "F: number of model fragments synced on a staggered schedule.")

@@ -1,7 +1,7 @@
 """The outer step: merging pseudo-gradients, outer Nesterov SGD per fragment, and alpha-mixing.
 
 DiLoCo (arXiv 2311.08105): each learner's pseudo-gradient is ``delta_i = anchor - theta_i``; the
-merged ``delta`` drives Nesterov SGD on the anchor (lr 0.7, momentum 0.9). Decoupled DiLoCo
+merged ``delta`` drives Nesterov SGD on the anchor (the paper's lr 0.7, momentum 0.9; our default lr is 0.5). Decoupled DiLoCo
 (arXiv 2604.21428) weights contributions by progress (tokens, or tokens^2/steps) and merges
 them *radial-directionally*: the norms and the unit directions are averaged separately, with a
 plain average for embeddings. Streaming DiLoCo (arXiv 2501.18512) applies the result tau steps
