@@ -198,6 +198,10 @@ class LiveView:
     def update(self, elapsed_s: float, events: list[dict[str, Any]]) -> None:
         if self.dht is None:
             return
+        if not self.dht.is_alive():  # its reads would wait out their timeout every period
+            out("swarm: the live view's DHT process is gone: no more view lines (the learners train on)")
+            self.dht = None
+            return
         from p2p_diloco.net.membership import read_swarm
         from p2p_diloco.net.report import snapshot_json
 

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
@@ -317,11 +318,25 @@ async def _get_latest_many(keys: tuple[str, ...], _dht: DHT, node: Any) -> dict[
     return {key: found.get(key) for key in keys}
 
 
-def read_many(dht: DHT, keys: Sequence[str]) -> dict[str, Any]:
+READ_TIMEOUT_S = 60.0
+"""A read of the DHT that has not answered in this long raises instead of waiting on: hivemind's
+``run_coroutine`` waits forever when the DHT process is gone (killed, or dead of an error), which hung
+``p2p-diloco swarm`` and made it deaf to Ctrl+C. A search of a live DHT ends well within it: every request it
+makes has its own timeout."""
+
+
+def read_many(dht: DHT, keys: Sequence[str], timeout_s: float = READ_TIMEOUT_S) -> dict[str, Any]:
     """The latest value of each key (None where there is none), as ``dht.get(key, latest=True)`` returns it,
     found by one batched DHT search: each node asked answers for every key in one message, so ``k`` small
-    keys cost about what one costs (what the learner's fast path reads every view period)."""
-    return dht.run_coroutine(partial(_get_latest_many, tuple(dict.fromkeys(keys))))
+    keys cost about what one costs (what the learner's fast path reads every view period). Raises
+    ``TimeoutError`` after ``timeout_s`` (:data:`READ_TIMEOUT_S`)."""
+    future = dht.run_coroutine(partial(_get_latest_many, tuple(dict.fromkeys(keys))), return_future=True)
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        alive = "alive" if dht.is_alive() else "dead"
+        raise TimeoutError(f"a DHT read of {len(keys)} keys had no answer in {timeout_s:g} s "
+                           f"(the DHT process is {alive})") from None
 
 
 def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
