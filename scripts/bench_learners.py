@@ -174,15 +174,35 @@ def _plot_utilization(payload: dict[str, Any], ax2: Any) -> None:
     ax2.legend(fontsize=7)
 
 
+def resim(out: Path) -> int:
+    """The simulator comparison of the swarm recorded in ``out`` (``learners.json``), the page written again."""
+    payload = BENCH.load(out)
+    swarm = payload["swarm"]
+    learners = len(swarm["finals"])
+    steps = int(statistics.median(f["steps"] for f in swarm["finals"].values()))
+    print(f"bench_learners: simulator again, {learners} learners x {steps} steps ({payload['config']})",
+          file=sys.stderr, flush=True)
+    payload["sim"] = run_sim(payload["config"], payload["overrides"], learners, steps)
+    payload["analysis"] = analyse(swarm, payload["sim"])
+    _bench.publish(BENCH, out, payload, markdown, plot)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _bench.parser(__doc__, BENCH, config="demo.toml", quick="tiny.toml for 60 s: checks the pipeline, not the numbers")
     p.add_argument("--learners", type=int, default=4, help="learner processes (default: 4)")
     p.add_argument("--seconds", type=float, default=600.0, help="training wall time of each learner (default: 600)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    p.add_argument("--resim", action="store_true",
+                   help="run only the simulator comparison again, against the swarm recorded in --out (its "
+                        "config, overrides, learners and median steps): after a fix to the simulator, or a run "
+                        "with --no-sim")
     args = p.parse_args(argv)
     out = args.out
     if _bench.rerender(args, BENCH, markdown, plot):
         return 0
+    if args.resim:
+        return resim(out)
     if args.learners < 2 or args.seconds <= 0:
         p.error(f"need --learners >= 2 and --seconds > 0, got {args.learners} and {args.seconds}")
     if args.quick:

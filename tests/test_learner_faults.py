@@ -157,4 +157,7 @@ def test_a_round_still_matching_is_abandoned_once_a_peer_is_past_its_version(tmp
                          weight=float(TOKENS[0]), due=get_dht_time(), norms={})
         alone = peer.start_round(Contribution(meta, tensors, get_dht_time() + CFG.averaging.window_s,
                                               CFG.averaging.window_s)).result(timeout=ROUND_DEADLINE_S)
-        assert not alone.committed and "could not find a group" in alone.reason, alone.reason
+        # it ran (a busy averager would refuse it) and found nobody: hivemind says so, or -- on a machine so loaded
+        # that its matchmaking outlives the round's own limit -- the round's deadline ends it first
+        assert not alone.committed, alone.reason
+        assert "could not find a group" in alone.reason or alone.reason.startswith("round exceeded "), alone.reason

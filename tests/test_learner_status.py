@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from p2p_diloco.learner.options import published_key, publish_due, read_period_s, view_due
-from p2p_diloco.learner.view import known_past, vouched_heads, with_heads
+from p2p_diloco.learner.view import SwarmView, known_past, settled, vouched_heads, with_heads
 
 KEY = ("training", (3, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -88,3 +88,29 @@ def test_a_fragment_known_to_be_behind_is_not_probed_again_until_we_catch_up() -
     assert known_past(anchors, 0, 3)  # a peer holds v4: the download is what helps now
     assert not known_past(anchors, 0, 4) and not known_past(anchors, 1, 2)
     assert not known_past(anchors, 2, 0) and not known_past([], 0, 0)
+
+
+def test_a_fragment_that_advanced_since_its_boundary_is_not_probed_until_the_next_one() -> None:
+    assert settled(105.0, 100.0) and settled(100.0, 100.0)
+    assert not settled(99.0, 100.0) and not settled(-math.inf, 100.0)
+
+
+def test_the_view_probes_a_fragment_from_its_boundary_until_it_advances() -> None:
+    from types import SimpleNamespace
+
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.net.clock import SyncClock
+
+    slots = [SimpleNamespace(index=f, version=0) for f in range(2)]
+    view = SwarmView(SimpleNamespace(cfg=load_config(None, ["averaging.sync_period_s=20.0"]), slots=slots))  # type: ignore[arg-type]
+    assert view.clock == SyncClock(20.0)  # fragment 0 due at 20, 40, ...; fragment 1 at 30, 50, ...
+    f0, f1 = slots
+    assert not view._settled(f0, 24.0) and not view._settled(f1, 24.0)  # held since we started: probe
+    f0.version = 1  # our round of fragment 0 committed
+    assert view._settled(f0, 26.0) and view._settled(f0, 39.9)  # advanced after its boundary at 20
+    assert not view._settled(f0, 40.0)  # the next round: probed until it advances again
+    assert not view._settled(f1, 39.0)  # fragment 1 did not advance since its boundary at 30: probed
+    f1.version = 1
+    assert view._settled(f1, 39.5) and not view._settled(f1, 50.0)
+    view.clock = None  # the step schedule: no shared instants, every fragment probed
+    assert not view._settled(f0, 26.0)

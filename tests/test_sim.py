@@ -57,6 +57,17 @@ def test_stop_after_ticks_is_a_prefix_of_the_full_run(tiny: Config, splits: data
     assert short.final_eval_loss < short.curve[0]["eval_loss"]
 
 
+def test_stop_after_ticks_past_the_schedule_goes_on_at_the_lr_floor(tiny: Config, splits: data.Splits) -> None:
+    """A networked learner with no step cap trains past ``inner.total_steps`` (its LR at the floor): the
+    simulator it is compared with must reach the same steps (it used to stop at the schedule's end)."""
+    ticks = tiny.inner.total_steps + 7
+    longer = sim.Simulator(tiny, splits, stop_after_ticks=ticks)
+    assert all(m.total_steps == tiny.inner.total_steps for m in longer.learners)  # the schedule is unchanged
+    r = longer.run()
+    assert r.tokens == tiny.sim.learners * ticks * tiny.inner.batch_size * tiny.model.block_size
+    assert all(m.steps == ticks for m in longer.learners)
+
+
 def test_references(tiny: Config, splits: data.Splits) -> None:
     dp = sim.run(tiny, splits, "data-parallel")
     single = sim.run(tiny, splits, "single")

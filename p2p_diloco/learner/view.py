@@ -32,6 +32,7 @@ from p2p_diloco.net.clock import SyncClock, clock_in, clock_key
 
 if TYPE_CHECKING:
     from p2p_diloco.learner.loop import Learner
+    from p2p_diloco.sync.slot import FragmentSlot
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,15 @@ def known_past(anchors: Iterable[list[Rank]], fragment: int, version: int) -> bo
     return any(len(ranks) > fragment and ranks[fragment][0] > version for ranks in anchors)
 
 
+def settled(advanced_at: float, boundary: float) -> bool:
+    """Our fragment advanced (a commit of ours, or a download) at DHT time ``advanced_at``, at or after its latest
+    round boundary ``boundary``: nobody can be past it before the next boundary, so a head probe need not ask.
+    Versions only grow by rounds, and a fragment's rounds start at its boundaries; a round that another group
+    committed at the same version (a fork) is the full read's to find, as before. Until it advances (its round
+    is matching, or failed, or we missed it), the fragment is probed: who got ahead is what we need then."""
+    return advanced_at >= boundary
+
+
 def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str) -> dict[str, Rank]:
     """From one vouch key's signed values (peer id -> anchor hash) of ``version``: the live peers other than
     us that hold that version, and their anchor. Dead peers' vouches stay in the DHT for a day; a malformed
@@ -83,6 +93,8 @@ class SwarmView:
         the head probes. Rebound whole, never changed in place (the training thread reads it)."""
         self._records: dict[str, tuple[list[Rank], float]] = {}  # peer id -> ranks in its record, published at
         self._heads: dict[str, dict[int, tuple[Rank, float]]] = {}  # peer id -> fragment -> (probed rank, when)
+        self._advanced: dict[int, tuple[int, float]] = {}
+        """Our fragments' versions and the DHT time a probe first saw each (-inf: held since we started)."""
         self._others: list[Any] = []
         """The other live learners' records at the last full read."""
         self.peer_states: list[str] = []
@@ -146,14 +158,16 @@ class SwarmView:
         """The fast path, every ``view_period_s`` while training: one batched DHT search for the vouches of
         each fragment's next version (who among the live learners is past us, and on which anchor) and for
         the sync clock. Its size does not grow with the swarm (the next version's vouchers are one group at
-        most, and only while we are behind), unlike a full read. False if the search failed (logged whole;
-        the last view is kept)."""
+        most, and only while we are behind), unlike a full read. On the sync clock a fragment that advanced
+        since its latest boundary is left out (:func:`settled`): with rounds that commit, most probes read the
+        clock alone. False if the search failed (logged whole; the last view is kept)."""
         from p2p_diloco.net.membership import owned_values, read_many
 
         me = self.learner
         run_id, own = me.local.run_id, me.joined.peer_id
+        now = me._dht_time()
         wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots
-                  if not known_past(self._anchors.values(), s.index, s.version)}
+                  if not known_past(self._anchors.values(), s.index, s.version) and not self._settled(s, now)}
         keys = list(wanted) + ([clock_key(run_id)] if self.auto_clock else [])
         if not keys:
             return True
@@ -162,15 +176,24 @@ class SwarmView:
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             logger.exception("probing the fragments' next versions failed")
             return False
-        now, heads, live = me._dht_time(), dict(self._heads), set(self._records)
+        seen_at, heads, live = me._dht_time(), dict(self._heads), set(self._records)
         for key, (f, version) in wanted.items():
             for peer, rank in vouched_heads(owned_values(found.get(key)), version, live, own).items():
-                heads[peer] = {**heads.get(peer, {}), f: (rank, now)}
+                heads[peer] = {**heads.get(peer, {}), f: (rank, seen_at)}
         self._heads = heads
         self._merge()
         if self.auto_clock:
             self._adopt(clock_in(found.get(clock_key(run_id))))
         return True
+
+    def _settled(self, slot: FragmentSlot, now: float) -> bool:
+        """:func:`settled` for one of our fragments on the sync clock (never without one: the step schedule's
+        rounds have no shared instants, so every fragment is probed). When the fragment advanced is when a
+        probe first saw its new version (within one view period of the commit)."""
+        seen = self._advanced.get(slot.index)
+        if seen is None or seen[0] != slot.version:
+            seen = self._advanced[slot.index] = (slot.version, -math.inf if seen is None else now)
+        return self.clock is not None and settled(seen[1], self.clock.boundary(now, slot.index, len(self.learner.slots)))
 
     def look_before_training(self, stop: threading.Event) -> None:
         """Joining a running swarm: read it now, before the first step, adopt its sync clock and download

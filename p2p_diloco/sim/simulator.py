@@ -261,8 +261,9 @@ class Simulator:
 
     def __init__(self, cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
                  stop_after_ticks: int = 0, attack: Attack | None = None, device: torch.device = CPU) -> None:
-        """``stop_after_ticks`` > 0 ends the run early (the LR schedule still spans ``inner.total_steps``):
-        what a time-limited networked run does, for comparisons at equal tokens. ``attack``: one learner
+        """``stop_after_ticks`` > 0 runs exactly that many ticks while the LR schedule still spans
+        ``inner.total_steps``: fewer end the run early, more go on past it with the LR at its floor -- what a
+        networked learner bounded by time and not by steps does, for comparisons at equal steps. ``attack``: one learner
         poisons every contribution it sends. ``device``: where the learners' replicas and inner optimizers
         live; the anchors, outer states and merges stay fp32 on the CPU, as in a networked learner."""
         self.cfg = cfg
@@ -271,7 +272,7 @@ class Simulator:
         speeds = list(cfg.sim.speeds) or [1.0] * k
         # equal tokens whatever the speeds: run until K * total_steps inner steps are done in all
         self.schedule_ticks = math.ceil(k * cfg.inner.total_steps / sum(speeds))
-        self.ticks = min(self.schedule_ticks, stop_after_ticks) if stop_after_ticks > 0 else self.schedule_ticks
+        self.ticks = stop_after_ticks if stop_after_ticks > 0 else self.schedule_ticks
         self.global_model = build_model(cfg.model, cfg.run.seed)
         self.anchor = {n: p.detach() for n, p in self.global_model.named_parameters()}
         sizes = {n: p.numel() for n, p in self.anchor.items()}
