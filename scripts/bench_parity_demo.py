@@ -57,7 +57,7 @@ run file (linked from each row) holds that output with the overrides, the config
 - **H sweep** on the default at 1,200 steps (H = 10, 25, 50, 100 beside its 28), and H = 100 beside the default
   at 2,400.
 - **Levers** tried on the default at 1,200 steps to move the curve (error feedback, a final average, the inner
-  learning rate, the outer momentum); the outer learning-rate sweep that chose 0.5 is in
+  learning rate, the outer momentum, more alpha-mixing); the outer learning-rate sweep that chose 0.5 is in
   [`results/parity-demo-explore`](../parity-demo-explore/README.md).
 
 Payload bytes are counted as the butterfly all-reduce sends them (all learners together) and compared with what
@@ -92,7 +92,8 @@ H_SWEEP = (10, 25, 50, 100)
 LEVERS = (("ef", "error feedback on the int4 codec", ("outer.error_feedback=true",)),
           ("final-avg", "the last sync averages the weights (no outer step)", ("outer.final_average=true",)),
           ("ilr4e3", "inner lr 4e-3 (3e-3)", ("inner.lr=4e-3",)),
-          ("m095", "outer momentum 0.95 (0.9)", ("outer.momentum=0.95",)))
+          ("m095", "outer momentum 0.95 (0.9)", ("outer.momentum=0.95",)),
+          ("alpha075", "alpha-mixing 0.75 (0.5)", ("outer.alpha=0.75",)))
 """Changes tried on top of the default at 1,200 steps to move the curve: (slug suffix, label, overrides)."""
 TARGET_GAP = {1200: 0.75, 2400: 0.85}
 """Issue 20's acceptance: share of the gap the default closes, per budget."""

@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from p2p_diloco.net.clock import SyncClock, clock_leader, derive_period, needs_retune, newest_clock, retune
+from p2p_diloco.net.clock import (
+    SyncClock,
+    clock_leader,
+    derive_period,
+    min_period_s,
+    needs_retune,
+    newest_clock,
+    retune,
+)
 
 
 def test_learners_of_any_speed_meet_at_the_same_instants() -> None:
@@ -31,6 +39,18 @@ def test_a_derived_clock_starts_a_full_period_after_its_origin() -> None:
 def test_period_is_h_times_the_median_step_time() -> None:
     assert derive_period([0.5, 0.6, 3.0], sync_every=25, min_period_s=5.0) == pytest.approx(15.0)  # median 0.6
     assert derive_period([0.1], sync_every=10, min_period_s=6.0) == 6.0  # at least a round's worth
+
+
+def test_the_period_floor_is_one_rounds_matching_and_verdicts() -> None:
+    from p2p_diloco.core.config import AveragingConfig
+
+    a = AveragingConfig()
+    floor = min_period_s(a.window_max_s, a.commit_timeout_s)
+    assert floor == a.window_max_s + a.commit_timeout_s == 13.0
+    # the networked learners of results/learners: H = 28 at 0.46 s a step is a 12.9 s period; the old floor (twice
+    # the window's bound, 20 s) made it every 43 steps
+    assert derive_period([0.46] * 4, sync_every=28, min_period_s=floor) == 13.0
+    assert derive_period([0.5] * 4, sync_every=28, min_period_s=floor) == pytest.approx(14.0)
     assert derive_period([], 10, 1.0) is None and derive_period([0.0, math.nan], 10, 1.0) is None
 
 

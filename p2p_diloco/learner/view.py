@@ -294,6 +294,7 @@ class SwarmView:
             RETUNE_EVERY_PERIODS,
             clock_leader,
             derive_period,
+            min_period_s,
             needs_retune,
             publish_clock,
             retune,
@@ -308,7 +309,7 @@ class SwarmView:
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]
-        period = derive_period(times, h, min_period_s=2 * a.window_max_s)
+        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s))
         now, wall = me._dht_time(), time.monotonic()
         clock = self.clock
         settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s
