@@ -29,7 +29,7 @@ def test_incompatible_or_keyless_learners_are_refused(tmp_path: Path) -> None:
         member.wait_for(r"^learner member: ")
 
         other_config = procs.cli("join", "--initial-peers", peers, "--config", TINY, "--swarm-key", "swarm.secret",
-                                 "--set", "outer.lr=0.5", "--name", "other-config", name="other-config")
+                                 "--set", "outer.lr=0.6", "--name", "other-config", name="other-config")
         keyless = procs.cli("join", "--initial-peers", peers, "--config", TINY, "--name", "keyless", name="keyless")
         for proc, expected in ((other_config, "config hash differs"), (keyless, "swarm key mismatch")):
             assert proc.wait_exit(90) == 2, proc.output()

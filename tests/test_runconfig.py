@@ -160,8 +160,8 @@ def test_fetched_config_is_verified_and_overrides_apply_on_top() -> None:
     # the fetched config pins the publisher's data (fingerprint, tokenizer hash): same hash, checked locally
     assert cfg == pin_data(TINY) and chosen == honest and config_hash(cfg) == TINY_HASH
     assert cfg.data.fingerprint and cfg.data.tokenizer_hash == "bytes"
-    with_set, _ = config_from_records([(honest, NOW + 100)], tiny_run(), NOW, ["outer.lr=0.5"])
-    assert with_set.outer.lr == 0.5 and with_set == pin_data(load_config(TINY_PATH, ["outer.lr=0.5"]))
+    with_set, _ = config_from_records([(honest, NOW + 100)], tiny_run(), NOW, ["outer.lr=0.6"])
+    assert with_set.outer.lr == 0.6 and with_set == pin_data(load_config(TINY_PATH, ["outer.lr=0.6"]))
     with pytest.raises(ConfigError, match="^outer.lrr: unknown key"):  # our own --set's error names its key
         config_from_records([(honest, NOW + 100)], tiny_run(), NOW, ["outer.lrr=0.5"])
 

@@ -61,7 +61,7 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
 
         # another config hash: refused at join with one line that says what differs, exit 2
         t0 = time.monotonic()
-        rc, bad, wall_s = procs.run("heartbeat", "--initial-peers", peers, "--name", "bad", "--set", "outer.lr=0.5")
+        rc, bad, wall_s = procs.run("heartbeat", "--initial-peers", peers, "--name", "bad", "--set", "outer.lr=0.6")
         assert rc == 2, bad.output()
         errors = [line for _, line in bad.stderr if line.startswith("p2p-diloco:")]
         assert len(errors) == 1, bad.output()
