@@ -174,17 +174,18 @@ def _plot_utilization(payload: dict[str, Any], ax2: Any) -> None:
     ax2.legend(fontsize=7)
 
 
+def compare(payload: dict[str, Any], learners: int) -> dict[str, Any]:
+    """``payload`` with the simulator run for ``learners`` learners at its swarm's median steps, and the analysis."""
+    steps = int(statistics.median(f["steps"] for f in payload["swarm"]["finals"].values()))
+    print(f"bench_learners: simulator, {learners} learners x {steps} steps", file=sys.stderr, flush=True)
+    sim = run_sim(payload["config"], payload["overrides"], learners, steps)
+    return payload | {"sim": sim, "analysis": analyse(payload["swarm"], sim)}
+
+
 def resim(out: Path) -> int:
     """The simulator comparison of the swarm recorded in ``out`` (``learners.json``), the page written again."""
     payload = BENCH.load(out)
-    swarm = payload["swarm"]
-    learners = len(swarm["finals"])
-    steps = int(statistics.median(f["steps"] for f in swarm["finals"].values()))
-    print(f"bench_learners: simulator again, {learners} learners x {steps} steps ({payload['config']})",
-          file=sys.stderr, flush=True)
-    payload["sim"] = run_sim(payload["config"], payload["overrides"], learners, steps)
-    payload["analysis"] = analyse(swarm, payload["sim"])
-    _bench.publish(BENCH, out, payload, markdown, plot)
+    _bench.publish(BENCH, out, compare(payload, len(payload["swarm"]["finals"])), markdown, plot)
     return 0
 
 
@@ -216,17 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_learners: {args.learners} learners x {args.seconds:.0f} s on {args.config} -> {out}", file=sys.stderr,
           flush=True)
     swarm = run_swarm(args.config, args.overrides, args.learners, args.seconds, logs)
-    finals = swarm["finals"]
-    steps = int(statistics.median(f["steps"] for f in finals.values()))
-    print(f"bench_learners: swarm done in {swarm['wall_s']:.0f} s (median {steps} steps per learner)", file=sys.stderr,
-          flush=True)
-    sim = None
-    if not args.no_sim:
-        print(f"bench_learners: simulator, {args.learners} learners x {steps} steps", file=sys.stderr, flush=True)
-        sim = run_sim(args.config, args.overrides, args.learners, steps)
+    print(f"bench_learners: swarm done in {swarm['wall_s']:.0f} s", file=sys.stderr, flush=True)
     payload = {"config": args.config, "overrides": args.overrides, "quick": args.quick, "seconds": args.seconds,
-               "swarm": swarm, "sim": sim}
-    payload["analysis"] = analyse(swarm, sim)
+               "swarm": swarm, "sim": None}
+    payload = payload | {"analysis": analyse(swarm, None)} if args.no_sim else compare(payload, args.learners)
     _bench.publish(BENCH, out, payload, markdown, plot)
     return 0
 

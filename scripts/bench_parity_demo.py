@@ -184,6 +184,11 @@ def expected(row: Row, config: str, quick: bool, extra: list[str]) -> dict[str, 
             "sim_hash": sim_hash(load_config(config, overrides), row.mode)}
 
 
+def same_run(run: dict[str, Any], how: dict[str, Any]) -> bool:
+    """Whether a run file is the simulation that :func:`expected` describes (:data:`RUN_KEYS`)."""
+    return all(run.get(k) == how[k] for k in RUN_KEYS)
+
+
 def load_runs(out: Path) -> dict[str, dict[str, Any]]:
     """Every finished run in ``out/runs`` by slug (``*.json.tmp``, a run being written, is not one)."""
     folder = out / "runs"
@@ -273,8 +278,7 @@ def summarise(rows: list[Row], runs: dict[str, dict[str, Any]], config: str, ext
         run = runs.get(row.slug)
         entry: dict[str, Any] = {"slug": row.slug, "group": row.group, "label": row.label, "mode": row.mode,
                                  "steps": row.steps, "status": "not run yet"}
-        if run and all(run.get(k) == v for k, v in expected(row, config, run["quick"], extra).items()
-                       if k in RUN_KEYS):
+        if run and same_run(run, expected(row, config, run["quick"], extra)):
             r = run["result"]
             entry.update(status="done", quick=run["quick"], provenance=run["provenance"],
                          sim_hash=run["sim_hash"], eval_loss=r["final_eval_loss"], bytes_sent=r["bytes_sent"],
@@ -324,6 +328,13 @@ def _line(e: dict[str, Any], label: str, extra: str | None = None) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _relative(e: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """``e``'s eval loss against ``ref``'s, as a signed percentage ("—" while either has not run)."""
+    if ref is None or "eval_loss" not in e or "eval_loss" not in ref:
+        return "—"
+    return f"{100 * (e['eval_loss'] / ref['eval_loss'] - 1):+.2f}%"
+
+
 def table(payload: dict[str, Any]) -> str:
     """The page's results: the four tables, the acceptance, where each run came from."""
     by = {e["slug"]: e for e in payload["rows"]}
@@ -338,9 +349,7 @@ def table(payload: dict[str, Any]) -> str:
               head.format("rung", " loss vs previous rung |"), "|---|---|---|---|---|---|---|---|"]
     previous = None
     for e in (e for e in payload["rows"] if e["group"] == "ladder"):
-        step = "—" if previous is None or "eval_loss" not in e or "eval_loss" not in previous else \
-            f"{100 * (e['eval_loss'] / previous['eval_loss'] - 1):+.2f}%"
-        lines.append(_line(e, e["label"], step))
+        lines.append(_line(e, e["label"], _relative(e, previous)))
         previous = e
     lines += ["", "### H sweep on the default (outer lr 0.5; 1,200 steps per learner)", "", head.format("H", ""),
               "|---|---|---|---|---|---|---|"]
@@ -350,8 +359,7 @@ def table(payload: dict[str, Any]) -> str:
               head.format("change", " loss vs the default |"), "|---|---|---|---|---|---|---|---|"]
     d = by["s1200-default"]
     for e in (e for e in payload["rows"] if e["group"] == "lever"):
-        vs = "—" if "eval_loss" not in e or "eval_loss" not in d else f"{100 * (e['eval_loss'] / d['eval_loss'] - 1):+.2f}%"
-        lines.append(_line(e, e["label"], vs))
+        lines.append(_line(e, e["label"], _relative(e, d)))
     lines += ["", "### 2,400 steps per learner", "", head.format("what", ""), "|---|---|---|---|---|---|---|"]
     lines += [_line(e, e["label"]) for e in payload["rows"] if e["group"] == "2400"]
     lines += ["", "### Acceptance (issue 20)", "", *_acceptance_lines(payload["acceptance"], by)]
@@ -477,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         how = expected(row, args.config, args.quick, args.overrides)  # loads each config: fails before any fork
         old = runs.get(row.slug)
-        if old is not None and all(old.get(k) == how[k] for k in RUN_KEYS):
+        if old is not None and same_run(old, how):
             print(f"bench_parity_demo: {row.slug} already run ({old['provenance']}): skipped", file=sys.stderr)
             continue
         if old is not None:
