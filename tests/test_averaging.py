@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from p2p_diloco.averaging.decisions import (
-    RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem, version_group_bits,
+    GRID_KEY_BITS, RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem,
+    grid_group_bits, grid_version, version_group_bits,
 )
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -54,6 +55,26 @@ def test_a_disagreeing_member_makes_everyone_discard(change: dict[str, object], 
     verdicts = [decide(own, members) for own in members]
     assert all(not ok for ok, _ in verdicts), verdicts  # every member takes the same decision
     assert reason in verdicts[0][1], verdicts
+
+
+@pytest.mark.parametrize("change, grid_ok", [
+    (dict(version=4), True), (dict(anchor="b" * 16), True),  # grid groups average members of other groups
+    (dict(config="d" * 16), False), (dict(fragment=1), False), (dict(weight=1.0), False), (dict(norms={}), False),
+])
+def test_grid_groups_accept_other_versions_and_anchors_only(change: dict[str, object], grid_ok: bool) -> None:
+    members = [meta(), meta(**change)]
+    verdicts = [check_group(own, members, RADIAL, min_group_size=2, weighting="tokens", grid=True) for own in members]
+    assert [v.ok for v in verdicts] == [grid_ok, grid_ok], verdicts
+    if grid_ok:
+        assert grid_version(members) == max(m.version for m in members) + 1
+
+
+def test_grid_group_keys_name_the_round_and_the_group() -> None:
+    bits = grid_group_bits(1234567, "QmA")
+    assert len(bits) == GRID_KEY_BITS and set(bits) <= {"0", "1"} and bits == grid_group_bits(1234567, "QmA")
+    others = {grid_group_bits(1234567 + k, "QmA") for k in range(1, 9)} | {grid_group_bits(1234567, f"Qm{c}")
+                                                                           for c in "BCDEFGH"}
+    assert bits not in others and len(others) == 15  # another round or another group: another key
 
 
 def test_all_zero_weights_are_refused_not_nan() -> None:
@@ -316,8 +337,8 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
                                set_group_bits=lambda bits: None, get_tensors=lambda: contextlib.nullcontext([]),
                                step=step)
     host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic
-    host.cfg, host.fragment, host.averager, host.names, host._cancelled = (
-        load_config(None, []), 0, averager, (), threading.Event())
+    host.cfg, host.fragment, host.averager, host.names, host.wire_names, host._cancelled = (
+        load_config(None, []), 0, averager, (), (), threading.Event())
     outcome = host._round(Contribution(meta(weight=10.0), {}, get_dht_time() + 1.0, 1.0))
     assert len(steps) == 1, "the fault did not fire"
     assert not outcome.committed and outcome.reason == "CancelledError: the averager cancelled the step", outcome

@@ -13,6 +13,7 @@ from p2p_diloco.net.clock import (
     min_period_s,
     needs_retune,
     newest_clock,
+    recent_step_time_s,
     retune,
 )
 
@@ -56,8 +57,21 @@ def test_the_period_floor_is_one_rounds_matching_and_verdicts() -> None:
 
 def test_retune_only_when_the_period_is_off() -> None:
     assert needs_retune(None, 10.0)
-    assert not needs_retune(SyncClock(10.0), 12.0) and not needs_retune(SyncClock(10.0), 8.0)
-    assert needs_retune(SyncClock(10.0), 13.0) and needs_retune(SyncClock(10.0), 7.0)
+    assert not needs_retune(SyncClock(10.0), 10.9) and not needs_retune(SyncClock(10.0), 9.1)
+    assert needs_retune(SyncClock(10.0), 11.1) and needs_retune(SyncClock(10.0), 8.9)
+    # results/learners: a first clock from 0.545 s steps, learners settled at 0.475 s (13% off) -> retuned
+    assert needs_retune(SyncClock(28 * 0.545), 28 * 0.475)
+
+
+def test_the_step_time_forgets_the_slow_first_steps() -> None:
+    # 10 slow steps (2 s each), then 0.5 s a step: the mean since the start stays above 0.5 s for the whole run
+    samples = [(2.0 * s, s) for s in range(11)] + [(20.0 + 0.5 * s, 10 + s) for s in range(1, 400)]
+    assert recent_step_time_s(samples, window_s=60.0, min_steps=3) == pytest.approx(0.5)
+    assert samples[-1][0] / samples[-1][1] > 0.52
+    # within the first window: everything since the start
+    assert recent_step_time_s(samples[:21], window_s=60.0, min_steps=3) == pytest.approx(25.0 / 20)
+    assert recent_step_time_s(samples[:3], window_s=60.0, min_steps=3) == 0.0  # 2 steps: too few to time
+    assert recent_step_time_s([(0.0, 0)], 60.0, 3) == 0.0 and recent_step_time_s([], 60.0, 3) == 0.0
 
 
 def test_leader_and_newest_clock_are_the_same_for_everyone() -> None:

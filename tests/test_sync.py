@@ -140,6 +140,58 @@ def test_alpha_mix_and_nesterov_match_core_outer() -> None:
     assert all(torch.equal(replica.params[n].detach(), local[n]) for n in NAMES)
 
 
+@dataclass(frozen=True)
+class GridEnded:
+    committed: bool
+    merged: dict[str, torch.Tensor] | None
+    mixed_anchor: dict[str, torch.Tensor] | None
+    mixed_momentum: dict[str, torch.Tensor] | None
+    version_after: int
+
+
+def test_a_grid_round_steps_from_the_groups_mixed_anchor_and_keeps_our_unsent_progress() -> None:
+    sync, transport, replica = make(lr=0.7, momentum=0.9, alpha=0.0)
+    sync.hand_off(step=0)
+    with torch.no_grad():  # a step taken since: unsent progress of 0.1
+        for p in replica.params.values():
+            p.sub_(0.1)
+    mixed = {n: torch.full((3,), 1.2) for n in NAMES}  # the group's averaged anchor (ours was 1.0)
+    momentum = {n: torch.full((3,), 0.3) for n in NAMES}
+    merged = {n: torch.full((3,), 0.5) for n in NAMES}
+    transport.offers[0][1].set_result(GridEnded(True, merged, mixed, momentum, version_after=8))
+    done = sync.finished(step=2, min_age_steps=1)
+    assert done is not None
+    sync.apply_round(done.future.result())
+    expected = {n: t.clone() for n, t in mixed.items()}
+    state = outer.OuterState(momentum={n: t.clone() for n, t in momentum.items()}, version=7)
+    outer.nesterov_step(expected, merged, state, 0.7, 0.9)
+    assert all(torch.allclose(sync.slot.anchor[n], expected[n]) for n in NAMES)
+    assert all(torch.allclose(sync.slot.state.momentum[n], state.momentum[n]) for n in NAMES)
+    assert sync.slot.version == 8 and transport.advertised == [(8, sync.slot.anchor_hash)]
+    # alpha 0: the weights take the new anchor; the mixed inputs were copied, not aliased
+    assert all(torch.allclose(replica.params[n].detach(), expected[n]) for n in NAMES)
+    assert all(torch.equal(mixed[n], torch.full((3,), 1.2)) for n in NAMES)
+
+
+def test_a_grid_round_rebases_unsent_progress_onto_the_mixed_anchor() -> None:
+    sync, transport, replica = make(alpha=1.0)  # alpha 1: the weights keep their own (rebased) values
+    sync.hand_off(step=0)
+    mixed = {n: torch.full((3,), 1.2) for n in NAMES}
+    transport.offers[0][1].set_result(GridEnded(True, {n: torch.zeros(3) for n in NAMES}, mixed,
+                                                {n: torch.zeros(3) for n in NAMES}, version_after=1))
+    done = sync.finished(step=1, min_age_steps=1)
+    assert done is not None
+    sync.apply_round(done.future.result())
+    # theta 0.5 with anchor 1.0 -> 0.7 with the mixed anchor 1.2 (zero pseudo-gradient: the anchor stays 1.2)
+    assert all(torch.allclose(replica.params[n].detach(), torch.full((3,), 0.7)) for n in NAMES)
+    with pytest.raises(ValueError, match="momentum or version"):
+        sync.hand_off(step=2)
+        transport.offers[1][1].set_result(GridEnded(True, {n: torch.zeros(3) for n in NAMES}, mixed, None, 2))
+        done = sync.finished(step=3, min_age_steps=1)
+        assert done is not None
+        sync.apply_round(done.future.result())
+
+
 def test_a_discarded_round_changes_nothing_and_is_collected_at_once() -> None:
     sync, transport, replica = make()
     sync.hand_off(step=10)

@@ -55,6 +55,12 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
   and a peer that sees (in the peer records) a peer ahead of it downloads that anchor and rebases
   onto it, like a peer that missed rounds. The distance between the two anchors is measured then
   (:func:`relative_distance`) and published as the peer's consensus distance.
+* **Grid groups** (``averaging.groups = "grid"``, docs/design.md "Bounded groups"): a round's groups of at most
+  ``target_group_size`` lie on a grid that changes every round and meet under their own key
+  (:func:`grid_group_bits`), not the version's. Members may hold other versions and anchors: the all-reduce
+  averages their anchors and outer momenta (``ANCHOR_TENSOR``, ``MOMENTUM_TENSOR``) beside the pseudo-gradients,
+  the group commits :func:`grid_version`, and no fork is healed. A member's anchor then weighs in like its
+  pseudo-gradient: the robust merge's norm cap bounds how far one member can pull it.
 * **Members only** (when a swarm key is in use): our averaging and state-download handlers refuse
   peers that :class:`p2p_diloco.net.membership.Membership` does not list; the DHT authorizer does not
   cover these RPCs.
@@ -138,6 +144,28 @@ def version_group_bits(version: int, anchor: str = "") -> str:
     if anchor:
         bits += format(int(anchor[0], 16), "04b")[:ANCHOR_BITS]
     return bits
+
+
+GRID_KEY_BITS = 16
+"""Group-key bits of a grid group (``averaging.groups = "grid"``): a hash of its round and first cell."""
+ANCHOR_TENSOR = "anchor:"
+MOMENTUM_TENSOR = "momentum:"
+"""Name prefixes of the anchor and outer momentum tensors a grid round averages beside the pseudo-gradient."""
+
+
+def grid_group_bits(round_key: int, first_member: str) -> str:
+    """The group key of a grid group (:func:`p2p_diloco.core.groups.group_of`): ``GRID_KEY_BITS`` bits of a hash of
+    the round (its clock boundary) and the group's first member, so that each of a round's groups meets under its own
+    key and a group of another round never does."""
+    digest = hashlib.sha256(f"{round_key}/{first_member}".encode()).digest()
+    return format(int.from_bytes(digest[:4], "big") >> (32 - GRID_KEY_BITS), f"0{GRID_KEY_BITS}b")
+
+
+def grid_version(members: Sequence[RoundMeta]) -> int:
+    """The version a grid group commits: one past its most advanced member's. Members may come from different
+    groups of earlier rounds (other versions, other anchors: averaging them is what mixes the swarm); every member
+    computes the same from the gathered metadata. Versions count a fragment's committed rounds along the way to it."""
+    return max(m.version for m in members) + 1
 
 
 def anchor_order(version: int, anchor: str) -> tuple[int, int]:
@@ -320,14 +348,14 @@ class Decision:
 
 
 def check_group(own: RoundMeta, members: Sequence[RoundMeta], radial_names: Sequence[str], *,
-                min_group_size: int, weighting: str) -> Decision:
+                min_group_size: int, weighting: str, grid: bool = False) -> Decision:
     """May this round's average be applied? A pure function of the gathered data, so every member of
     the group decides the same (``own`` only adds checks that hold for every honest member).
 
     Refused: fewer members than ``min_group_size``; members of another fragment or config; members
     at another version or with another anchor (their pseudo-gradients are measured against a
-    different point); weights that are not what the member's progress says; all-zero weights
-    (hivemind returns NaN); radial norms missing.
+    different point; not with ``grid``, where the anchors are averaged too); weights that are not what
+    the member's progress says; all-zero weights (hivemind returns NaN); radial norms missing.
     """
     if len(members) < max(2, min_group_size) and not (min_group_size == 1 and len(members) == 1):
         return Decision(False, f"group of {len(members)} < min_group_size {max(2, min_group_size)}")
@@ -338,9 +366,11 @@ def check_group(own: RoundMeta, members: Sequence[RoundMeta], radial_names: Sequ
             return Decision(False, f"a member averaged fragment {m.fragment}, not {own.fragment}")
         if m.config != own.config:
             return Decision(False, f"a member has config hash {m.config}, ours {own.config}")
-        if m.version != own.version:
+        if grid:
+            pass  # anchors and versions differ between grid groups' members: the round averages them
+        elif m.version != own.version:
             return Decision(False, f"version mismatch: a member is at v{m.version}, we are at v{own.version}")
-        if m.anchor != own.anchor:
+        elif m.anchor != own.anchor:
             return Decision(False, f"anchor mismatch at v{own.version}: {m.anchor} vs ours {own.anchor}")
         expected = outer.contribution_weight(m.tokens, m.steps, weighting)
         if not math.isclose(m.weight, expected, rel_tol=1e-9, abs_tol=1e-12):

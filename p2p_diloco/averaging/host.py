@@ -15,8 +15,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging.decisions import (
+    ANCHOR_TENSOR,
     CANCEL_POLL_S,
     MAX_DONORS_TRIED,
+    MOMENTUM_TENSOR,
     VOUCH_TTL_S,
     VOUCH_WAIT_S,
     Decision,
@@ -25,7 +27,9 @@ from p2p_diloco.averaging.decisions import (
     check_group,
     commit_decision,
     commit_key,
+    grid_version,
     parse_gathered,
+    relative_distance,
     sharing_priority,
     version_group_bits,
     vouch_key,
@@ -61,7 +65,8 @@ class Contribution:
 
     meta: RoundMeta
     tensors: dict[str, torch.Tensor]
-    """Encoded pseudo-gradient (:func:`outer.encode_contribution`), by parameter name."""
+    """Encoded pseudo-gradient (:func:`outer.encode_contribution`), by parameter name; with grid groups also the
+    anchor and outer momentum, under ``ANCHOR_TENSOR`` and ``MOMENTUM_TENSOR`` + parameter name."""
     scheduled_time: float
     """DHT time at which the group should start its all-reduce."""
     window_s: float
@@ -71,6 +76,8 @@ class Contribution:
     timeouts: RoundTimeouts | None = None
     """This round's hivemind timeouts, derived from the link (:func:`~p2p_diloco.averaging.linktime.round_timeouts`);
     None: the config's fixed values (:func:`~p2p_diloco.averaging.linktime.floor_timeouts`)."""
+    group_bits: str = ""
+    """Grid groups: the group key (:func:`~p2p_diloco.averaging.decisions.grid_group_bits`); empty: the version's."""
 
 
 @dataclass(frozen=True)
@@ -99,16 +106,24 @@ class RoundOutcome:
     timeouts: RoundTimeouts | None = None
     """The timeouts the round ran with."""
     merged: dict[str, torch.Tensor] | None = None
+    mixed_anchor: dict[str, torch.Tensor] | None = None
+    """Grid groups, committed: the members' averaged anchor and outer momentum, and the version the group commits
+    (:func:`~p2p_diloco.averaging.decisions.grid_version`): the outer step starts from them."""
+    mixed_momentum: dict[str, torch.Tensor] | None = None
+    version_after: int = -1
+    group_distance: float = float("nan")
+    """Grid groups, committed: ``||our anchor - the group's averaged anchor|| / ||averaged||`` (consensus distance)."""
 
     def event(self) -> dict[str, Any]:
         """The JSONL record of this round (no tensors)."""
         # not asdict(): it deep-copied the merged tensors (a whole fragment) on the training thread only to drop
         # them; finished_at is on this process's clock only
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("merged", "finished_at")}
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("merged", "mixed_anchor", "mixed_momentum", "finished_at")}
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
-        for key in ("arrival_spread_s", "allreduce_s", "rtt_s"):
+        for key in ("arrival_spread_s", "allreduce_s", "rtt_s", "group_distance"):
             if not math.isfinite(d[key]):
                 d[key] = None
         d["timeouts"] = self.timeouts.event() if self.timeouts is not None else None
@@ -154,7 +169,11 @@ class FragmentAveragerHost:
         self.config_hash = config_hash(cfg)
         self.radial_names = tuple(n for n in names if cfg.outer.merge == "radial" and not outer.uses_plain_merge(n))
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
-        self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names]
+        self.grid = a.groups == "grid"
+        self.wire_names = self.names + (tuple(p + n for p in (ANCHOR_TENSOR, MOMENTUM_TENSOR) for n in self.names)
+                                        if self.grid else ())
+        """What a round all-reduces: the pseudo-gradient, and with grid groups the anchor and momentum too."""
+        self.buffers = [torch.zeros(shapes[n.split(":", 1)[-1]], dtype=torch.float32) for n in self.wire_names]
         floor = floor_timeouts(a)  # until a round sets its own (Contribution.timeouts)
         self.averager = FragmentAveragerProcess(
             self.buffers, dht, start=start, prefix=self.prefix,
@@ -167,7 +186,7 @@ class FragmentAveragerHost:
             declare_state_period=DECLARE_STATE_PERIOD_S, membership=membership, state_provider=state_provider,
             runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
             robust=self.robust,
-            layout=(self.names, {n: b.shape for n, b in zip(self.names, self.buffers)}),
+            layout=(self.names, {n: shapes[n] for n in self.names}),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"averaging-f{fragment}")
         self._cancelled = threading.Event()
@@ -213,9 +232,9 @@ class FragmentAveragerHost:
             self.averager.set_round_timeouts(limits).result(timeout=SET_TIMEOUTS_DEADLINE_S)
         except Exception as e:  # the averager process is gone or stuck: this round cannot run; say why
             return failed(f"the averager did not take the round's timeouts: {type(e).__name__}: {e}"[:300])
-        self.averager.set_group_bits(version_group_bits(c.meta.version, c.meta.anchor))
+        self.averager.set_group_bits(c.group_bits or version_group_bits(c.meta.version, c.meta.anchor))
         with self.averager.get_tensors() as buffers:
-            for buf, name in zip(buffers, self.names):
+            for buf, name in zip(buffers, self.wire_names):
                 buf.copy_(c.tensors[name])
         # a lone peer gives up after two windows past the scheduled start (plus a slow link's join round trips)
         matchmaking_timeout_s = (max(0.0, c.scheduled_time - get_dht_time()) + 2 * c.window_s
@@ -254,11 +273,11 @@ class FragmentAveragerHost:
         spread = max(m.due for m in metas) - min(m.due for m in metas)
         extra = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
         decision = check_group(c.meta, metas, self.radial_names, min_group_size=a.min_group_size,
-                               weighting=self.cfg.outer.weighting)
+                               weighting=self.cfg.outer.weighting, grid=self.grid)
         averaged: dict[str, torch.Tensor] = {}
         if decision.ok:
             with self.averager.get_tensors() as buffers:
-                averaged = {n: b.clone() for n, b in zip(self.names, buffers)}
+                averaged = {n: b.clone() for n, b in zip(self.wire_names, buffers)}
             if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
                 decision = Decision(False, "averaged tensors are not finite")
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
@@ -269,8 +288,13 @@ class FragmentAveragerHost:
             return failed(decision.reason, **extra)
         if not verdict.ok:
             return failed(verdict.reason, **extra)
-        merged = outer.decode_merged(averaged, [m.norms for m in metas], list(weights), self.cfg.outer.merge,
-                                     self.robust)
+        merged = outer.decode_merged({n: averaged[n] for n in self.names}, [m.norms for m in metas], list(weights),
+                                     self.cfg.outer.merge, self.robust)
+        if self.grid:
+            anchor = {n: averaged[ANCHOR_TENSOR + n] for n in self.names}
+            extra.update(mixed_anchor=anchor, mixed_momentum={n: averaged[MOMENTUM_TENSOR + n] for n in self.names},
+                         version_after=grid_version(metas),
+                         group_distance=relative_distance({n: c.tensors[ANCHOR_TENSOR + n] for n in self.names}, anchor))
         now = time.monotonic()
         return RoundOutcome(**base, committed=True, reason="ok", own_share=c.meta.weight / sum(weights),
                             duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,

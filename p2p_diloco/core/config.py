@@ -129,6 +129,7 @@ WEIGHTINGS = ("uniform", "tokens", "tokens2")
 CODECS = ("fp32", "fp16", "int8", "int4")
 ROBUST = ("none", "clip", "trim")
 SCHEDULES = ("clock", "steps")
+GROUPINGS = ("heal", "grid")
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,9 @@ class AveragingConfig:
 
     min_group_size: int = _f(2, "Fewest peers (self included) that make a round; 1 would let a lone peer 'average' with itself.")
     target_group_size: int = _f(0, "A group forms at once when this many peers are in (0 = no cap: wait out the window).")
+    groups: str = _f("heal", "'heal': capped groups that commit side by side are forks, the losing side adopts the "
+                     "winner's anchor; 'grid': each round's groups of at most target_group_size lie on a grid that "
+                     "changes every round, every group keeps its update and anchors converge (docs/design.md).")
     window_s: float = _f(2.0, "Initial matchmaking window: how long the first peer of a round waits for the others.")
     window_min_s: float = _f(1.0, "Lower bound of the adaptive matchmaking window.")
     window_max_s: float = _f(10.0, "Upper bound of the adaptive matchmaking window.")
@@ -211,70 +215,12 @@ def config_hash(cfg: Config) -> str:
 
     The model section counts by what it builds (:func:`model_identity`), the data section by the data and
     tokenizer it reads (:func:`data_identity`), never by a local path."""
+    from p2p_diloco.core.identity import averaging_identity, data_identity, inner_identity, model_identity
+
     blob = json.dumps({**cfg.to_dict(), "model": model_identity(cfg.model), "inner": inner_identity(cfg.inner),
+                       "averaging": averaging_identity(cfg),
                        "data": data_identity(cfg.data)}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-DATA_PATH_KEYS = ("path", "tokenizer", "fingerprint", "tokenizer_hash")
-
-
-def data_identity(d: DataConfig) -> dict[str, Any]:
-    """What the data section contributes to the config hash: its keys without the local paths, with the
-    dataset's fingerprint and the tokenizer's hash in their place. Pinned values (``data.fingerprint``,
-    ``data.tokenizer_hash``: a config fetched from the DHT has them) are taken as they are, so the hash is
-    computable where the data are not; else they are computed from the local data (cached per process)."""
-    from p2p_diloco.core import datasource, tokenizer
-
-    ident = {k: v for k, v in dataclasses.asdict(d).items() if k not in DATA_PATH_KEYS}
-    ident["fingerprint"] = d.fingerprint or datasource.fingerprint(d).digest
-    ident["tokenizer"] = d.tokenizer_hash or tokenizer.tokenizer_hash(d.tokenizer)
-    return ident
-
-
-def reference_data_identity(d: DataConfig) -> dict[str, Any]:
-    """The data part of a data-parallel reference key: the embedded byte corpus keeps its keys from before
-    ``data.source`` existed (the committed curves are keyed by them; they do not cover the corpus read, so a
-    curve computed on another Python's stdlib is taken as the reference too); other sources
-    :func:`data_identity`."""
-    if d.source == "embedded":
-        return {k: getattr(d, k) for k in LEGACY_DATA_KEYS}
-    return data_identity(d)
-
-
-def pin_data(cfg: Config) -> Config:
-    """``cfg`` with ``data.fingerprint`` and ``data.tokenizer_hash`` set from the local data (if not set): the
-    config as published to the DHT and in checkpoints, whose hash needs no data (same hash as ``cfg``)."""
-    ident = data_identity(cfg.data)
-    data = dataclasses.replace(cfg.data, fingerprint=ident["fingerprint"], tokenizer_hash=ident["tokenizer"])
-    return dataclasses.replace(cfg, data=data)
-
-
-def inner_identity(i: InnerConfig) -> dict[str, Any]:
-    """What the inner section contributes to the config hash (and to a data-parallel reference key): every key,
-    but ``precision`` only when it is not the default fp32, so that the hashes of runs and the committed
-    reference curves from before ``precision`` existed stay valid. bf16 changes the training: it counts."""
-    d = dataclasses.asdict(i)
-    if d["precision"] == "fp32":
-        del d["precision"]
-    return d
-
-
-def model_identity(m: ModelConfig) -> dict[str, Any]:
-    """What the model section contributes to the config hash (and to a data-parallel reference key).
-
-    byte-gpt: its five keys, as before ``kind`` existed, so the hashes of existing runs and the committed
-    reference curves stay valid. hf: the kind, the context length, the resolved transformers architecture
-    (``to_dict()`` without bookkeeping such as ``transformers_version``) and a content hash of the
-    ``init_from`` weights; two peers with the same model under different local paths hash the same.
-    Imports transformers for hf only.
-    """
-    if m.kind != "hf":
-        return {k: getattr(m, k) for k in BYTE_GPT_KEYS}
-    from p2p_diloco.core import hfmodel
-
-    return {"kind": m.kind, "block_size": m.block_size, "architecture": hfmodel.architecture(m),
-            "init_weights": hfmodel.init_digest(m)}
 
 
 def field_help(section: type, name: str) -> str:
@@ -544,6 +490,11 @@ def validate(cfg: Config) -> None:
     _require(a.min_group_size >= 1, "averaging.min_group_size", f"must be >= 1, got {a.min_group_size}")
     _require(a.target_group_size == 0 or a.target_group_size >= a.min_group_size, "averaging.target_group_size",
              f"must be 0 or >= averaging.min_group_size={a.min_group_size}, got {a.target_group_size}")
+    _require(a.groups in GROUPINGS, "averaging.groups", f"must be one of {', '.join(GROUPINGS)}, got {a.groups!r}")
+    _require(a.groups != "grid" or (a.target_group_size >= 2 and a.schedule == "clock" and cfg.outer.codec == "fp32"),
+             "averaging.groups", "'grid' needs averaging.target_group_size >= 2, averaging.schedule = 'clock' and "
+             f"outer.codec = 'fp32' (anchors are averaged too), got {a.target_group_size}, {a.schedule!r}, "
+             f"{cfg.outer.codec!r}")
     _require(a.request_timeout_s > 0, "averaging.request_timeout_s", f"must be > 0, got {a.request_timeout_s}")
     _require(a.window_min_s > a.request_timeout_s, "averaging.window_min_s",
              f"must exceed averaging.request_timeout_s={a.request_timeout_s} (hivemind deadlocks otherwise), "

@@ -77,8 +77,8 @@ def portable_config(cfg: Config) -> dict[str, Any]:
     resolved transformers architecture inline (a table, whatever file it came from) and ``model.init_from``
     is dropped (every weight is in the checkpoint). The model it builds is the run's; its
     :func:`~p2p_diloco.core.config.config_hash` differs from the run's only where ``init_from`` was set. The data are
-    pinned (:func:`~p2p_diloco.core.config.pin_data`: dataset fingerprint, tokenizer hash), so the hash needs no data."""
-    from p2p_diloco.core.config import pin_data
+    pinned (:func:`~p2p_diloco.core.identity.pin_data`: dataset fingerprint, tokenizer hash), so the hash needs no data."""
+    from p2p_diloco.core.identity import pin_data
 
     data = pin_data(cfg).to_dict()
     if cfg.model.kind == "hf":

@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2p_diloco.averaging.decisions import (
+    ANCHOR_TENSOR,
+    MOMENTUM_TENSOR,
     RoundMeta,
     adapt_window,
     anchor_hash,
     anchor_order,
+    grid_group_bits,
     is_ahead,
     relative_distance,
     round_is_doomed,
@@ -41,6 +44,7 @@ from p2p_diloco.averaging.linktime import (
 )
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core import faults
+from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.learner.options import AVERAGER_START_TIMEOUT_S, ROUND_POLL_S
 from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, FragmentSync, Offer, Replica
@@ -72,6 +76,16 @@ class AveragerLink:
         r = self.rounds
         now = r.dht_time()
         clock = r.view.clock  # None on the step schedule, or before a derived clock is known
+        tensors, bits, doomed = offer.tensors, "", None
+        if r.grid:  # Rounds.hand_off starts no grid round without a clock
+            assert clock is not None
+            bits = self.grid_bits(clock.boundary(now, offer.fragment, len(r.syncs)),
+                                  clock.round_index(now, offer.fragment, len(r.syncs)))
+            slot = r.syncs[offer.fragment].slot
+            with slot.lock:  # the anchor and momentum are averaged too: the group's members hold different ones
+                tensors = {**offer.tensors, **{ANCHOR_TENSOR + n: slot.anchor[n].clone() for n in slot.names},
+                           **{MOMENTUM_TENSOR + n: slot.state.momentum[n].clone() if n in slot.state.momentum
+                              else torch.zeros_like(slot.anchor[n]) for n in slot.names}}
         if clock is not None:
             boundary = clock.boundary(now, offer.fragment, len(r.syncs))
             scheduled = max((boundary if boundary <= now else now) + r.window_s,
@@ -83,12 +97,23 @@ class AveragerLink:
                          due=now, norms=offer.norms)
         faults.hit("before-send", offer.fragment)
         slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
-        payload = payload_bytes(sum(t.numel() for t in offer.tensors.values()), r.cfg.outer.codec)
+        payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
         timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging)
-        return self.host.start_round(Contribution(meta, offer.tensors, scheduled, r.window_s,
-                                                  doomed=lambda: round_is_doomed(ours, r.peer_ranks(slot)),
-                                                  timeouts=timeouts))
+        if not r.grid:
+            doomed = lambda: round_is_doomed(ours, r.peer_ranks(slot))  # noqa: E731
+        return self.host.start_round(Contribution(meta, tensors, scheduled, r.window_s, doomed=doomed,
+                                                  timeouts=timeouts, group_bits=bits))
+
+    def grid_group(self, round_index: int) -> tuple[str, ...]:
+        """Grid groups: our group of this round among the live learners we know of
+        (:func:`~p2p_diloco.core.groups.group_of`, salted with the fragment's averager prefix)."""
+        r = self.rounds
+        return group_of(r.own_id, r.roster(), round_index, r.cfg.averaging.target_group_size, self.host.prefix)
+
+    def grid_bits(self, boundary: float, round_index: int) -> str:
+        """The group key of our grid group at a clock boundary: everyone on the same clock derives the same."""
+        return grid_group_bits(round(boundary * 1000), self.grid_group(round_index)[0])
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
         return self.host.fetch_state(ours)
@@ -141,6 +166,7 @@ class Rounds:
         self.syncs = [FragmentSync(s, replica, cfg.outer, link, hash_anchor=anchor_hash)
                       for s, link in zip(slots, self.links)]
         self.window_s = cfg.averaging.window_s
+        self.grid = cfg.averaging.groups == "grid"
         self.spreads: list[float] = []
         self.link = LinkHistory()
         """Throughput and round trips seen in our rounds: every round's timeouts are derived from them."""
@@ -169,7 +195,9 @@ class Rounds:
             logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
                         "next round", slot.index, step)
             return
-        if slot.inflight is None and round_is_doomed(slot.rank, self.peer_ranks(slot)):
+        if self.grid and not self._grid_round_possible(sync, step):
+            return
+        if not self.grid and slot.inflight is None and round_is_doomed(slot.rank, self.peer_ranks(slot)):
             slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
             best = self._best_peer_rank(slot)
             logger.info("fragment %d due at step %d but no live peer is at our v%d and one is at v%d (%s): no group "
@@ -186,6 +214,30 @@ class Rounds:
                         "reason": handed.reason})
             logger.warning("fragment %d at step %d: %s; dropped, fragment re-anchored", slot.index, step,
                            handed.reason)
+
+    def _grid_round_possible(self, sync: FragmentSync, step: int) -> bool:
+        """Grid groups: a round needs the clock (its boundary names the group) and a group of two or more."""
+        clock, slot = self.view.clock, sync.slot
+        if clock is None:
+            logger.info("fragment %d due at step %d before the sync clock is known; its progress waits for the next "
+                        "round", slot.index, step)
+            return False
+        now = self.dht_time()
+        group = self.links[slot.index].grid_group(clock.round_index(now, slot.index, len(self.syncs)))
+        if len(group) < max(2, self.cfg.averaging.min_group_size):
+            slot.behind_skips += 1
+            logger.info("fragment %d due at step %d: our grid group this round is %d learner(s); its progress waits "
+                        "for the next round", slot.index, step, len(group))
+            return False
+        return True
+
+    @property
+    def own_id(self) -> str:
+        return str(self.view.learner.joined.peer_id)
+
+    def roster(self) -> list[str]:
+        """The live learners we know of, us included: the cells of the grid groups."""
+        return sorted({self.own_id, *self.view.peer_ids})
 
     # ------------------------------------------------------------ collect and apply
 
@@ -230,6 +282,8 @@ class Rounds:
         sent_tokens, sent_steps = slot.sent_tokens, slot.sent_steps
         sync.apply_round(outcome)
         if outcome.committed:
+            if self.grid and math.isfinite(outcome.group_distance):
+                slot.consensus_distance = outcome.group_distance
             self.last_sync_time = self.dht_time()
             if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
                 ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
@@ -260,6 +314,8 @@ class Rounds:
             best = self._best_peer_rank(slot)
             if slot.inflight is not None or not is_ahead(best, slot.rank) or now - slot.last_fetch_try < FETCH_RETRY_S:
                 continue
+            if self.grid and not needs_download(slot.version, best[0], self.max_lag_rounds()):
+                continue  # grid groups: a small lag is averaged away in our next rounds
             slot.last_fetch_try = now
             what = "a fork: its anchor wins" if best[0] == slot.version else "fetching its anchor"
             logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
@@ -292,6 +348,11 @@ class Rounds:
                     old, old_hash, slot.version, slot.anchor_hash,
                     f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
 
+    def max_lag_rounds(self) -> int:
+        """Grid groups: how many versions a learner may lag the newest live one and catch up by averaging
+        (:func:`~p2p_diloco.core.groups.mixing_rounds`); past it, it downloads."""
+        return mixing_rounds(len(self.roster()), self.cfg.averaging.target_group_size)
+
     def peer_ranks(self, slot: FragmentSlot) -> list[tuple[int, str]]:
         """This fragment's (version, anchor hash) in the other live learners' records."""
         return [v[slot.index] for v in self.view.peer_anchors if len(v) > slot.index]
@@ -302,10 +363,11 @@ class Rounds:
         return max(self.peer_ranks(slot), key=lambda r: anchor_order(*r), default=slot.rank)
 
     def peers_settled(self) -> bool:
-        """Every other live learner is leaving, at our versions and anchors."""
+        """Every other live learner is leaving, at our versions and anchors (grid groups: anchors converge, they are
+        not the same; leaving is enough)."""
         ours = [s.rank for s in self.slots]
-        return all(state == "leaving" for state in self.view.peer_states) and all(
-            list(v) == ours for v in self.view.peer_anchors)
+        return all(state == "leaving" for state in self.view.peer_states) and (self.grid or all(
+            list(v) == ours for v in self.view.peer_anchors))
 
     # ------------------------------------------------------------ the averagers
 

@@ -28,7 +28,7 @@ from p2p_diloco.learner.options import (
     wait_verdict,
     waiting_line,
 )
-from p2p_diloco.net.clock import SyncClock, clock_in, clock_key
+from p2p_diloco.net.clock import STEP_TIME_WINDOW_S, SyncClock, clock_in, clock_key, recent_step_time_s
 
 if TYPE_CHECKING:
     from p2p_diloco.learner.loop import Learner
@@ -114,6 +114,11 @@ class SwarmView:
     def peer_anchors(self) -> list[list[Rank]]:
         """(version, anchor hash) per fragment of each other live learner."""
         return list(self._anchors.values())
+
+    @property
+    def peer_ids(self) -> list[str]:
+        """The other live learners' peer ids."""
+        return list(self._anchors)
 
     def start(self) -> None:
         self._thread.start()
@@ -231,6 +236,7 @@ class SwarmView:
         me = self.learner
         publisher = me.joined.publisher
         seen: list[tuple[float, int]] = [(time.monotonic(), 0)]  # (time, tokens) over the last SPEED_WINDOW_S
+        stepped: list[tuple[float, int]] = []  # (time, steps) over the last STEP_TIME_WINDOW_S, while training
         was_training = False
         refresh_s = publisher.period_s  # a third of the record's TTL, as a heartbeat
         published: tuple[float, tuple[Any, ...] | None] = (-math.inf, None)  # (when, what peers act on)
@@ -239,13 +245,18 @@ class SwarmView:
             now = time.monotonic()
             if me.training and not was_training:  # waiting for peers is no step time
                 seen = [(me.t_start, me.start_tokens)]
+                stepped = [(me.t_start, me.start_step)]
             was_training = me.training
             seen.append((now, me.tokens))
             while len(seen) > 2 and now - seen[1][0] >= SPEED_WINDOW_S:
                 seen.pop(0)
             tokens_per_s = max(0.0, (seen[-1][1] - seen[0][1]) / max(1e-6, seen[-1][0] - seen[0][0]))
             sent, received = me.rounds.bytes_total()
-            step_time_s = self._step_time_s()
+            if me.training:
+                stepped.append((now, me.step))
+                while len(stepped) > 2 and now - stepped[1][0] >= STEP_TIME_WINDOW_S:
+                    stepped.pop(0)
+            step_time_s = recent_step_time_s(stepped, STEP_TIME_WINDOW_S, CLOCK_WARMUP_STEPS) if me.training else 0.0
             slots = me.slots
             publisher.update(inner_step=me.step, tokens=me.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
                              fragment_versions=tuple(s.version for s in slots),
@@ -270,14 +281,6 @@ class SwarmView:
             # derived clock must not wait for a full read, which may be 30 s or more away
             if self.probe_heads() and self.auto_clock and me.training:  # the probe adopted the newest clock
                 self._tend_clock(step_time_s, self._others)
-
-    def _step_time_s(self) -> float:
-        """Wall seconds per inner step since training started (0 before the first steps)."""
-        me = self.learner
-        steps = me.step - me.start_step
-        if not me.training or steps < CLOCK_WARMUP_STEPS:
-            return 0.0
-        return (time.monotonic() - me.t_start) / steps
 
     def _adopt(self, published: SyncClock | None) -> None:
         """Adopt ``published`` (the newest clock a probe found) if it is newer than ours."""

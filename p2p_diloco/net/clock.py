@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-RETUNE_TOLERANCE = 0.25
-"""The leader publishes a new period only when the derived one differs from the current by more than this."""
+RETUNE_TOLERANCE = 0.1
+"""The leader publishes a new period only when the derived one differs from the current by more than this. It was
+0.25: a first clock derived from the first, slower steps (0.545 s a step) was kept when the learners settled at
+0.475 s, so they synced every 32 steps instead of H = 28 and ended 2.6% behind the simulator (``results/learners``)."""
+STEP_TIME_WINDOW_S = 60.0
+"""The step time a learner publishes (and the clock is derived from) is measured over this much recent wall time:
+the mean since the start kept the slow first steps in it for the whole run."""
 RETUNE_EVERY_PERIODS = 3.0
 """... and at most once per this many periods (step times are noisy; each retune shifts the rhythm)."""
 CLOCK_TTL_S = 600.0
@@ -61,6 +66,11 @@ class SyncClock:
         """Number of boundaries of ``fragment`` at or before ``t`` (0 before the first)."""
         shift = self.origin + fragment / num_fragments * self.period_s
         return max(0, math.floor((t - shift) / self.period_s))
+
+    def round_index(self, t: float, fragment: int, num_fragments: int) -> int:
+        """The number of ``fragment``'s boundaries at or before ``t``: the round a boundary starts (grid groups
+        take their axis from it)."""
+        return self._index(t, fragment, num_fragments)
 
     def due(self, previous_s: float, now_s: float, num_fragments: int) -> list[int]:
         """Fragments with a boundary in ``(previous_s, now_s]``."""
@@ -128,6 +138,24 @@ def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: 
     if not times:
         return None
     return min(MAX_PERIOD_S, max(min_period_s, sync_every * statistics.median(times)))
+
+
+def recent_step_time_s(samples: Sequence[tuple[float, int]], window_s: float, min_steps: int) -> float:
+    """Seconds per step over the last ``window_s`` of ``samples`` ((monotonic time, step count), oldest first):
+    from the newest sample at least ``window_s`` old (the oldest if none is) to the newest; 0 while fewer than
+    ``min_steps`` steps lie between them (too few to time)."""
+    if len(samples) < 2:
+        return 0.0
+    t_end, step_end = samples[-1]
+    first = 0
+    for i, (t, _) in enumerate(samples[:-1]):
+        if t_end - t >= window_s:
+            first = i
+    t0, step0 = samples[first]
+    steps = step_end - step0
+    if steps < max(1, min_steps) or t_end <= t0:
+        return 0.0
+    return (t_end - t0) / steps
 
 
 def needs_retune(current: SyncClock | None, period_s: float, tolerance: float = RETUNE_TOLERANCE) -> bool:

@@ -46,11 +46,7 @@ CURVE_NAME_RE = re.compile(r"^dp-([0-9a-f]{16})(?:-(\d+))?\.json$")
 def reference_key(cfg: Any) -> str:
     """What a data-parallel reference depends on: the model, data, inner optimizer, seed and number of
     replicas (not the outer algorithm, averaging or the step budget), as a 16-hex-digit hash."""
-    from p2p_diloco.core.config import (
-        inner_identity,
-        model_identity,
-        reference_data_identity,
-    )
+    from p2p_diloco.core.identity import inner_identity, model_identity, reference_data_identity
 
     d = cfg.to_dict()
     inner = {k: v for k, v in inner_identity(cfg.inner).items() if k != "total_steps"}

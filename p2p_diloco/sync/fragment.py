@@ -87,6 +87,20 @@ class Outcome(Protocol):
     def merged(self) -> Mapping[str, torch.Tensor] | None: ...
 
 
+class GridOutcome(Outcome, Protocol):
+    """A committed round of grid groups (``averaging.groups = "grid"``): the members' anchors and momenta were
+    averaged too, and the group commits ``version_after`` (``averaging.host.RoundOutcome`` is one)."""
+
+    @property
+    def mixed_anchor(self) -> Mapping[str, torch.Tensor] | None: ...
+
+    @property
+    def mixed_momentum(self) -> Mapping[str, torch.Tensor] | None: ...
+
+    @property
+    def version_after(self) -> int: ...
+
+
 class AnchorState(Protocol):
     """A fragment's state as a donor sends it (``averaging.transfer.FetchedState`` is one)."""
 
@@ -263,7 +277,10 @@ class FragmentSync:
         if merged is None:
             raise ValueError(f"fragment {slot.index}: a committed round without a merged pseudo-gradient")
         o = self.cfg
+        mixed = getattr(outcome, "mixed_anchor", None)
         with slot.lock, torch.no_grad():
+            if mixed is not None:  # grid groups: start from the group's averaged anchor, momentum and version
+                self._take_mixed(mixed, outcome)  # type: ignore[arg-type]
             if plain:  # anchor <- anchor - mean delta = the weighted average of the members' weights
                 outer.nesterov_step(slot.anchor, merged, outer.OuterState(), lr=1.0, momentum=0.0)
                 slot.state.version += 1
@@ -278,6 +295,22 @@ class FragmentSync:
         slot.committed += 1
         slot.restored = False
         self._advertise()
+
+    def _take_mixed(self, anchor: Mapping[str, torch.Tensor], outcome: GridOutcome) -> None:
+        """(under the lock) Grid groups: rebase our weights onto the group's averaged anchor, ``theta <- theta +
+        (mixed - ours)`` (our unsent progress is kept), and take its averaged momentum and the group's version, from
+        which the outer step then moves on (to ``version_after``)."""
+        slot = self.slot
+        momentum = outcome.mixed_momentum
+        if momentum is None or outcome.version_after < 1:
+            raise ValueError(f"fragment {slot.index}: a grid round without its averaged momentum or version")
+        if self.replica is not None:
+            rebased = to_host(self.replica.params, slot.names)
+            outer.rebase(rebased, slot.anchor, anchor)
+            load_into(self.replica.params, rebased)
+        slot.anchor = {n: anchor[n].clone() for n in slot.names}
+        slot.state = outer.OuterState(momentum={n: momentum[n].clone() for n in slot.names},
+                                      version=outcome.version_after - 1)
 
     def settle(self) -> None:
         """What went out is in the anchor now: it leaves the unsynced progress (once; idempotent)."""

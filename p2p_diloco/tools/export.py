@@ -54,8 +54,8 @@ from p2p_diloco.core.config import (
     ModelConfig,
     config_hash,
     load_config_data,
-    model_identity,
 )
+from p2p_diloco.core.identity import model_identity
 from p2p_diloco.core.devices import load_into, to_host
 from p2p_diloco.core.model import VOCAB_SIZE, ByteGPT, build_model
 from p2p_diloco.learner.checkpoint import Checkpoint, load_checkpoint
@@ -86,7 +86,7 @@ class Exported:
 
 def model_fingerprint(m: ModelConfig) -> tuple[str, str]:
     """A short description of the model a section builds and a 12-hex-digit hash of it: its
-    :func:`~p2p_diloco.core.config.model_identity` without the ``init_from`` weights (a checkpoint holds every
+    :func:`~p2p_diloco.core.identity.model_identity` without the ``init_from`` weights (a checkpoint holds every
     weight; where the first ones came from does not change the model). Imports transformers for hf only."""
     identity = {k: v for k, v in model_identity(m).items() if k != "init_weights"}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
