@@ -10,11 +10,9 @@ is ahead on is downloaded), the swarm clock's boundaries, the adaptive matchmaki
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import math
-import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,8 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROUND_HISTORY = 8
-"""Committed rounds whose durations make :meth:`Rounds.typical_round_s`."""
 FETCH_RETRY_S = 2.0
 """Seconds between two download attempts of the same fragment (a failed one is retried after this)."""
 
@@ -172,8 +168,6 @@ class Rounds:
         self.window_s = cfg.averaging.window_s
         self.grid = cfg.averaging.groups == "grid"
         self.spreads: list[float] = []
-        self.durations: collections.deque[float] = collections.deque(maxlen=ROUND_HISTORY)
-        """Seconds our recent committed rounds took, start to verdict (the clock leader's period floor)."""
         self.link = LinkHistory()
         """Throughput and round trips seen in our rounds: every round's timeouts are derived from them."""
         self.last_sync_time = 0.0
@@ -298,7 +292,6 @@ class Rounds:
                             "seconds_since_start": round(self.first_contribution_s, 3)})
                 logger.info("first contribution: fragment %d committed %.1f s after this learner started",
                             slot.index, self.first_contribution_s)
-            self.durations.append(outcome.duration_s)
             if math.isfinite(outcome.arrival_spread_s):
                 self.spreads.append(outcome.arrival_spread_s)
                 self.window_s = adapt_window(self.spreads, self.cfg.averaging)
@@ -354,10 +347,6 @@ class Rounds:
                     "reset (the swarm moved on since our checkpoint)" if how == "reset after resume" else "rebased",
                     old, old_hash, slot.version, slot.anchor_hash,
                     f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
-
-    def typical_round_s(self) -> float:
-        """The median seconds of our last ``ROUND_HISTORY`` committed rounds (0.0 before any)."""
-        return statistics.median(self.durations) if self.durations else 0.0
 
     def max_lag_rounds(self) -> int:
         """Grid groups: how many versions a learner may lag the newest live one and catch up by averaging

@@ -312,8 +312,7 @@ class SwarmView:
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]
-        floor = min_period_s(a.window_max_s, a.commit_timeout_s, me.rounds.typical_round_s(), len(me.slots))
-        period = derive_period(times, h, min_period_s=floor)
+        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s))
         now, wall = me._dht_time(), time.monotonic()
         clock = self.clock
         settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s

@@ -123,21 +123,13 @@ def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: f
     return SyncClock(period_s, max(0.0, first - period_s), current.epoch + 1)
 
 
-ROUND_HEADROOM = 1.25
-"""A derived period gives every fragment's round this many times the time rounds have been taking."""
-
-
-def min_period_s(window_max_s: float, commit_timeout_s: float, round_s: float = 0.0, fragments: int = 1) -> float:
+def min_period_s(window_max_s: float, commit_timeout_s: float) -> float:
     """The shortest derived period: one round's matching (at most ``averaging.window_max_s``) and verdicts (at
-    most ``averaging.commit_timeout_s``) fit in it, and the F fragments' rounds fit one after the other, each
-    ``round_s`` (what rounds have been taking, 0: unknown) with ``ROUND_HEADROOM``, so that a learner's rounds
-    do not overlap on its link. Without that second bound, at 2 Mbit/s and 100 ms a round took 4.5 s while a
-    fragment fell due every 3.3 s (a 13 s period, F = 4): rounds overlapped, slowed each other and 39% were
-    discarded, most finding no group (``results/wan-rtt100``). The first bound was twice the window's (20 s
-    by default): learners at 0.46 s a step then synced every 43 steps instead of H = 28 and ended 2.9% behind
-    the simulator at the same steps (``results/learners``). A round that does not fit anyway is skipped, not
+    most ``averaging.commit_timeout_s``) fit in it. It was twice the window's bound (20 s by default): learners
+    at 0.46 s a step then synced every 43 steps instead of H = 28 and ended 2.9% behind the simulator at the
+    same steps (``results/learners``). A round that does not fit anyway (a slow all-reduce) is skipped, not
     broken: the fragment's progress waits for the next boundary."""
-    return max(window_max_s + commit_timeout_s, fragments * round_s * ROUND_HEADROOM)
+    return window_max_s + commit_timeout_s
 
 
 def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float) -> float | None:
