@@ -27,10 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-RETUNE_TOLERANCE = 0.1
-"""The leader publishes a new period only when the derived one differs from the current by more than this. It was
-0.25: a first clock derived from the first, slower steps (0.545 s a step) was kept when the learners settled at
-0.475 s, so they synced every 32 steps instead of H = 28 and ended 2.6% behind the simulator (``results/learners``)."""
+RETUNE_TOLERANCE = 0.25
+"""The leader publishes a new period only when the derived one differs from the current by more than this. 0.1 was
+tried: on loopback it changed nothing measurable against the simulator (``results/learners``: +3.1%, +2.6% before),
+and on a 2 Mbit/s, 100 ms link the clock was retuned three times in two minutes and rounds stopped meeting after
+the retunes (``results/wan-rtt100``: 61% committed; the earlier run with one clock, 97%)."""
 STEP_TIME_WINDOW_S = 60.0
 """The step time a learner publishes (and the clock is derived from) is measured over this much recent wall time:
 the mean since the start kept the slow first steps in it for the whole run."""
