@@ -13,7 +13,6 @@ from p2p_diloco.net.clock import (
     min_period_s,
     needs_retune,
     newest_clock,
-    first_clock_ready,
     recent_step_time_s,
     retune,
 )
@@ -60,12 +59,6 @@ def test_retune_only_when_the_period_is_off() -> None:
     assert needs_retune(None, 10.0)
     assert not needs_retune(SyncClock(10.0), 12.0) and not needs_retune(SyncClock(10.0), 8.0)
     assert needs_retune(SyncClock(10.0), 13.0) and needs_retune(SyncClock(10.0), 7.0)
-
-
-def test_the_first_clock_waits_for_everyones_step_time_a_while() -> None:
-    assert first_clock_ready([0.1, 0.12], waited_s=1.0) and first_clock_ready([], waited_s=0.0)
-    assert not first_clock_ready([0.1, 0.0], waited_s=1.0)  # one learner has not measured its steps yet
-    assert first_clock_ready([0.1, 0.0], waited_s=10.0)  # ... but nobody waits for it forever
 
 
 def test_the_step_time_forgets_the_slow_first_steps() -> None:

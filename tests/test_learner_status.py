@@ -55,7 +55,6 @@ def test_while_training_only_a_state_change_publishes_at_once() -> None:
     a = published_key("training", (3, 2), ("a" * 16, "b" * 16), training=True)
     assert a == published_key("training", (4, 2), ("c" * 16, "b" * 16), training=True)
     assert a != published_key("averaging", (3, 2), ("a" * 16, "b" * 16), training=True)
-    assert a != published_key("training", (3, 2), ("a" * 16, "b" * 16), training=True, timed=True)
     assert published_key("syncing", (3, 2), ("a" * 16, "b" * 16), training=False) != published_key(
         "syncing", (4, 2), ("c" * 16, "b" * 16), training=False)
 

@@ -200,16 +200,14 @@ def publish_due(now: float, last_at: float, refresh_s: float, key: tuple[Any, ..
     return key != last_key or now - last_at >= refresh_s
 
 
-def published_key(state: str, versions: tuple[int, ...], hashes: tuple[str, ...], training: bool,
-                  timed: bool = False) -> tuple[Any, ...]:
+def published_key(state: str, versions: tuple[int, ...], hashes: tuple[str, ...], training: bool) -> tuple[Any, ...]:
     """What, when it changes, makes the status thread publish our record at once (:func:`publish_due`). While
     training, only the state: the other learners learn our versions from the vouches we sign at each commit
     (the view's head probes, O(1) per read), so a record per commit -- about one a second per learner at
     200 Mbit/s, each a 1.4 KB signed value stored on several nodes -- is not needed; the heartbeat still
     carries them for ``status``. Otherwise (syncing, leaving) the versions too: the last rounds' outcomes
-    are what lingering peers wait to agree on. ``timed``: our step time is measured (once it is, the clock
-    leader waits for it to derive the first period: :func:`~p2p_diloco.net.clock.first_clock_ready`)."""
-    return (state, timed) if training else (state, versions, hashes)
+    are what lingering peers wait to agree on."""
+    return (state,) if training else (state, versions, hashes)
 
 
 PEERS_PER_VIEW_PERIOD = 4

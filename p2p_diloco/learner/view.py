@@ -265,8 +265,7 @@ class SwarmView:
                              last_sync_time=me.rounds.last_sync_time, bytes_sent=sent,
                              bytes_received=received, loss=me._finite_loss())
             record = publisher.record
-            key = published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training,
-                                step_time_s > 0)
+            key = published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training)
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
@@ -298,7 +297,6 @@ class SwarmView:
             RETUNE_EVERY_PERIODS,
             clock_leader,
             derive_period,
-            first_clock_ready,
             min_period_s,
             needs_retune,
             publish_clock,
@@ -311,9 +309,6 @@ class SwarmView:
         if clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) != me.joined.peer_id:
             return
         if own_step_time_s <= 0:
-            return
-        if self.clock is None and not first_clock_ready([r.step_time_s for r in training],
-                                                        time.monotonic() - me.t_start):
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]

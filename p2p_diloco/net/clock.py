@@ -159,18 +159,6 @@ def recent_step_time_s(samples: Sequence[tuple[float, int]], window_s: float, mi
     return (t_end - t0) / steps
 
 
-FIRST_CLOCK_WAIT_S = 10.0
-"""The leader derives the first period once every training learner publishes a step time, or after this long."""
-
-
-def first_clock_ready(others_step_times_s: Sequence[float], waited_s: float, max_wait_s: float = FIRST_CLOCK_WAIT_S) -> bool:
-    """May the leader derive the first clock? Once every other training learner publishes a step time (0: not yet
-    measured), or after ``max_wait_s`` of training. From its own first steps alone, a slow leader once set an 18 s
-    period where the swarm's median step made 5 s, kept for the three periods before a retune may come: the
-    learners met a third as often as they could."""
-    return all(t > 0 for t in others_step_times_s) or waited_s >= max_wait_s
-
-
 def needs_retune(current: SyncClock | None, period_s: float, tolerance: float = RETUNE_TOLERANCE) -> bool:
     """Publish a new clock? Yes if there is none, or if its period is off by more than ``tolerance``."""
     return current is None or abs(period_s / current.period_s - 1) > tolerance
