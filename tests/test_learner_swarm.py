@@ -134,9 +134,12 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""
     fast = write_profile(tmp_path, "fast")
     slow = write_profile(tmp_path, "slow", slowdown=3.0)
-    # the derived clock: H (10) x the median step time (about 0.1 s) is below the floor of 2 x window_max_s = 4 s
+    # the derived clock: H x the step time is below the floor (window_max_s + commit_timeout_s = 5 s). H = 3, not
+    # 10: when the slow learner leads the clock it derives the first period from its own first steps alone (1.8 s
+    # each: 18 s at H = 10, a round or two in the run; CI failed so); at H = 3 that is 5.5 s
     clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
-             "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--steps", "100000",
+             "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--set", "outer.sync_every=3",
+             "--steps", "100000",
              "--max-time", str(20 + START_ALLOWANCE_S), "--wait-peers", "3", "--linger", "15")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
