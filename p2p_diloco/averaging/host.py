@@ -173,7 +173,8 @@ class FragmentAveragerHost:
         self.wire_names = self.names + (tuple(p + n for p in (ANCHOR_TENSOR, MOMENTUM_TENSOR) for n in self.names)
                                         if self.grid else ())
         """What a round all-reduces: the pseudo-gradient, and with grid groups the anchor and momentum too."""
-        self.buffers = [torch.zeros(shapes[n.split(":", 1)[-1]], dtype=torch.float32) for n in self.wire_names]
+        self.buffers = [torch.zeros(shapes[n], dtype=torch.float32)  # one per wire name, in the same order
+                        for n in self.names * (3 if self.grid else 1)]
         floor = floor_timeouts(a)  # until a round sets its own (Contribution.timeouts)
         self.averager = FragmentAveragerProcess(
             self.buffers, dht, start=start, prefix=self.prefix,

@@ -76,18 +76,17 @@ class AveragerLink:
         r = self.rounds
         now = r.dht_time()
         clock = r.view.clock  # None on the step schedule, or before a derived clock is known
-        tensors, bits, doomed = offer.tensors, "", None
+        boundary = clock.boundary(now, offer.fragment, len(r.syncs)) if clock is not None else None
+        tensors, bits = offer.tensors, ""
         if r.grid:  # Rounds.hand_off starts no grid round without a clock
-            assert clock is not None
-            bits = self.grid_bits(clock.boundary(now, offer.fragment, len(r.syncs)),
-                                  clock.round_index(now, offer.fragment, len(r.syncs)))
+            assert clock is not None and boundary is not None
+            bits = self.grid_bits(boundary, clock.round_index(now, offer.fragment, len(r.syncs)))
             slot = r.syncs[offer.fragment].slot
             with slot.lock:  # the anchor and momentum are averaged too: the group's members hold different ones
                 tensors = {**offer.tensors, **{ANCHOR_TENSOR + n: slot.anchor[n].clone() for n in slot.names},
                            **{MOMENTUM_TENSOR + n: slot.state.momentum[n].clone() if n in slot.state.momentum
                               else torch.zeros_like(slot.anchor[n]) for n in slot.names}}
-        if clock is not None:
-            boundary = clock.boundary(now, offer.fragment, len(r.syncs))
+        if boundary is not None:
             scheduled = max((boundary if boundary <= now else now) + r.window_s,
                             now + r.cfg.averaging.request_timeout_s)
         else:
@@ -100,8 +99,7 @@ class AveragerLink:
         payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
         timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging)
-        if not r.grid:
-            doomed = lambda: round_is_doomed(ours, r.peer_ranks(slot))  # noqa: E731
+        doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
         return self.host.start_round(Contribution(meta, tensors, scheduled, r.window_s, doomed=doomed,
                                                   timeouts=timeouts, group_bits=bits))
 
