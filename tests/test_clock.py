@@ -15,6 +15,7 @@ from p2p_diloco.net.clock import (
     newest_clock,
     recent_step_time_s,
     retune,
+    retune_allowed,
 )
 
 
@@ -59,6 +60,21 @@ def test_retune_only_when_the_period_is_off() -> None:
     assert needs_retune(None, 10.0)
     assert not needs_retune(SyncClock(10.0), 12.0) and not needs_retune(SyncClock(10.0), 8.0)
     assert needs_retune(SyncClock(10.0), 13.0) and needs_retune(SyncClock(10.0), 7.0)
+
+
+def test_a_first_clock_from_the_leader_alone_is_retuned_once_the_others_are_read() -> None:
+    first = SyncClock(18.0)  # a slow leader's own steps: 1.8 s x H = 10
+    assert retune_allowed(None, 0.0, 1, 0)
+    assert retune_allowed(first, 2.0, 3, 1)  # two more learners' step times: at once
+    assert not retune_allowed(first, 2.0, 3, 3) and not retune_allowed(first, 2.0, 2, 3)  # same or fewer: wait
+    assert retune_allowed(first, 3 * 18.0, 3, 3)  # ... three periods
+    # published at 1000 (first boundary 1021), retuned to 5 s at 1002: the first round at 1010, not 1021
+    first = retune(None, 18.0, now_s=1000.0, margin_s=3.0, num_fragments=2)
+    assert first.next_any_boundary(1000.0, 2) == 1021.0
+    second = retune(first, 5.0, now_s=1002.0, margin_s=3.0, num_fragments=2)
+    assert second.epoch == 1 and second.next_any_boundary(1002.0, 2) == 1010.0
+    assert second.due(1002.0, 1009.9, 2) == [] and second.due(1009.9, 1010.0, 2) == [0]
+    assert second.due(1010.0, 1012.5, 2) == [1]
 
 
 def test_the_step_time_forgets_the_slow_first_steps() -> None:

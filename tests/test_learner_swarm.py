@@ -134,12 +134,11 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""
     fast = write_profile(tmp_path, "fast")
     slow = write_profile(tmp_path, "slow", slowdown=3.0)
-    # the derived clock: H x the step time is below the floor (window_max_s + commit_timeout_s = 5 s). H = 3, not
-    # 10: when the slow learner leads the clock it derives the first period from its own first steps alone (1.8 s
-    # each: 18 s at H = 10, a round or two in the run; CI failed so); at H = 3 that is 5.5 s
+    # the derived clock: H x the median step time (1 s) is below the floor (window_max_s + commit_timeout_s = 5 s).
+    # When the slow learner leads the clock, it derives the first period from its own first steps alone (1.8 s each:
+    # 18 s, a round or two in the run; CI failed so): it must retune to the floor once it reads the others
     clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
-             "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--set", "outer.sync_every=3",
-             "--steps", "100000",
+             "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--steps", "100000",
              "--max-time", str(20 + START_ALLOWANCE_S), "--wait-peers", "3", "--linger", "15")
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
@@ -162,7 +161,9 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
               f"{len(rounds)} rounds (committed {s['committed']}, discarded {s['discarded']}); blocked "
               f"{100 * s['blocked_share']:.2f}%, utilization {100 * s['utilization']:.1f}%")
         print_discards(tmp_path / f"{n}.jsonl")
-        assert all(c >= 2 for c in s["committed"]), s
+        # every fragment met; a round may be discarded as partial under CPU contention (2 of 4 of one fragment
+        # were, on a 2-core CI machine), so the bar is rounds in all, not two of each
+        assert all(c >= 1 for c in s["committed"]) and sum(s["committed"]) >= 3, s
         if n == "s":
             assert abs(weight_share - token_share) <= 0.2 * token_share, (n, weight_share, token_share)
         else:  # the fast ones never wait for the slow one
@@ -180,6 +181,7 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     assert all(s["sync_period_s"] in periods for s in finals.values()), (periods, finals)
     assert finals[leader]["sync_period_s"] == published[-1]["period_s"], (published, finals[leader])
     assert min(periods) >= 4.0
+    assert published[-1]["period_s"] == 5.0, published  # the floor, whoever leads (a slow leader retuned to it)
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
 
 

@@ -28,7 +28,20 @@ from p2p_diloco.learner.options import (
     wait_verdict,
     waiting_line,
 )
-from p2p_diloco.net.clock import STEP_TIME_WINDOW_S, SyncClock, clock_in, clock_key, recent_step_time_s
+from p2p_diloco.net.clock import (
+    STEP_TIME_WINDOW_S,
+    SyncClock,
+    clock_in,
+    clock_key,
+    clock_leader,
+    derive_period,
+    min_period_s,
+    needs_retune,
+    publish_clock,
+    recent_step_time_s,
+    retune,
+    retune_allowed,
+)
 
 if TYPE_CHECKING:
     from p2p_diloco.learner.loop import Learner
@@ -107,6 +120,8 @@ class SwarmView:
         self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
         self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
         self._clock_published_at = self._clock_retuned_at = -math.inf
+        self._clock_learners = 0  # how many learners' step times the current period was derived from
+        self._untimed = False  # we lead the clock and a training learner's step time is not known yet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
 
@@ -265,11 +280,13 @@ class SwarmView:
                              last_sync_time=me.rounds.last_sync_time, bytes_sent=sent,
                              bytes_received=received, loss=me._finite_loss())
             record = publisher.record
-            key = published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training)
+            # ... and once our step time is first measured (the clock leader derives the period from it)
+            key = (*published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training), step_time_s > 0)
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
-            if view_due(now, viewed_at, read_period_s(me.opts.view_period_s, self.live_learners), me.training):
+            read_s = me.opts.view_period_s if self._untimed else read_period_s(me.opts.view_period_s, self.live_learners)
+            if view_due(now, viewed_at, read_s, me.training):
                 viewed_at = probed_at = now
                 if self.read() is None or not me.training:
                     continue
@@ -293,32 +310,25 @@ class SwarmView:
         """(status thread, after a probe adopted the newest published sync clock) If we are the clock leader (smallest peer
         id among the training learners), derive the period from everyone's step time and publish it when
         it is off (or missing), and keep it alive in the DHT."""
-        from p2p_diloco.net.clock import (
-            RETUNE_EVERY_PERIODS,
-            clock_leader,
-            derive_period,
-            min_period_s,
-            needs_retune,
-            publish_clock,
-            retune,
-        )
         from p2p_diloco.net.membership import owner_subkey
 
         me = self.learner
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
-        if clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) != me.joined.peer_id:
-            return
-        if own_step_time_s <= 0:
+        leading = clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) == me.joined.peer_id
+        # the leader reads the swarm every view period until it has every learner's step time (its first clock
+        # may come from its own steps alone; a full read is 30 s or more away otherwise)
+        self._untimed = leading and any(r.step_time_s <= 0 for r in training)
+        if not leading or own_step_time_s <= 0:
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]
         period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s))
         now, wall = me._dht_time(), time.monotonic()
         clock = self.clock
-        settled = clock is None or wall - self._clock_retuned_at >= RETUNE_EVERY_PERIODS * clock.period_s
+        settled = retune_allowed(clock, wall - self._clock_retuned_at, len(times), self._clock_learners)
         if period is not None and settled and needs_retune(clock, period):
             clock = retune(clock, period, now, CLOCK_START_MARGIN_S + me.opts.view_period_s, len(me.slots))
-            self._clock_retuned_at = wall
+            self._clock_retuned_at, self._clock_learners = wall, len(times)
             logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
                         "%.1f", period, h, period / h, len(times), clock.origin)
             me._event({"event": "clock", "period_s": period, "origin": clock.origin, "learners": len(times)})

@@ -117,10 +117,12 @@ def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: f
     ahead, by when everyone has read the new clock; the new clock has no boundary before it. So a retune
     delays the swarm's next round by at most one old fragment spacing (``period / F``) plus ``margin_s``.
     (Aligning on the old clock's next fragment-0 boundary instead paused every round for up to a whole
-    old period: 40 s in a chaos run.) A first clock starts ``margin_s`` from now."""
+    old period: 40 s in a chaos run.) A first clock starts ``margin_s`` from now, its first boundary one
+    period later; a retune never starts later than that either (a first clock derived from a slow leader's
+    own steps had its first boundary 18 s ahead, and the 5 s clock that replaced it kept that start)."""
     if current is None:
         return SyncClock(period_s, now_s + margin_s, 0)
-    first = current.next_any_boundary(now_s + margin_s, num_fragments)
+    first = min(current.next_any_boundary(now_s + margin_s, num_fragments), now_s + margin_s + period_s)
     return SyncClock(period_s, max(0.0, first - period_s), current.epoch + 1)
 
 
@@ -162,6 +164,17 @@ def recent_step_time_s(samples: Sequence[tuple[float, int]], window_s: float, mi
 def needs_retune(current: SyncClock | None, period_s: float, tolerance: float = RETUNE_TOLERANCE) -> bool:
     """Publish a new clock? Yes if there is none, or if its period is off by more than ``tolerance``."""
     return current is None or abs(period_s / current.period_s - 1) > tolerance
+
+
+def retune_allowed(current: SyncClock | None, since_retune_s: float, learners: int, learners_at_retune: int) -> bool:
+    """May the leader retune now? Always without a clock, and as soon as more learners' step times are known
+    than the current period was derived from; otherwise at most every :data:`RETUNE_EVERY_PERIODS` periods. A
+    first clock derived from the leader's own steps alone (the others' are not read yet) is so replaced at the
+    next probe that reads them, not three periods later: a 3x slower leader set an 18 s period where the
+    swarm's median step made 5 s, and a 20 s run held one or two rounds."""
+    if current is None or learners > learners_at_retune:
+        return True
+    return since_retune_s >= RETUNE_EVERY_PERIODS * current.period_s
 
 
 def clock_leader(peer_ids: Iterable[str]) -> str | None:
