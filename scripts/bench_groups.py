@@ -194,12 +194,30 @@ def analyse(swarm: dict[str, Any], logs: Path, group_size: int) -> dict[str, Any
     }
 
 
+GIT_TIMEOUT_S = 10.0
+"""Seconds a git command may take (naming the code a run used)."""
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (short), with "+changes" if ``p2p_diloco`` differs from it; None outside git."""
+    git = ["git", "-C", str(_bench.ROOT)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              timeout=GIT_TIMEOUT_S).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "p2p_diloco"], capture_output=True, text=True,
+                               check=True, timeout=GIT_TIMEOUT_S).stdout.strip()
+    except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
 def markdown(payload: dict[str, Any]) -> str:
     a = payload["arms"]
     grid, one = a["grid"]["analysis"], a["one group"]["analysis"]
     lines = [f"{payload['learners']} learners ({payload['config']}, {payload['seconds']:.0f} s from start to the "
              f"deadline at >= {payload['step_s']} s a step, a round every {payload['period']} s, fp32, one fragment); "
-             f"{payload['kill']} killed at a third of the run and restarted {payload['restart_after']} s later.", "",
+             f"{payload['kill']} killed at a third of the run and restarted {payload['restart_after']} s later"
+             + (f"; code {payload['commit']}." if payload.get("commit") else "."), "",
              "| arm | learners at the end | eval loss (median, min-max) | tokens (M) | rounds committed / discarded "
              "| largest group | group rounds half-applied | consensus distance at the end (RMS, max) | distinct anchors |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -273,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         arms[arm] = {"swarm": swarm, "analysis": analyse(swarm, logs, args.group_size if arm == "grid" else 0)}
     payload = {"config": args.config, "overrides": args.overrides, "learners": args.learners,
                "group_size": args.group_size, "seconds": args.seconds, "step_s": args.step_s, "period": args.period,
-               "kill": args.kill, "restart_after": args.restart_after, "quick": args.quick, "arms": arms}
+               "kill": args.kill, "restart_after": args.restart_after, "quick": args.quick, "arms": arms,
+               "commit": git_commit()}
     _bench.publish(BENCH, args.out, payload, markdown, plot)
     return 0
 

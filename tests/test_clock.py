@@ -105,11 +105,21 @@ def test_a_retune_starts_at_the_next_boundary_of_any_fragment() -> None:
     assert first == SyncClock(30.0, 1003.0, 0)  # fragment 0 due at 1033, 1063, ...; fragment 1 at 1048, 1078, ...
     # at 1040 the old clock's next boundary (3 s ahead or later) is fragment 1's at 1048: the new clock starts there
     second = retune(first, 20.0, now_s=1040.0, margin_s=3.0, num_fragments=2)
-    assert second.epoch == 1 and second.period_s == 20.0 and second.next_any_boundary(1040.0, 2) == 1048.0
+    assert second.epoch == 1 and second.period_s == 20.0 and second.start == 1048.0
+    assert second.next_any_boundary(1040.0, 2) == 1048.0
     assert second.due(1040.0, 1047.9, 2) == [] and second.due(1047.9, 1048.0, 2) == [0]
     assert second.due(1048.0, 1058.0, 2) == [1] and second.due(1058.0, 1068.0, 2) == [0]
-    # too close to 1048 for everyone to read the new clock in time: the old clock's next one, 1063
-    assert retune(first, 20.0, now_s=1046.0, margin_s=3.0, num_fragments=2).next_any_boundary(1046.0, 2) == 1063.0
+    # too close to 1048 for everyone to read the new clock in time: it starts at the old clock's next one, 1063,
+    # and until then the old clock's boundaries hold (fragment 1's at 1048), for those who have not read it yet
+    third = retune(first, 20.0, now_s=1046.0, margin_s=3.0, num_fragments=2)
+    assert third.start == 1063.0 and third.next_any_boundary(1046.0, 2) == 1048.0
+    assert third.due(1046.0, 1047.9, 2) == [] and third.due(1047.9, 1048.0, 2) == [1]
+    assert third.boundary(1050.0, 1, 2) == 1048.0 and third.round_index(1050.0, 1, 2) == first.round_index(1050.0, 1, 2)
+    assert third.due(1048.0, 1062.9, 2) == [] and third.due(1062.9, 1063.0, 2) == [0]
+    assert third.due(1063.0, 1073.0, 2) == [1] and third.boundary(1073.0, 1, 2) == 1073.0
+    # adopted after its start, or published (the wire), a clock carries no previous one
+    assert third.after(first, 1063.0).previous is None and SyncClock.from_wire(third.to_wire()).previous is None
+    assert third.after(first, 1050.0).previous == first and third == SyncClock(20.0, 1043.0, 1)
 
 
 @pytest.mark.parametrize("old_period, new_period", [(38.78, 28.92), (20.0, 40.0), (10.0, 10.5)])
@@ -119,10 +129,11 @@ def test_a_retune_pauses_rounds_at_most_one_fragment_spacing_plus_the_margin(old
     for i in range(400):
         now = 1100.0 + i * 0.37
         new = retune(old, new_period, now, margin, fragments)
-        first = new.next_any_boundary(now, fragments)
+        first = new.start
         assert new.epoch == 3 and new.period_s == new_period
         assert now + margin <= first <= now + margin + old_period / fragments + 1e-9, now
-        assert new.due(now, first - 1e-6, fragments) == [], now  # nothing due before everyone has read it
+        # before everyone has read it, the old clock's boundaries hold (nobody skips a round the others hold)
+        assert new.due(now, first - 1e-6, fragments) == old.due(now, first - 1e-6, fragments), now
         assert new.due(first - 1e-6, first, fragments) == [0], now
 
 

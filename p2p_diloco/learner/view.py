@@ -304,7 +304,7 @@ class SwarmView:
         if published is not None and published.newer_than(self.clock):
             if self.clock is None or published.period_s != self.clock.period_s:
                 logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
-            self.clock = published
+            self.clock = published.after(self.clock, self.learner._dht_time())
 
     def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
         """(status thread, after a probe adopted the newest published sync clock) If we are the clock leader (smallest peer
