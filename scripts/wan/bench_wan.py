@@ -52,6 +52,7 @@ link removed, on exit, on error and on SIGINT/SIGTERM.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -478,6 +479,21 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
     return [finals[n] for n in names], wire, evals_l0
 
 
+def discard_reasons(logs: Path, tag: str, hosts: int) -> dict[str, int]:
+    """The learners' discarded rounds by reason, numbers folded to N (a round counts once per learner)."""
+    found: collections.Counter[str] = collections.Counter()
+    for i in range(hosts):
+        path = logs / f"{tag}-l{i}.jsonl"
+        for e in map(json.loads, path.read_text().splitlines() if path.exists() else []):
+            if e.get("event") == "round" and e.get("outcome") != "committed":
+                reason = re.sub(r"^member \S+ reported", "a member reported", str(e.get("reason", "?")))
+                found[re.sub(r"\d+(\.\d+)?", "N", reason)[:REASON_CHARS]] += 1
+    return dict(found.most_common())
+
+
+REASON_CHARS = 90
+"""A discarded round's reason is kept to this length (its exception and the first words of its message)."""
+
 EVAL_ALL = 1_000_000
 """``--eval-batches`` for the whole held-out set (the learner evaluates at most all of it), as data-parallel does."""
 
@@ -530,6 +546,7 @@ def bench(p: BenchParams) -> dict[str, Any]:
                     log.info("%s: %d hosts at %g Mbit/s, %.0f s", method, p.hosts, rate, p.max_time_s)
                     finals, wire, evals = run_learners(p, wan, logs, tag, method)
                     rows[method] = learner_metrics(finals, wire, evals, trajectory)
+                    rows[method]["discard_reasons"] = discard_reasons(logs, tag, p.hosts)
                 rows[method]["wire_tx_per_host"] = wire
                 log.info("%s at %g Mbit/s: %s", method, rate, _brief(rows[method]))
         result["rates"][f"{rate:g}"] = {"rate_mbit": rate, "plan": asdict(plan), "qdisc": qdisc, "methods": rows,
@@ -603,6 +620,15 @@ def render_md(result: dict[str, Any]) -> str:
                 f"{_fmt(row['wire_bytes_per_token'], '.1f')} | {_fmt(s.get('fewer_wire_bytes_per_token'), '.0f')}× | "
                 f"{_fmt(row['utilization'], '.1%')} | {_fmt(s.get('time_to_target'), '.2f')}× | "
                 f"{_fmt(sp.get('ideal_bound'), '.2f')}× | {_fmt(s.get('share_of_bound'), '.0%')} |")
+    rounds = [(key, method, row) for key, r in result["rates"].items() for method, row in r["methods"].items()
+              if "committed" in row]
+    if rounds:
+        lines += ["", "Rounds (summed over the learners; a round counts once per learner):", ""]
+    for key, method, row in rounds:
+        done, lost = sum(row["committed"]), sum(row["discarded"])
+        why = "; ".join(f"{n}: {reason}" for reason, n in row.get("discard_reasons", {}).items())
+        lines.append(f"- {key} Mbit/s, {method}: {done} of {done + lost} committed ({done / max(1, done + lost):.1%})"
+                     + (f"; discarded by reason: {why}" if why else ""))
     lines += ["", "Wire bytes: every host's interface tx_bytes over the run (all traffic: gradients or pseudo-"
               "gradients, DHT, TCP/IP headers as handed to the interface with segmentation offload). "
               "Share: speed-up to target / ideal bound.", ""]
