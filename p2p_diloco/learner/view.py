@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
 from p2p_diloco.learner.options import (
     CLOCK_REPUBLISH_S,
+    CLOCK_SKIP_STEPS,
     CLOCK_START_MARGIN_S,
     CLOCK_WARMUP_STEPS,
     JOIN_VIEW_FRESH_S,
@@ -260,14 +261,14 @@ class SwarmView:
             now = time.monotonic()
             if me.training and not was_training:  # waiting for peers is no step time
                 seen = [(me.t_start, me.start_tokens)]
-                stepped = [(me.t_start, me.start_step)]
+                stepped = []  # its first CLOCK_SKIP_STEPS steps are left out (see there)
             was_training = me.training
             seen.append((now, me.tokens))
             while len(seen) > 2 and now - seen[1][0] >= SPEED_WINDOW_S:
                 seen.pop(0)
             tokens_per_s = max(0.0, (seen[-1][1] - seen[0][1]) / max(1e-6, seen[-1][0] - seen[0][0]))
             sent, received = me.rounds.bytes_total()
-            if me.training:
+            if me.training and me.step >= me.start_step + CLOCK_SKIP_STEPS:
                 stepped.append((now, me.step))
                 while len(stepped) > 2 and now - stepped[1][0] >= STEP_TIME_WINDOW_S:
                     stepped.pop(0)
@@ -316,12 +317,12 @@ class SwarmView:
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
         leading = clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) == me.joined.peer_id
         # the leader reads the swarm every view period until it has every learner's step time (its first clock
-        # may come from its own steps alone; a full read is 30 s or more away otherwise)
+        # may come from a few learners' alone; a full read is 30 s or more away otherwise)
         self._untimed = leading and any(r.step_time_s <= 0 for r in training)
-        if not leading or own_step_time_s <= 0:
+        times = [t for t in (own_step_time_s, *(r.step_time_s for r in training)) if t > 0]
+        if not leading or not times:  # a slow leader need not wait for its own step time: the others' do
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
-        times = [own_step_time_s, *(r.step_time_s for r in training if r.step_time_s > 0)]
         period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s))
         now, wall = me._dht_time(), time.monotonic()
         clock = self.clock
