@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -178,3 +180,33 @@ def figure(path: Path, ncols: int = 1, size: tuple[float, float] = (7.0, 4.5)) -
             fig.savefig(path)
         finally:
             plt.close(fig)
+
+
+_MEMBER_RE = re.compile(r"\bmember \S+ reported\b")
+_PEER_RE = re.compile(r"\b(?:Qm[1-9A-HJ-NP-Za-km-z]{44}|12D3KooW[1-9A-HJ-NP-Za-km-z]{44,})\b")
+_HASH_RE = re.compile(r"\b[0-9a-f]{16}\b")
+_VERSION_RE = re.compile(r"\bv\d+\b")
+_NUMBER_RE = re.compile(r"(?<![A-Za-z0-9_.])\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![A-Za-z0-9_])")
+
+
+def normalise_reason(reason: str, max_chars: int) -> str:
+    """A discarded round's reason with what differs between rounds masked, so that reasons group: peer ids
+    (``<peer>``), 16-hex anchor hashes (``<hash>``), versions (``vN``) and numbers (``N``); at most ``max_chars``."""
+    r = _MEMBER_RE.sub("member <peer> reported", reason.strip())
+    r = _PEER_RE.sub("<peer>", r)
+    r = _HASH_RE.sub("<hash>", r)
+    r = _VERSION_RE.sub("vN", r)
+    r = _NUMBER_RE.sub("N", r)
+    return r[:max_chars] or "(no reason given)"
+
+
+def git_revision(timeout_s: float) -> tuple[str, list[str]]:
+    """The repository's commit (short) and the ``p2p_diloco`` files changed from it: which code a run used.
+    Raises ``FileNotFoundError`` (no git), ``subprocess.CalledProcessError`` (not a checkout) or
+    ``subprocess.TimeoutExpired``."""
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                            timeout=timeout_s).stdout.strip()
+    status = subprocess.run([*git, "status", "--porcelain", "--", "p2p_diloco"], capture_output=True, text=True,
+                            check=True, timeout=timeout_s).stdout
+    return commit, [line[3:] for line in status.splitlines()]

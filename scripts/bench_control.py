@@ -306,12 +306,7 @@ def code_identity(label: str | None) -> dict[str, Any]:
     (when the repository is a git checkout), and the sources' digest."""
     ident: dict[str, Any] = {"label": label, "commit": None, "changed": [], "sources_sha256": sources_digest()}
     try:
-        git = ["git", "-C", str(_bench.ROOT)]
-        ident["commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                         check=True, timeout=GIT_TIMEOUT_S).stdout.strip()
-        status = subprocess.run([*git, "status", "--porcelain", "--", "p2p_diloco"], capture_output=True, text=True,
-                                check=True, timeout=GIT_TIMEOUT_S).stdout
-        ident["changed"] = [line[3:] for line in status.splitlines()]
+        ident["commit"], ident["changed"] = _bench.git_revision(GIT_TIMEOUT_S)
     except (FileNotFoundError, subprocess.CalledProcessError):  # no git, or not a checkout (an export): the label says
         log.info("no git checkout at %s: the code is named by --code-label and its digest only", _bench.ROOT)
     return ident

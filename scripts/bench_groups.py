@@ -200,15 +200,11 @@ GIT_TIMEOUT_S = 10.0
 
 def git_commit() -> str | None:
     """The checkout's commit (short), with "+changes" if ``p2p_diloco`` differs from it; None outside git."""
-    git = ["git", "-C", str(_bench.ROOT)]
     try:
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=GIT_TIMEOUT_S).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "--", "p2p_diloco"], capture_output=True, text=True,
-                               check=True, timeout=GIT_TIMEOUT_S).stdout.strip()
+        head, changed = _bench.git_revision(GIT_TIMEOUT_S)
     except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return None
-    return head + ("+changes" if dirty else "")
+    return head + ("+changes" if changed else "")
 
 
 def markdown(payload: dict[str, Any]) -> str:

@@ -246,23 +246,12 @@ def check_schedule(actions: Sequence[ChaosAction], duration_s: float, quiet_star
 
 # ---------------------------------------------------------------- the figures (pure)
 
-_MEMBER_RE = re.compile(r"\bmember \S+ reported\b")
-_PEER_RE = re.compile(r"\b(?:Qm[1-9A-HJ-NP-Za-km-z]{44}|12D3KooW[1-9A-HJ-NP-Za-km-z]{44,})\b")
-_HASH_RE = re.compile(r"\b[0-9a-f]{16}\b")
-_VERSION_RE = re.compile(r"\bv\d+\b")
-_NUMBER_RE = re.compile(r"(?<![A-Za-z0-9_.])\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![A-Za-z0-9_])")
 REASON_CHARS = 160
 
 
 def normalise_reason(reason: str) -> str:
-    """A discard reason with what differs between rounds masked, so that reasons group: peer ids
-    (``<peer>``), 16-hex anchor hashes (``<hash>``), versions (``vN``) and numbers (``N``)."""
-    r = _MEMBER_RE.sub("member <peer> reported", reason.strip())
-    r = _PEER_RE.sub("<peer>", r)
-    r = _HASH_RE.sub("<hash>", r)
-    r = _VERSION_RE.sub("vN", r)
-    r = _NUMBER_RE.sub("N", r)
-    return r[:REASON_CHARS] or "(no reason given)"
+    """A discard reason with what differs between rounds masked (:func:`_bench.normalise_reason`)."""
+    return _bench.normalise_reason(reason, REASON_CHARS)
 
 
 def failed_reasons(rounds: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:

@@ -480,14 +480,14 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
 
 
 def discard_reasons(logs: Path, tag: str, hosts: int) -> dict[str, int]:
-    """The learners' discarded rounds by reason, numbers folded to N (a round counts once per learner)."""
+    """The learners' discarded rounds by reason, peer ids, hashes and numbers masked (a round counts once per
+    learner)."""
     found: collections.Counter[str] = collections.Counter()
     for i in range(hosts):
         path = logs / f"{tag}-l{i}.jsonl"
         for e in map(json.loads, path.read_text().splitlines() if path.exists() else []):
             if e.get("event") == "round" and e.get("outcome") != "committed":
-                reason = re.sub(r"^member \S+ reported", "a member reported", str(e.get("reason", "?")))
-                found[re.sub(r"\d+(\.\d+)?", "N", reason)[:REASON_CHARS]] += 1
+                found[_bench.normalise_reason(str(e.get("reason", "")), REASON_CHARS)] += 1
     return dict(found.most_common())
 
 
