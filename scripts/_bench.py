@@ -85,6 +85,8 @@ class Bench:
     """Markdown: what is measured, how and on what config; the page's first section."""
     source: str = ""
     """Markdown naming what the page is generated from, when it is not ``<name>.json``."""
+    render_args: str = ""
+    """Arguments the script needs to render this page again besides ``--render-only --out`` (e.g. ``--config``)."""
 
     def json_path(self, out: Path) -> Path:
         return out / f"{self.name}.json"
@@ -104,7 +106,8 @@ class Bench:
 
     def page(self, out: Path, table: str) -> str:
         """The page: the method, the table, the figure if there is one, and how to write it again."""
-        again = f"python {self.script} --render-only --out {repo_path(out.resolve())}"
+        again = " ".join(["python", self.script, *([self.render_args] if self.render_args else []),
+                          "--render-only", "--out", str(repo_path(out.resolve()))])
         lines = [f"# {self.title}", "", self.method.strip(), "", "## Results", "", table.strip(), ""]
         if self.png_path(out).exists():
             lines += [f"![{self.title}]({self.name}.png)", ""]

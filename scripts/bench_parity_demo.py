@@ -70,6 +70,34 @@ more than 1%; the loss at H = 100 at 2,400 steps is stated beside the default's.
                      source="the run files in [`runs/`](runs/) (summarised in "
                             "[`parity-demo.json`](parity-demo.json))")
 
+OTHER_METHOD = """\
+Issue 20 asks for the parity table at a second model size, so that the trend with size is measured, not assumed.
+Every row is one in-process simulation of `{config}` (its model, on the embedded corpus, with the demo's data,
+inner and outer settings: outer Nesterov lr 0.5, momentum 0.9, H = 28, F = 4, tau = 1, alpha = 0.5, int4, radial
+merge, token weighting), 4 learners at **1,200 inner steps per learner**, one torch thread each, two at a time on
+the 2-core machine: what `p2p-diloco sim --config {config} --set inner.total_steps=1200 [--set ...] [--mode ...]
+--json` prints. The rows are the two references (one learner alone for the same steps; data-parallel on a 4x batch,
+the same tokens), plain DiLoCo (F = 1, no overlap, alpha = 0, fp32, mean merge, uniform weighting, H = 25, outer lr
+0.7) and the default; "gap closed" is the share of the single -> data-parallel gap a row closes. Payload bytes are
+counted as the butterfly all-reduce sends them and compared with fp32 data-parallel all-reducing gradients every
+step for the same tokens. The demo model's full grid is in [`results/parity-demo`](../parity-demo/README.md).
+
+**Acceptance (issue 20):** the same table at 1,200 steps with a Llama of a few million parameters."""
+
+
+def bench_for(config: str) -> _bench.Bench:
+    """The page of ``config``'s grid: the demo's own (:data:`BENCH`), or the one of a second model size, which
+    shows only the rows that ran."""
+    stem = Path(config).stem
+    if stem == "demo":
+        return BENCH
+    return replace(BENCH, name=f"parity-{stem}", folder=f"parity-{stem}",
+                   title=f"ML parity with `configs/{stem}.toml` (simulator, no network)",
+                   method=OTHER_METHOD.format(config=_bench.repo_path(config)),
+                   source=f"the run files in [`runs/`](runs/) (summarised in [`parity-{stem}.json`](parity-{stem}.json))",
+                   render_args=f"--config {_bench.repo_path(config)}")
+
+
 BUDGETS = (1200, 2400)
 """Inner steps per learner."""
 QUICK_DIVISOR = 60
@@ -336,7 +364,10 @@ def _relative(e: dict[str, Any], ref: dict[str, Any] | None) -> str:
 
 
 def table(payload: dict[str, Any]) -> str:
-    """The page's results: the four tables, the acceptance, where each run came from."""
+    """The page's results: the four tables, the acceptance, where each run came from (for a config other than
+    the demo's, only the rows that ran)."""
+    if bench_for(payload["config"]) is not BENCH:
+        return _table_of_runs(payload)
     by = {e["slug"]: e for e in payload["rows"]}
     head = "| run | {} | eval loss (nats/byte) | gap closed |{} payload | fewer bytes than fp32 DP | wall |"
     lines = []
@@ -364,6 +395,29 @@ def table(payload: dict[str, Any]) -> str:
     lines += [_line(e, e["label"]) for e in payload["rows"] if e["group"] == "2400"]
     lines += ["", "### Acceptance (issue 20)", "", *_acceptance_lines(payload["acceptance"], by)]
     lines += ["", "### Provenance", "", *_provenance_lines(payload["rows"])]
+    return "\n".join(lines) + "\n"
+
+
+def _table_of_runs(payload: dict[str, Any]) -> str:
+    """A second model size's page: the rows that ran, each diloco row against the previous one shown."""
+    done = [e for e in payload["rows"] if e["status"] == "done"]
+    by = {e["slug"]: e for e in payload["rows"]}
+    lines = ["| run | what | eval loss (nats/byte) | gap closed | loss vs the row above | payload | "
+             "fewer bytes than fp32 DP | wall |", "|---|---|---|---|---|---|---|---|"]
+    previous = None
+    for e in done:
+        label = f"{e['steps']:,} steps: {e['label']}"
+        lines.append(_line(e, label, _relative(e, previous) if e["mode"] == "diloco" else "—"))
+        previous = e if e["mode"] == "diloco" else previous
+    c = payload["acceptance"]["default_vs_diloco_1200"]
+    d = by["s1200-default"]
+    lines += ["", "### What it says", ""]
+    if d["status"] == "done" and "gap_closed" in d:
+        lines.append(f"- 1,200 steps: the default closes {_pct(d['gap_closed'])} of the single -> data-parallel gap at "
+                     f"{_saved(d)} fewer payload bytes than fp32 data-parallel.")
+    if c["loss_vs_diloco"] is not None:
+        lines.append(f"- The default against plain DiLoCo at 1,200 steps: {100 * c['loss_vs_diloco']:+.2f}% eval loss.")
+    lines += ["", "### Provenance", "", *_provenance_lines(done)]
     return "\n".join(lines) + "\n"
 
 
@@ -447,8 +501,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 def render(out: Path, rows: list[Row], config: str, extra: list[str], draw: bool, echo: bool = False) -> None:
     """The summary JSON and the page from ``out/runs`` (the figure too when ``draw``)."""
-    _bench.publish(BENCH, out, summarise(rows, load_runs(out), config, extra), table, plot if draw else None,
-                   echo=echo)
+    _bench.publish(bench_for(config), out, summarise(rows, load_runs(out), config, extra), table,
+                   plot if draw else None, echo=echo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows, out = grid(), args.out
     if args.render_only or args.replot:
-        render(out, rows, args.config, args.overrides, draw=args.replot or not BENCH.png_path(out).exists())
+        render(out, rows, args.config, args.overrides, draw=args.replot or not bench_for(args.config).png_path(out).exists())
         return 0
     check_ladder(args.config)
     by = {r.slug: r for r in rows}

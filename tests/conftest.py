@@ -8,9 +8,10 @@ pytest's machinery (a temp folder, ``capsys``, clean-up after the test) is here.
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -129,18 +130,45 @@ def make_corpus() -> Callable[..., Path]:
 @pytest.fixture
 def sign_record() -> Callable[..., Any]:
     """``sign_record(t, signer_key, owner_key, key, value, now)``: a hivemind DHT record for ``key`` under
-    ``owner_key``'s subkey, signed (as far as possible) by ``signer_key``. ``t`` holds hivemind's
-    ``RSASignatureValidator``, ``ser`` (its serializer), ``DHTID`` and ``DHTRecord``: tests import them lazily."""
+    ``owner_key``'s subkey, signed (as far as possible) by ``signer_key``; keys are hivemind ``RSAPrivateKey``s
+    or our ``Ed25519Key``s. ``t`` holds hivemind's ``RSASignatureValidator``, ``ser`` (its serializer),
+    ``DHTID`` and ``DHTRecord``: tests import them lazily."""
 
     def sign(t: dict[str, Any], signer_key: Any, owner_key: Any, key: str, value: Any, now: float) -> Any:
-        owner = t["RSASignatureValidator"](owner_key).local_public_key
-        record = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(owner),
+        import base64
+
+        from p2p_diloco.net.signing import Ed25519Key, Ed25519SignatureValidator, owner_subkey
+
+        record = t["DHTRecord"](key=t["DHTID"].generate(source=key).to_bytes(), subkey=t["ser"].dumps(owner_subkey(owner_key)),
                                 value=t["ser"].dumps(value), expiration_time=now + RECORD_TTL_S)
+        if isinstance(owner_key, Ed25519Key):
+            if signer_key is owner_key:
+                return replace(record, value=Ed25519SignatureValidator(owner_key).sign_value(record))
+            # a forger signs with its own key (sign_value would refuse to sign someone else's subkey)
+            signature = base64.b64encode(signer_key.sign(t["ser"].dumps(astuple(record))))
+            return replace(record, value=record.value + b"[ed25519-sig:" + signature + b"]")
         signer = t["RSASignatureValidator"](signer_key)
         if signer_key is owner_key:
             return replace(record, value=signer.sign_value(record))
-        # a forger signs with its own key (sign_value would refuse to sign someone else's subkey)
         signature = signer_key.sign(signer._serialize_record(record))
         return replace(record, value=record.value + b"[signature:" + signature + b"]")
 
     return sign
+
+
+@pytest.fixture
+def write_rsa_identity() -> Callable[[Path], None]:
+    """``write_rsa_identity(path)``: an identity file as p2p-diloco made them before Ed25519 (libp2p's protobuf
+    of an RSA key, DER; mode 0600)."""
+
+    def write(path: Path) -> None:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from hivemind.proto import crypto_pb2
+
+        der = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption())
+        path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString())
+        os.chmod(path, 0o600)
+
+    return write

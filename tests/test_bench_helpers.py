@@ -128,11 +128,14 @@ PAGES = [
     ("chaos.py", "chaos"), ("chaos.py", "chaos-run-a"), ("chaos.py", "chaos-run-c"), ("chaos.py", "chaos-run-f"),
     ("chaos.py", "chaos-run-g"), ("bench_control.py", "control"), ("bench_goodput.py", "goodput"), ("bench_hetero.py", "hetero"),
     ("bench_learners.py", "learners"), ("bench_learners.py", "learners-steps"), ("bench_overhead.py", "overhead"),
-    ("bench_parity.py", "parity"), ("bench_parity_demo.py", "parity-demo"), ("bench_poison.py", "poison"),
+    ("bench_parity.py", "parity"), ("bench_parity_demo.py", "parity-demo"),
+    ("bench_parity_demo.py", "parity-llama-3m"), ("bench_poison.py", "poison"),
     ("bench_rejoin.py", "rejoin"),
     ("bench_reference.py", "reference"), ("wan/bench_wan.py", "wan"), ("wan/rpc_tally/summarize.py", "wan-bytes"),
 ]
 """Every results folder whose page a script generates, and that script."""
+RENDER_ARGS = {"parity-llama-3m": ["--config", "configs/llama-3m.toml"]}
+"""What a page's script needs besides ``--render-only --out`` to render it (its "writes this page again" line)."""
 
 
 @pytest.mark.parametrize(("script", "folder"), PAGES)
@@ -147,6 +150,6 @@ def test_every_committed_page_is_what_its_script_renders_from_the_committed_json
         elif path.name == "runs" and path.is_dir():  # a resumable grid's finished runs (bench_parity_demo.py)
             shutil.copytree(path, out / "runs")
     module = load_script(script, f"page_{Path(script).stem}")
-    assert module.main(["--render-only", "--out", str(out)]) == 0
+    assert module.main([*RENDER_ARGS.get(folder, []), "--render-only", "--out", str(out)]) == 0
     page = (out / "README.md").read_text().replace(f"--out {out}`", f"--out results/{folder}`")
     assert page == (committed / "README.md").read_text()

@@ -175,20 +175,26 @@ def dht_tools() -> dict[str, Any]:
     from hivemind.dht.validation import CompositeValidator, DHTRecord
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.net.records import OWNER_MARKER_RE, peer_schemas
+    from p2p_diloco.net.records import RSA_OWNER_RE, peer_schemas
+    from p2p_diloco.net.signing import Ed25519Key
 
-    assert OWNER_MARKER_RE.pattern.replace(b"^", b"").replace(b"$", b"") == RSASignatureValidator.PUBLIC_KEY_REGEX
+    assert RSA_OWNER_RE.pattern.replace(b"^", b"").replace(b"$", b"") == RSASignatureValidator.PUBLIC_KEY_REGEX
     return dict(RSASignatureValidator=RSASignatureValidator, ser=DHTProtocol.serializer, DHTID=DHTID,
-                CompositeValidator=CompositeValidator, DHTRecord=DHTRecord, RSAPrivateKey=RSAPrivateKey,
-                peer_schemas=peer_schemas)
+                CompositeValidator=CompositeValidator, DHTRecord=DHTRecord, peer_schemas=peer_schemas,
+                rsa=RSAPrivateKey, ed25519=Ed25519Key.generate)
 
 
-def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, Any],
-                                                         sign_record: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("kind,node_kind", [("rsa", "rsa"), ("ed25519", "ed25519"), ("rsa", "ed25519"),
+                                            ("ed25519", "rsa")])
+def test_every_node_rejects_forged_and_malformed_records(dht_tools: dict[str, Any], sign_record: Callable[..., Any],
+                                                         kind: str, node_kind: str) -> None:
+    """Owners with either kind of key, checked by a node with either kind (every node runs both validators)."""
+    from p2p_diloco.net.signing import signature_validators
+
     t = dht_tools
     signed = functools.partial(sign_record, now=NOW)
-    alice, mallory = t["RSAPrivateKey"](), t["RSAPrivateKey"]()
-    node = t["CompositeValidator"]([t["RSASignatureValidator"](t["RSAPrivateKey"]()), *t["peer_schemas"]("run-a")])
+    alice, mallory = t[kind](), t[kind]()
+    node = t["CompositeValidator"]([*signature_validators(t[node_kind]()), *t["peer_schemas"]("run-a")])
     good = rec("alice").to_wire()
     key = run_key("run-a", "Qmalice")
 

@@ -47,6 +47,7 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
     from hivemind.utils.crypto import RSAPrivateKey
 
     from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.membership import owner_subkey
     from p2p_diloco.net.records import PeerRecord, record_shard, run_key
     from p2p_diloco.core.config import load_config, config_hash
 
@@ -80,8 +81,8 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
             fake = PeerRecord(run_id=run_id, protocol_version=1, config_hash=config_hash(cfg), software_version="0.1.0",
                               peer_id=victim_id.peer_id, name="victim-forged", state="training",
                               time=get_dht_time()).to_wire()
-            victim_subkey = RSASignatureValidator(victim_id.private_key()).local_public_key
-            forger_subkey = RSASignatureValidator(forger_key).local_public_key
+            victim_subkey = owner_subkey(victim_id.private_key())  # Ed25519; the forger's RSA (an older identity)
+            forger_subkey = owner_subkey(forger_key)
             expiration = get_dht_time() + 60
             assert forger.store(key, fake, expiration, subkey=victim_subkey) is False
             assert forger.store(key, {**fake, "tokens": "lots"}, expiration, subkey=forger_subkey) is False

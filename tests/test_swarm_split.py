@@ -8,6 +8,7 @@ and heals by pinging it; afterwards records published on either side are visible
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,8 @@ MERGE_DEADLINE_S = 20.0
 """After the heal: how long b's re-published record may take to reach c through the merged DHT."""
 
 
-def test_split_detected_and_healed_then_membership(tmp_path: Path) -> None:
+def test_split_detected_and_healed_then_membership(tmp_path: Path, write_rsa_identity: Any) -> None:
+    """b has an RSA identity (made before Ed25519), a and c Ed25519 ones: one swarm, both kinds of records."""
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.net.identity import load_or_create_identity
     from p2p_diloco.net.records import LocalRun, PeerRecord
@@ -29,7 +31,9 @@ def test_split_detected_and_healed_then_membership(tmp_path: Path) -> None:
     from p2p_diloco.net.probes import check_split
 
     local = LocalRun("split-run", 1, "h", "0.1.0")
+    write_rsa_identity(tmp_path / "b.id")
     ids = {n: load_or_create_identity(tmp_path / f"{n}.id") for n in ("a", "b", "c")}
+    assert [ids[n].key_type for n in ("a", "b", "c")] == ["ed25519", "rsa", "ed25519"]
     dhts = []
     try:
         a = start_dht(SwarmOptions(identity=ids["a"]), local.run_id)

@@ -7,7 +7,7 @@ import os
 import stat
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,12 +23,26 @@ def test_identity_created_0600_and_stable(tmp_path: Path) -> None:
     first = load_or_create_identity(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     again = load_or_create_identity(path)
-    assert again.peer_id == first.peer_id and again.key_der == first.key_der
-    assert first.peer_id.startswith("Qm")  # RSA identity: same key signs records
+    assert again.peer_id == first.peer_id and again.key_data == first.key_data
+    assert first.key_type == "ed25519" and first.peer_id.startswith("12D3KooW")  # the key is the peer id
     from p2p_diloco.net.membership import owner_peer_id, owner_subkey
 
-    assert owner_peer_id(owner_subkey(first.private_key())) == first.peer_id
+    assert owner_peer_id(owner_subkey(first.private_key())) == first.peer_id  # the same key signs records
+    assert len(owner_subkey(first.private_key())) == 54
     assert owner_peer_id(b"[owner:garbage]") is None and owner_peer_id(b"plain") is None
+    assert owner_peer_id(b"[ed25519:" + b"A" * 43 + b"=]") is not None  # any 32 bytes are a public key's
+    assert owner_peer_id(b"[ed25519:" + b"A" * 42 + b"=]") is None and owner_peer_id(b"[ed25519:x]") is None
+
+
+def test_an_rsa_identity_made_before_still_loads_and_signs(tmp_path: Path, write_rsa_identity: Any) -> None:
+    from p2p_diloco.net.membership import owner_peer_id, owner_subkey
+
+    path = tmp_path / "old.id"
+    write_rsa_identity(path)
+    old = load_or_create_identity(path)
+    assert old.key_type == "rsa" and old.peer_id.startswith("Qm")
+    assert owner_peer_id(owner_subkey(old.private_key())) == old.peer_id
+    assert path.read_bytes() == load_or_create_identity(path).path.read_bytes()  # never rewritten
 
 
 def test_identity_refuses_open_permissions_and_garbage(tmp_path: Path) -> None:
@@ -40,17 +54,37 @@ def test_identity_refuses_open_permissions_and_garbage(tmp_path: Path) -> None:
     junk = tmp_path / "junk.id"
     junk.write_bytes(b"\xff\x00 not a key")
     os.chmod(junk, 0o600)
-    with pytest.raises(ValueError, match="is not a p2p-diloco/libp2p RSA key"):
+    with pytest.raises(ValueError, match=r"is not a p2p-diloco/libp2p key \(Ed25519 or RSA\)"):
         load_or_create_identity(junk)
+    from hivemind.proto import crypto_pb2
+
+    from p2p_diloco.net.signing import Ed25519Key
+
+    a, b = Ed25519Key.generate(), Ed25519Key.generate()
+    mismatched = tmp_path / "mismatched.id"  # a seed with another key's public half
+    mismatched.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519,
+                                                 data=a.seed + b.public_bytes()).SerializeToString())
+    os.chmod(mismatched, 0o600)
+    with pytest.raises(ValueError, match="public key does not belong to the seed"):
+        load_or_create_identity(mismatched)
 
 
-def test_peer_id_from_public_key_matches_libp2p(tmp_path: Path) -> None:
+def test_peer_id_from_public_key_matches_libp2p(tmp_path: Path, write_rsa_identity: Any) -> None:
     from hivemind.p2p import PeerID
 
+    from p2p_diloco.hivemind_ext import peerids
+
+    write_rsa_identity(tmp_path / "rsa.id")
+    rsa_identity = load_or_create_identity(tmp_path / "rsa.id")
+    assert PeerID.from_identity(rsa_identity.path.read_bytes()).to_base58() == rsa_identity.peer_id
+    public = rsa_identity.private_key().get_public_key().to_bytes()
+    assert peer_id_from_public_key(public) == rsa_identity.peer_id
+    # hivemind reads RSA files only (its check that an identity is free); patched, it reads ours too
     identity = load_or_create_identity(tmp_path / "peer.id")
+    peerids.install()
+    peerids.install()  # idempotent
     assert PeerID.from_identity(identity.path.read_bytes()).to_base58() == identity.peer_id
-    public = identity.private_key().get_public_key().to_bytes()
-    assert peer_id_from_public_key(public) == identity.peer_id
+    assert PeerID.from_identity(rsa_identity.path.read_bytes()).to_base58() == rsa_identity.peer_id
 
 
 def test_swarm_key_file(tmp_path: Path) -> None:
@@ -160,12 +194,13 @@ def test_status_at_sixteen_peers_is_one_line_each_in_name_order_and_a_summary() 
 
 
 class _FlakyDHT:
-    """A DHT whose first ``refusals`` stores are refused (store returns False), then accepted."""
+    """A DHT whose first ``refusals`` stores are refused (their futures hold False), then accepted."""
 
     def __init__(self, refusals: int):
         self.refusals, self.calls = refusals, 0
 
-    def store(self, *args: object, **kwargs: object) -> Future[bool]:
+    def run_coroutine(self, coro: object, return_future: bool = False) -> Future[bool]:
+        """What :func:`p2p_diloco.net.routes.store_routed` calls: one store."""
         self.calls += 1
         fut: Future[bool] = Future()
         fut.set_result(self.calls > 2 * self.refusals)  # two stores (record + index) per attempt

@@ -1,15 +1,17 @@
-"""A peer's identity (one RSA key file) and the swarm secret file of a private swarm.
+"""A peer's identity (one key file) and the swarm secret file of a private swarm.
 
-Identity: one RSA key file that gives both the libp2p peer id and the record-signing key.
+Identity: one key file that gives both the libp2p peer id and the record-signing key.
 
 Using the same key for the libp2p daemon (``identity_path``) and for signing DHT records
-(``RSASignatureValidator``) ties a record's owner to the peer id of its connections, so a
+(:mod:`p2p_diloco.net.signing`) ties a record's owner to the peer id of its connections, so a
 handler that knows the (authenticated) remote peer id can check it against the records
 (:func:`p2p_diloco.net.membership.Membership.is_member`).
 
-The file is libp2p's ``PrivateKey`` protobuf (RSA, DER), the format hivemind's daemon reads. It
-is created on first use with mode 0600 and never overwritten; an existing file readable by
-others is refused, as ssh does. hivemind is imported inside the functions only.
+The file is libp2p's ``PrivateKey`` protobuf, the format hivemind's daemon reads. New files hold an
+Ed25519 key (its owner marker and signatures are 150 bytes on each signed DHT entry, against 750 for
+RSA); RSA files made before still load and work beside them. A file is created on first use with mode
+0600 and never overwritten; an existing file readable by others is refused, as ssh does. hivemind is
+imported inside the functions only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hivemind.utils.crypto import RSAPrivateKey
+    from p2p_diloco.net.signing import SigningKey
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +40,33 @@ class Identity:
     path: Path
     peer_id: str
     """Base58 libp2p peer id derived from the key."""
-    key_der: bytes
-    """The RSA private key, DER (TraditionalOpenSSL), as hivemind's ``RSAPrivateKey`` pickles it."""
+    key_type: str
+    """``ed25519`` (files made now) or ``rsa`` (files made before)."""
+    key_data: bytes
+    """Ed25519: the 32-byte private seed. RSA: the private key, DER (TraditionalOpenSSL), as hivemind's
+    ``RSAPrivateKey`` pickles it."""
 
-    def private_key(self) -> "RSAPrivateKey":
-        """The key as hivemind's ``RSAPrivateKey`` (for the record validator and the authorizer)."""
+    def private_key(self) -> "SigningKey":
+        """The record-signing key: an :class:`~p2p_diloco.net.signing.Ed25519Key`, or hivemind's
+        ``RSAPrivateKey`` for an RSA file."""
+        if self.key_type == "ed25519":
+            from p2p_diloco.net.signing import Ed25519Key
+
+            return Ed25519Key(self.key_data)
         from hivemind.utils.crypto import RSAPrivateKey
 
         key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": self.key_der})  # hivemind's own (un)pickling path
+        key.__setstate__({"_private_key": self.key_data})  # hivemind's own (un)pickling path
         return key
 
 
 def _write_new_key(path: Path) -> None:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import crypto_pb2
 
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    der = key.private_bytes(
-        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-    )
-    blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+    from p2p_diloco.net.signing import Ed25519Key
+
+    key = Ed25519Key.generate()  # libp2p's Ed25519 private key data: the seed, then the public key
+    blob = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=key.seed + key.public_bytes()).SerializeToString()
     path.parent.mkdir(parents=True, exist_ok=True)
     # O_EXCL: two processes starting at once must not both write; 0600 from the first byte.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -87,12 +94,18 @@ def load_or_create_identity(path: str | Path) -> Identity:
     blob = path.read_bytes()
     try:
         pb = crypto_pb2.PrivateKey.FromString(blob)
+        if pb.key_type == crypto_pb2.KeyType.Ed25519:
+            from p2p_diloco.hivemind_ext.peerids import ed25519_public_of, peer_id_from_ed25519
+
+            public = ed25519_public_of(pb.data)
+            return Identity(path, peer_id_from_ed25519(public), "ed25519", bytes(pb.data[:32]))
         if pb.key_type != crypto_pb2.KeyType.RSA or not pb.data:
-            raise ValueError("not an RSA key")
+            raise ValueError("neither an Ed25519 nor an RSA key")
         peer_id = PeerID.from_identity(blob).to_base58()
     except Exception as e:  # protobuf DecodeError, cryptography ValueError: all mean "not our key file"
-        raise ValueError(f"identity file {path} is not a p2p-diloco/libp2p RSA key ({e}); move it away to create a new one") from None
-    return Identity(path, peer_id, bytes(pb.data))
+        raise ValueError(f"identity file {path} is not a p2p-diloco/libp2p key (Ed25519 or RSA) ({e}); "
+                         "move it away to create a new one") from None
+    return Identity(path, peer_id, "rsa", bytes(pb.data))
 
 
 def peer_id_from_public_key(ssh_public_key: bytes) -> str:

@@ -30,14 +30,14 @@ from functools import partial
 from typing import Any, Callable
 
 from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco.hivemind_ext import procguard
+from p2p_diloco.hivemind_ext import peerids, procguard
 from p2p_diloco.net.addresses import PeerAddress, host_multiaddr
 from p2p_diloco.net.authorizer import MAX_DHT_CLOCK_SKEW_S, SwarmKeyAuthorizer
+from p2p_diloco.hivemind_ext.peerids import peer_id_from_ed25519
 from p2p_diloco.net.identity import (
     Identity,
     peer_id_from_public_key,
@@ -45,7 +45,6 @@ from p2p_diloco.net.identity import (
 from p2p_diloco.net.records import (
     ANNOUNCE_STATE,
     INDEX_KEYS,
-    OWNER_MARKER_RE,
     IndexEntry,
     LocalRun,
     PeerRecord,
@@ -59,6 +58,9 @@ from p2p_diloco.net.records import (
     run_keys,
     tombstone,
 )
+from p2p_diloco.net.routes import store_routed
+from p2p_diloco.net.signing import Ed25519Key, SigningKey, owner_public_key, signature_validators
+from p2p_diloco.net.signing import owner_subkey as owner_subkey
 from p2p_diloco.net.runs import RunInfo, runs_in_index
 
 logger = logging.getLogger(__name__)
@@ -107,11 +109,6 @@ class SwarmOptions:
 # ---------------------------------------------------------------- joining
 
 
-def owner_subkey(private_key: RSAPrivateKey) -> bytes:
-    """The subkey under which this key's owner publishes (RSASignatureValidator's owner marker)."""
-    return RSASignatureValidator(private_key).local_public_key
-
-
 def owned_values(found: Any) -> dict[str, Any]:
     """The values of a ``dht.get(key, latest=True)`` result by the peer id of the owner-marker subkey each was
     stored under (signed: only that peer can have stored it); subkeys of any other kind are skipped."""
@@ -125,11 +122,12 @@ def owned_values(found: Any) -> dict[str, Any]:
 
 def owner_peer_id(subkey: bytes) -> str | None:
     """The peer id of an owner-marker subkey, or None if it is not one."""
-    m = OWNER_MARKER_RE.match(subkey) if isinstance(subkey, bytes) else None
-    if m is None:
+    owner = owner_public_key(subkey)
+    if owner is None:
         return None
+    kind, public = owner
     try:
-        return peer_id_from_public_key(m.group(1))
+        return peer_id_from_ed25519(public) if kind == "ed25519" else peer_id_from_public_key(public)
     except ValueError:
         return None
 
@@ -191,7 +189,7 @@ def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
     return JoinError(f"could not join: {text} (tried {_tried(opts) or 'no initial peers'})")
 
 
-def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: RSAPrivateKey | None = None) -> DHT:
+def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: SigningKey | None = None) -> DHT:
     """Start this peer's DHT node and join ``opts.initial_peers``; raise :class:`JoinError` on failure.
 
     Records of ``run_id`` and the run index are schema-checked and signature-checked by this node
@@ -199,8 +197,10 @@ def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: RSAPrivate
     ``private_key`` signs our records; it must be the identity's key (pass None to use it).
     """
     if private_key is None:
-        private_key = opts.identity.private_key() if opts.identity is not None else RSAPrivateKey()
-    validators = [RSASignatureValidator(private_key), *peer_schemas(run_id)]
+        private_key = opts.identity.private_key() if opts.identity is not None else Ed25519Key.generate()
+    # hivemind's authorizer signs every request with an RSA key (any: its token, not the key, proves the secret)
+    rsa_key = private_key if isinstance(private_key, RSAPrivateKey) else RSAPrivateKey.process_wide()
+    validators = [*signature_validators(private_key, rsa_key), *peer_schemas(run_id)]
     kwargs: dict[str, Any] = dict(
         host_maddrs=[host_multiaddr(opts.host, opts.port)],
         client_mode=opts.client_mode,
@@ -218,8 +218,9 @@ def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: RSAPrivate
         kwargs["identity_path"] = str(opts.identity.path)
         kwargs["check_if_identity_free"] = opts.check_identity_free
     if opts.swarm_key is not None:
-        kwargs["authorizer"] = SwarmKeyAuthorizer(opts.swarm_key, private_key)
-    procguard.install()  # the DHT process and its p2pd must not outlive us, even after kill -9
+        kwargs["authorizer"] = SwarmKeyAuthorizer(opts.swarm_key, rsa_key)
+    procguard.install()
+    peerids.install()  # hivemind's identity check reads RSA key files only  # the DHT process and its p2pd must not outlive us, even after kill -9
     t0 = time.monotonic()
     dht = DHT(
         initial_peers=[a.text for a in opts.initial_peers] or None,
@@ -313,8 +314,10 @@ def _entries_across(found: dict[str, Any], keys: Sequence[str], parse: Any, reje
 
 
 async def _get_latest_many(keys: tuple[str, ...], _dht: DHT, node: Any) -> dict[str, Any]:
-    """(DHT process) :meth:`DHTNode.get_many` of ``keys``, latest values: one search for all of them."""
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    """(DHT process) :meth:`DHTNode.get_many` of ``keys``, latest values: one search for all of them. The search
+    keeps as many nearest nodes as a value is stored on (``num_replicas``), not hivemind's default of a whole
+    bucket (20): a latest read asks every node it keeps, and each answers with all it holds under the keys."""
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=node.num_replicas)
     return {key: found.get(key) for key in keys}
 
 
@@ -421,7 +424,7 @@ class RecordPublisher:
     lost network). The tombstone outlives it by ``tombstone_ttl_s`` so ``status`` can say who left.
     """
 
-    def __init__(self, dht: DHT, private_key: RSAPrivateKey, record: PeerRecord,
+    def __init__(self, dht: DHT, private_key: SigningKey, record: PeerRecord,
                  ttl_s: float = 30.0, tombstone_ttl_s: float = 600.0, store_timeout_s: float = 10.0):
         if ttl_s <= 0 or tombstone_ttl_s < ttl_s:
             raise ValueError(f"ttl_s must be > 0 and tombstone_ttl_s >= ttl_s, got {ttl_s} and {tombstone_ttl_s}")
@@ -453,13 +456,13 @@ class RecordPublisher:
         record = replace(record or self.record, time=now)
         index_ttl_s = ttl_s if ttl_s is not None else INDEX_TTL_FACTOR * self.ttl_s  # a tombstone's: its own
         ttl_s = ttl_s if ttl_s is not None else self.ttl_s
-        futures = [self._dht.store(run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
-                                   subkey=self._subkey, return_future=True)]
+        futures = [store_routed(self._dht, run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
+                                self._subkey)]
         entry = IndexEntry.of(record)
         indexed = index_due(now, self._index_sent, entry, ttl_s)
         if indexed:
-            futures.append(self._dht.store(index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
-                                           subkey=self._subkey, return_future=True))
+            futures.append(store_routed(self._dht, index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
+                                        self._subkey))
         ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
         if ok and indexed:  # a refused index entry goes out again with the next publish
             self._index_sent = (now, replace(entry, time=0.0))

@@ -70,8 +70,12 @@ RECORD_SHARDS = 16
 (heartbeat) costs what one shard holds (N / 16 records), a full read of the swarm is one batched search
 of all the shards."""
 INDEX_KEYS = tuple(f"{INDEX_PREFIX}_runs_{shard}" for shard in range(RECORD_SHARDS))
-OWNER_MARKER_RE = re.compile(rb"^\[owner:(.+?)\]$", re.S)
-"""Same marker as ``hivemind.dht.crypto.RSASignatureValidator.PUBLIC_KEY_FORMAT`` (a test pins it)."""
+RSA_OWNER_RE = re.compile(rb"^\[owner:(.+?)\]$", re.S)
+"""A subkey that is exactly hivemind's RSA owner marker (``RSASignatureValidator.PUBLIC_KEY_FORMAT``; a test
+pins it)."""
+OWNER_MARKER_RE = re.compile(rb"^(?:\[owner:(.+?)\]|\[ed25519:[A-Za-z0-9+/]{43}=\])$", re.S)
+"""A subkey that is exactly an owner marker of either kind, RSA or Ed25519 (:mod:`p2p_diloco.net.signing`):
+what the schemas accept as a peer's subkey."""
 
 MAX_NAME_CHARS = 64
 MAX_ADDRESSES = 16
@@ -286,7 +290,8 @@ _NonNegFloat = confloat(strict=True, ge=0.0, allow_inf_nan=False)
 
 
 class OwnerKey(bytes):
-    """A subkey that is exactly an owner marker ``[owner:<public key>]`` (strict bytes)."""
+    """A subkey that is exactly an owner marker, ``[ed25519:<public key>]`` or hivemind's RSA
+    ``[owner:<public key>]`` (strict bytes; :mod:`p2p_diloco.net.signing`)."""
 
     @classmethod
     def __get_validators__(cls) -> Iterator[Callable[[Any], bytes]]:
@@ -295,7 +300,7 @@ class OwnerKey(bytes):
     @classmethod
     def validate(cls, value: Any) -> bytes:
         if not isinstance(value, bytes) or OWNER_MARKER_RE.match(value) is None:
-            raise ValueError("subkey must be an owner marker b'[owner:<public key>]'")
+            raise ValueError("subkey must be an owner marker b'[ed25519:<public key>]' or b'[owner:<public key>]'")
         return value
 
 
