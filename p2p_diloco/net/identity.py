@@ -23,7 +23,7 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from p2p_diloco.net.signing import SigningKey
@@ -40,7 +40,7 @@ class Identity:
     path: Path
     peer_id: str
     """Base58 libp2p peer id derived from the key."""
-    key_type: str
+    key_type: Literal["ed25519", "rsa"]
     """``ed25519`` (files made now) or ``rsa`` (files made before)."""
     key_data: bytes
     """Ed25519: the 32-byte private seed. RSA: the private key, DER (TraditionalOpenSSL), as hivemind's

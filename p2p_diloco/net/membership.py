@@ -35,9 +35,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.hivemind_ext import peerids, procguard
+from p2p_diloco.hivemind_ext.peerids import peer_id_from_ed25519
 from p2p_diloco.net.addresses import PeerAddress, host_multiaddr
 from p2p_diloco.net.authorizer import MAX_DHT_CLOCK_SKEW_S, SwarmKeyAuthorizer
-from p2p_diloco.hivemind_ext.peerids import peer_id_from_ed25519
 from p2p_diloco.net.identity import (
     Identity,
     peer_id_from_public_key,
@@ -59,9 +59,9 @@ from p2p_diloco.net.records import (
     tombstone,
 )
 from p2p_diloco.net.routes import store_routed
-from p2p_diloco.net.signing import Ed25519Key, SigningKey, owner_public_key, signature_validators
-from p2p_diloco.net.signing import owner_subkey as owner_subkey
 from p2p_diloco.net.runs import RunInfo, runs_in_index
+from p2p_diloco.net.signing import Ed25519Key, SigningKey, owner_public_key, signature_validators
+from p2p_diloco.net.signing import owner_subkey as owner_subkey  # where the learner and averagers import it
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +219,8 @@ def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: SigningKey
         kwargs["check_if_identity_free"] = opts.check_identity_free
     if opts.swarm_key is not None:
         kwargs["authorizer"] = SwarmKeyAuthorizer(opts.swarm_key, rsa_key)
-    procguard.install()
-    peerids.install()  # hivemind's identity check reads RSA key files only  # the DHT process and its p2pd must not outlive us, even after kill -9
+    procguard.install()  # the DHT process and its p2pd must not outlive us, even after kill -9
+    peerids.install()  # hivemind's check that our identity is free reads RSA key files only
     t0 = time.monotonic()
     dht = DHT(
         initial_peers=[a.text for a in opts.initial_peers] or None,
