@@ -406,7 +406,8 @@ def _table_of_runs(payload: dict[str, Any]) -> str:
              "fewer bytes than fp32 DP | wall |", "|---|---|---|---|---|---|---|---|"]
     previous = None
     for e in done:
-        label = f"{e['steps']:,} steps: {e['label']}"
+        what = "the default (the demo's: F = 4, H = 28, outer lr 0.5, int4)" if e["slug"].endswith("-default") else e["label"]
+        label = f"{e['steps']:,} steps: {what}"
         lines.append(_line(e, label, _relative(e, previous) if e["mode"] == "diloco" else "—"))
         previous = e if e["mode"] == "diloco" else previous
     c = payload["acceptance"]["default_vs_diloco_1200"]
@@ -468,8 +469,9 @@ def _provenance_lines(rows: list[dict[str, Any]]) -> list[str]:
 def plot(payload: dict[str, Any], path: Path) -> None:
     """Held-out loss against inner steps at each budget, and gap closed against payload reduction."""
     rows = [e for e in payload["rows"] if e["status"] == "done"]
-    with _bench.figure(path, 3, (19, 5)) as (a1200, a2400, trade):
-        for ax, steps in ((a1200, 1200), (a2400, 2400)):
+    budgets = [b for b in BUDGETS if any(e["steps"] == b for e in rows)] or list(BUDGETS)  # a panel per budget run
+    with _bench.figure(path, len(budgets) + 1, (19 * (len(budgets) + 1) / 3, 5)) as (*curves, trade):
+        for ax, steps in zip(curves, budgets):
             for e in (e for e in rows if e["steps"] == steps):
                 xs = [p["tokens"] / max(1, e["tokens"]) * steps for p in e["curve"]]
                 ref = e["mode"] != "diloco"

@@ -40,6 +40,7 @@ def test_split_detected_and_healed_then_membership(tmp_path: Path, write_rsa_ide
         dhts.append(a)
         b = start_dht(SwarmOptions(identity=ids["b"]), local.run_id)  # a second, separate DHT: the split
         dhts.append(b)
+        assert (a.peer_id.to_base58(), b.peer_id.to_base58()) == (ids["a"].peer_id, ids["b"].peer_id)  # p2pd runs on them
         addr_a, addr_b = parse_initial_peers(visible_addresses(a)), parse_initial_peers(visible_addresses(b))
         publisher = RecordPublisher(b, ids["b"].private_key(), PeerRecord(
             run_id=local.run_id, protocol_version=1, config_hash="h", software_version="0.1.0",

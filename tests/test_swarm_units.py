@@ -199,8 +199,7 @@ class _FlakyDHT:
     def __init__(self, refusals: int):
         self.refusals, self.calls = refusals, 0
 
-    def run_coroutine(self, coro: object, return_future: bool = False) -> Future[bool]:
-        """What :func:`p2p_diloco.net.routes.store_routed` calls: one store."""
+    def store(self, *args: object, **kwargs: object) -> Future[bool]:
         self.calls += 1
         fut: Future[bool] = Future()
         fut.set_result(self.calls > 2 * self.refusals)  # two stores (record + index) per attempt

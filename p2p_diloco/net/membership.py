@@ -58,7 +58,6 @@ from p2p_diloco.net.records import (
     run_keys,
     tombstone,
 )
-from p2p_diloco.net.routes import store_routed
 from p2p_diloco.net.runs import RunInfo, runs_in_index
 from p2p_diloco.net.signing import Ed25519Key, SigningKey, owner_public_key, signature_validators
 from p2p_diloco.net.signing import owner_subkey as owner_subkey  # where the learner and averagers import it
@@ -456,13 +455,13 @@ class RecordPublisher:
         record = replace(record or self.record, time=now)
         index_ttl_s = ttl_s if ttl_s is not None else INDEX_TTL_FACTOR * self.ttl_s  # a tombstone's: its own
         ttl_s = ttl_s if ttl_s is not None else self.ttl_s
-        futures = [store_routed(self._dht, run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
-                                self._subkey)]
+        futures = [self._dht.store(run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
+                                   subkey=self._subkey, return_future=True)]
         entry = IndexEntry.of(record)
         indexed = index_due(now, self._index_sent, entry, ttl_s)
         if indexed:
-            futures.append(store_routed(self._dht, index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
-                                        self._subkey))
+            futures.append(self._dht.store(index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
+                                           subkey=self._subkey, return_future=True))
         ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
         if ok and indexed:  # a refused index entry goes out again with the next publish
             self._index_sent = (now, replace(entry, time=0.0))

@@ -34,7 +34,6 @@ from p2p_diloco.core.config import (
 )
 from p2p_diloco.core.identity import pin_data
 from p2p_diloco.net.records import INDEX_KEYS, IndexEntry, RunConfigRecord, config_key, index_key
-from p2p_diloco.net.routes import store_routed
 from p2p_diloco.net.runs import RunInfo, runs_in_index
 
 logger = logging.getLogger(__name__)
@@ -249,7 +248,8 @@ class RunAnnouncer:
         return (self.publish_announcement() if self.announcement is not None else True) and ok
 
     def _store(self, key: str, value: dict[str, Any], expiration: float, what: str) -> bool:
-        ok = bool(store_routed(self._dht, key, value, expiration, self._subkey).result(timeout=self.store_timeout_s))
+        ok = bool(self._dht.store(key, value, expiration, subkey=self._subkey, return_future=True)
+                  .result(timeout=self.store_timeout_s))
         if not ok:
             self.failures += 1
             logger.warning("publishing our %s was not accepted by any DHT node (failures so far: %d)", what,

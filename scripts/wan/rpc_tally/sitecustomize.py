@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextvars
-import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -95,24 +94,7 @@ def _patch_node(module: ModuleType) -> None:
     Node.store_many = labelled(Node.store_many, "store")
 
 
-def _patch_routes(module: ModuleType) -> None:
-    """``p2p_diloco.net.routes`` stores through ``protocol.call_store``, not ``store_many``: label its stores too.
-    ``functools.wraps`` keeps the name, so the coroutine still pickles by reference into the DHT process."""
-    store_routed = module._store_routed
-
-    @functools.wraps(store_routed)
-    async def wrapper(key: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _label.set(f"store {_fold(key)}")
-        try:
-            return await store_routed(key, *args, **kwargs)
-        finally:
-            _label.reset(token)
-
-    module._store_routed = wrapper
-
-
-_PATCHES = {"hivemind.p2p.p2p_daemon": _patch_p2p, "hivemind.dht.node": _patch_node,
-            "p2p_diloco.net.routes": _patch_routes}
+_PATCHES = {"hivemind.p2p.p2p_daemon": _patch_p2p, "hivemind.dht.node": _patch_node}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
