@@ -108,7 +108,7 @@ def test_frozen() -> None:
 def test_missing_and_invalid_files(tmp_path: Path) -> None:
     # one line that lists the bundled configs
     with pytest.raises(ConfigError, match=r"nope.toml: no such file, and no bundled config 'nope.toml' "
-                                          r"\(bundled: bench, demo, llama-20m, llama-tiny, tiny\)$"):
+                                          r"\(bundled: bench, demo, llama-20m, llama-3m, llama-tiny, tiny\)$"):
         load_config(tmp_path / "nope.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[outer\n")

@@ -57,7 +57,7 @@ def test_the_cli_reads_bundled_configs_from_any_directory(tmp_path: Path, monkey
     assert 'run_id = "tiny"' in capsys.readouterr().out
     assert cli.main(["config", "--config", "configs/huge.toml"]) == 2
     assert capsys.readouterr().err == ("p2p-diloco: config error: configs/huge.toml: no such file, and no bundled "
-                                       "config 'huge.toml' (bundled: bench, demo, llama-20m, llama-tiny, tiny)\n")
+                                       "config 'huge.toml' (bundled: bench, demo, llama-20m, llama-3m, llama-tiny, tiny)\n")
 
 
 def test_the_package_reads_no_file_relative_to_the_repository() -> None:
