@@ -73,7 +73,9 @@ INDEX_KEYS = tuple(f"{INDEX_PREFIX}_runs_{shard}" for shard in range(RECORD_SHAR
 RSA_OWNER_RE = re.compile(rb"^\[owner:(.+?)\]$", re.S)
 """A subkey that is exactly hivemind's RSA owner marker (``RSASignatureValidator.PUBLIC_KEY_FORMAT``; a test
 pins it)."""
-OWNER_MARKER_RE = re.compile(rb"^(?:\[owner:(.+?)\]|\[ed25519:[A-Za-z0-9+/]{43}=\])$", re.S)
+ED25519_OWNER_PATTERN = rb"\[ed25519:([A-Za-z0-9+/]{43}=)\]"
+"""An Ed25519 owner marker, its base64 public key as the group (:mod:`p2p_diloco.net.signing`)."""
+OWNER_MARKER_RE = re.compile(rb"^(?:\[owner:(.+?)\]|" + ED25519_OWNER_PATTERN + rb")$", re.S)
 """A subkey that is exactly an owner marker of either kind, RSA or Ed25519 (:mod:`p2p_diloco.net.signing`):
 what the schemas accept as a peer's subkey."""
 

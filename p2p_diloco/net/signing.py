@@ -27,13 +27,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-from p2p_diloco.net.records import OWNER_MARKER_RE, RSA_OWNER_RE
+from p2p_diloco.net.records import ED25519_OWNER_PATTERN, OWNER_MARKER_RE
 
 if TYPE_CHECKING:
     from hivemind.utils.crypto import RSAPrivateKey
 
 ED25519_KEY_BYTES = 32
-ED25519_OWNER_RE = re.compile(rb"\[ed25519:([A-Za-z0-9+/]{43}=)\]")
+ED25519_OWNER_RE = re.compile(ED25519_OWNER_PATTERN)
 """An Ed25519 owner marker anywhere in a key or subkey (what the validator protects)."""
 ED25519_SIGNATURE_RE = re.compile(rb"\[ed25519-sig:([A-Za-z0-9+/]{86}==)\]")
 
@@ -88,12 +88,10 @@ def owner_subkey(key: SigningKey) -> bytes:
 def owner_public_key(subkey: bytes) -> tuple[str, bytes] | None:
     """``("ed25519", raw public key)`` or ``("rsa", OpenSSH public key)`` of a subkey that is exactly an owner
     marker; None for anything else."""
-    if not isinstance(subkey, bytes) or OWNER_MARKER_RE.match(subkey) is None:
+    m = OWNER_MARKER_RE.match(subkey) if isinstance(subkey, bytes) else None
+    if m is None:
         return None
-    rsa = RSA_OWNER_RE.match(subkey)
-    if rsa is not None:
-        return "rsa", rsa.group(1)
-    return "ed25519", base64.b64decode(subkey[len(b"[ed25519:"):-1])
+    return ("rsa", m.group(1)) if m.group(1) is not None else ("ed25519", base64.b64decode(m.group(2)))
 
 
 class Ed25519SignatureValidator(RecordValidatorBase):
