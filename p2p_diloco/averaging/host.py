@@ -38,7 +38,7 @@ from p2p_diloco.averaging.linktime import RoundTimeouts, floor_timeouts
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
-from p2p_diloco.core import outer
+from p2p_diloco.core import faults, outer
 from p2p_diloco.core.config import Config, config_hash
 from p2p_diloco.hivemind_ext import procguard
 from p2p_diloco.hivemind_ext.codecs import get_codec
@@ -113,13 +113,18 @@ class RoundOutcome:
     version_after: int = -1
     group_distance: float = float("nan")
     """Grid groups, committed: ``||our anchor - the group's averaged anchor|| / ||averaged||`` (consensus distance)."""
+    pending: dict[str, torch.Tensor] | None = None
+    """Discarded for want of verdicts only (our all-reduce was complete and every verdict we read was "ok"): the
+    merged pseudo-gradient we would have applied. A member that read every "ok" just before we withdrew ours may
+    have committed it; the learner keeps it and adopts it if a peer turns out to hold exactly its result
+    (:meth:`~p2p_diloco.sync.fragment.FragmentSync.adopt_pending`), with no download and no third peer."""
 
     def event(self) -> dict[str, Any]:
         """The JSONL record of this round (no tensors)."""
         # not asdict(): it deep-copied the merged tensors (a whole fragment) on the training thread only to drop
         # them; finished_at is on this process's clock only
         d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in ("merged", "mixed_anchor", "mixed_momentum", "finished_at")}
+             if f.name not in ("merged", "mixed_anchor", "mixed_momentum", "pending", "finished_at")}
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
@@ -283,14 +288,17 @@ class FragmentAveragerHost:
                 decision = Decision(False, "averaged tensors are not finite")
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         key = commit_key(self.prefix, dict(zip(peers, metas)))
-        verdict, rtt_s = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        verdict, rtt_s, withdrawn = self._agree(key, peers, "ok" if decision.ok else decision.reason)
         extra["rtt_s"] = rtt_s
         if not decision.ok:
             return failed(decision.reason, **extra)
-        if not verdict.ok:
+        keep = withdrawn and not self.grid  # grid rounds mix anchors: nothing to adopt later
+        if not verdict.ok and not keep:
             return failed(verdict.reason, **extra)
         merged = outer.decode_merged({n: averaged[n] for n in self.names}, [m.norms for m in metas], list(weights),
                                      self.cfg.outer.merge, self.robust)
+        if not verdict.ok:
+            return failed(verdict.reason, **extra, pending=merged)
         if self.grid:
             anchor = {n: averaged[ANCHOR_TENSOR + n] for n in self.names}
             extra.update(mixed_anchor=anchor, mixed_momentum={n: averaged[MOMENTUM_TENSOR + n] for n in self.names},
@@ -302,10 +310,17 @@ class FragmentAveragerHost:
                             bytes_received=self.averager.bytes_received.value - received0,
                             allreduce_s=self.averager.last_allreduce_s.value, merged=merged, **extra)
 
-    def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> tuple[Decision, float]:
+    def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> tuple[Decision, float, bool]:
         """Post our verdict under ``key`` (signed subkey), then read the others' until all are in or
-        ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read, and the fastest read's
-        seconds: a round trip to the group's peers (the DHT nodes nearest the key), our RTT sample."""
+        ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read, the fastest read's
+        seconds (a round trip to the group's peers, the DHT nodes nearest the key: our RTT sample) and whether
+        we withdrew our "ok".
+
+        A member still silent at our deadline may only be late (a process stopped by SIGSTOP, a machine that
+        swapped): if it then reads every "ok", ours included, it commits alone. So at the deadline we replace our
+        "ok" with a veto (a newer value under our subkey wins), and a member that reads late discards as we do. One
+        that read our "ok" just before may still have committed: the caller keeps the round's result for that
+        case (``RoundOutcome.pending``)."""
         from p2p_diloco.net.membership import owned_values
 
         timeout_s = self.cfg.averaging.commit_timeout_s
@@ -318,12 +333,20 @@ class FragmentAveragerHost:
             asked = time.monotonic()
             found = self.dht.get(key, latest=True)
             rtt_s = min(rtt_s, time.monotonic() - asked)
+            if faults.hit("reading-verdicts", self.fragment):
+                found = None
             reports.update({p: v for p, v in owned_values(found).items() if isinstance(v, str)})
             decision = commit_decision(reports, peers)
-            if decision.ok or any(reports.get(p, "ok") != "ok" for p in peers) or time.monotonic() >= deadline:
-                if not decision.ok and "no verdict" in decision.reason:
+            vetoed = any(reports.get(p, "ok") != "ok" for p in peers)
+            if decision.ok or vetoed or time.monotonic() >= deadline:
+                withdrawn = False
+                if not decision.ok and not vetoed:  # silence only: withdraw our "ok" (see above)
                     decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
-                return decision, rtt_s
+                    if own_verdict == "ok":
+                        self.dht.store(key, f"withdrawn: {decision.reason}"[:300],
+                                       get_dht_time() + 10 * timeout_s + 61, subkey=self.report_subkey)
+                        withdrawn = True
+                return decision, rtt_s, withdrawn
             time.sleep(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)], max(0.0, deadline - time.monotonic())))
             reads += 1
 

@@ -14,14 +14,16 @@ round's contribution is handed to its averager), ``while-sending`` (a fragment a
 first part went out to a reducer), ``while-reducing`` (a fragment averager, after it received the
 first part from a remote sender), ``serving-state`` (a fragment averager, after the first chunk of a
 state download it serves), ``fetching-state`` (a fragment averager, after the first chunk of a state
-download it receives).
+download it receives), ``reading-verdicts`` (the learner, each time it reads a round's verdicts).
 
 Actions: ``kill`` -- SIGKILL of the learner's main process (its DHT, averagers and ``p2pd`` die with
 it: :mod:`p2p_diloco.hivemind_ext.procguard`), exactly what ``kill -9`` does; ``stall`` -- the process that hit
 the point sleeps ``seconds`` (an averager that stalls hangs with its connections open, as if it
 were stopped by SIGSTOP); ``raise`` -- the process that hit the point raises :class:`FaultInjected`
 (at ``inner-step`` or ``before-send``: the learner fails as on a bug, after joining, and must still
-publish its tombstone).
+publish its tombstone); ``blind`` -- for ``seconds`` from its firing, every hit of the point reports
+True, and the caller acts as if its read found nothing (``blind@reading-verdicts``: a member that
+misses the others' verdicts, as one behind a slow DHT path would, while they read its own).
 
 Before it acts, a fault writes ``FAULT fired: <spec> (hit N, pid P)`` to stderr, flushed, so a test
 can check that it fired even when the process dies of it. The armed faults live in this module's
@@ -40,8 +42,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
-POINTS = ("inner-step", "before-send", "while-sending", "while-reducing", "serving-state", "fetching-state")
-ACTIONS = ("kill", "stall", "raise")
+POINTS = ("inner-step", "before-send", "while-sending", "while-reducing", "serving-state", "fetching-state",
+          "reading-verdicts")
+ACTIONS = ("kill", "stall", "raise", "blind")
 DEFAULT_STALL_S = 30.0
 
 
@@ -64,7 +67,7 @@ class Fault:
     def spec(self) -> str:
         extra = f":fragment={self.fragment}" if self.fragment is not None else ""
         extra += f":at={self.at}" if self.at != 1 else ""
-        extra += f":seconds={self.seconds:g}" if self.action == "stall" else ""
+        extra += f":seconds={self.seconds:g}" if self.action in ("stall", "blind") else ""
         return f"{self.action}@{self.point}{extra}"
 
 
@@ -88,14 +91,15 @@ def parse_fault(spec: str) -> Fault:
                   fragment=int(values["fragment"]) if "fragment" in values else None)
     if fault.at < 1 or (fault.fragment is not None and fault.fragment < 0) or not 0 < fault.seconds <= 3600:
         raise ValueError(f"--fault {spec!r}: need at >= 1, fragment >= 0 and 0 < seconds <= 3600")
-    if "seconds" in values and action != "stall":
-        raise ValueError(f"--fault {spec!r}: seconds= only applies to stall")
+    if "seconds" in values and action not in ("stall", "blind"):
+        raise ValueError(f"--fault {spec!r}: seconds= only applies to stall and blind")
     return fault
 
 
 _armed: tuple[Fault, ...] = ()
 _main_pid = 0
 _hits: dict[Fault, int] = {}
+_blind_until: dict[Fault, float] = {}
 _lock = threading.Lock()
 
 
@@ -105,27 +109,37 @@ def arm(faults: Sequence[Fault]) -> None:
     with _lock:
         _armed, _main_pid = tuple(faults), os.getpid()
         _hits.clear()
+        _blind_until.clear()
 
 
 def armed() -> tuple[Fault, ...]:
     return _armed
 
 
-def hit(point: str, fragment: int | None = None) -> None:
-    """A fault point: fires the armed fault whose turn it is (a no-op when none is armed)."""
+def hit(point: str, fragment: int | None = None) -> bool:
+    """A fault point: fires the armed fault whose turn it is (a no-op when none is armed). True while a
+    ``blind`` fault of this point is in force: the caller then acts as if what it read there was empty."""
     if not _armed:
-        return
+        return False
     firing = None
+    blind = False
     with _lock:
         for fault in _armed:
             if fault.point != point or (fault.fragment is not None and fault.fragment != fragment):
                 continue
+            if time.monotonic() < _blind_until.get(fault, -1.0):
+                blind = True
+                continue
             count = _hits[fault] = _hits.get(fault, 0) + 1
             if count == fault.at:
                 firing = fault, count
+                if fault.action == "blind":
+                    _blind_until[fault] = time.monotonic() + fault.seconds
+                    blind = True
                 break
     if firing is not None:
         _fire(*firing)
+    return blind
 
 
 async def after_first(stream: AsyncIterator[T], point: str, fragment: int | None = None) -> AsyncIterator[T]:
@@ -147,5 +161,5 @@ def _fire(fault: Fault, count: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # an averager process: do not outlive the main one by a moment
     elif fault.action == "raise":
         raise FaultInjected(f"fault {fault.spec} (hit {count})")
-    else:
+    elif fault.action == "stall":
         time.sleep(fault.seconds)

@@ -355,6 +355,7 @@ def final_summary(learner: Learner, eval_start: float, eval_end: float, train_s:
         "anchor_hashes": [s.anchor_hash for s in slots],
         "committed": [s.committed for s in slots], "discarded": [s.discarded for s in slots],
         "resynced": [s.resynced for s in slots], "forks_healed": [s.forks_healed for s in slots],
+        "late_commits": [s.late_commits for s in slots],
         "consensus_distance": [s.consensus_distance for s in slots],
         "busy_skips": [s.busy_skips for s in slots],
         "behind_skips": [s.behind_skips for s in slots],

@@ -309,6 +309,8 @@ class Rounds:
         now = time.monotonic()
         for sync in self.syncs:
             slot = sync.slot
+            if slot.pending is not None and self._adopt_pending(sync):
+                continue
             best = self._best_peer_rank(slot)
             if slot.inflight is not None or not is_ahead(best, slot.rank) or now - slot.last_fetch_try < FETCH_RETRY_S:
                 continue
@@ -319,6 +321,27 @@ class Rounds:
             logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
                         slot.anchor_hash, best[0], best[1], what)
             sync.start_fetch()
+
+    def _adopt_pending(self, sync: FragmentSync) -> bool:
+        """A round we discarded for want of verdicts, if a live peer holds exactly its result: that member read
+        every "ok" and committed it, so we commit it too (:meth:`FragmentSync.adopt_pending`). In a swarm of two
+        this is the only way back: nobody else could vouch for a download of that version. True if adopted."""
+        slot = sync.slot
+        pending = slot.pending
+        assert pending is not None
+        if pending.base != slot.rank:  # we moved on (a commit or a download): its base is gone
+            slot.pending = None
+            return False
+        if slot.inflight is not None or pending.rank not in self.peer_ranks(slot):
+            return False
+        old, old_hash = slot.rank
+        sync.adopt_pending()
+        self.last_sync_time = self.dht_time()
+        self.event({"event": "late_commit", "fragment": slot.index, "version": old, "version_after": slot.version,
+                    "anchor_hash_before": old_hash, "anchor_hash": slot.anchor_hash})
+        logger.info("fragment %d: a peer committed the round we discarded for want of its verdict; committed it too: "
+                    "v%d (%s) -> v%d (%s)", slot.index, old, old_hash, slot.version, slot.anchor_hash)
+        return True
 
     def apply_fetched(self, sync: FragmentSync, download: Download) -> None:
         """Rebase our progress onto a downloaded anchor (:meth:`FragmentSync.apply_fetched`). At equal

@@ -13,7 +13,11 @@ weights of f) and its outer Nesterov state. :class:`FragmentSync` moves one frag
 3. **apply a round** (:meth:`FragmentSync.apply_round`): committed -> outer Nesterov step on the anchor
    and alpha-mix into the weights; the progress that went out is settled. Discarded -> nothing changes
    (a round is never half-applied).
-4. **apply a fetched state** (:meth:`FragmentSync.apply_fetched`): catch up or heal a fork by rebasing
+4. **adopt a pending round** (:meth:`FragmentSync.adopt_pending`): a round discarded for want of verdicts
+   (a member was late, not dead) may have been committed by that member; its result is kept and adopted as a
+   commit once a peer holds exactly that (version, anchor hash). Nothing is downloaded and no third peer is
+   needed: we apply only what our own complete all-reduce gave us.
+5. **apply a fetched state** (:meth:`FragmentSync.apply_fetched`): catch up or heal a fork by rebasing
    our progress onto the downloaded anchor, ``theta <- new + (theta - old)``; after a resume whose
    checkpoint the swarm has moved past, restart the fragment from the downloaded anchor.
 
@@ -36,7 +40,7 @@ import torch
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import OuterConfig
 from p2p_diloco.core.devices import load_into, to_host
-from p2p_diloco.sync.slot import FragmentSlot
+from p2p_diloco.sync.slot import FragmentSlot, PendingRound
 
 ROUND = "round"
 FETCH = "fetch"
@@ -272,6 +276,8 @@ class FragmentSync:
         slot = self.slot
         if not outcome.committed:
             slot.discarded += 1
+            pending = getattr(outcome, "pending", None)
+            slot.pending = self._pending(pending) if pending is not None else None
             return
         merged = outcome.merged
         if merged is None:
@@ -293,6 +299,42 @@ class FragmentSync:
             slot.anchor_hash = self.hash_anchor(slot.anchor)
         self.settle()
         slot.committed += 1
+        slot.restored = False
+        slot.pending = None
+        self._advertise()
+
+    def _pending(self, merged: Mapping[str, torch.Tensor]) -> PendingRound:
+        """What committing ``merged`` would make of our anchor and momentum (copies: nothing changes now)."""
+        slot = self.slot
+        with slot.lock, torch.no_grad():
+            anchor = {n: t.clone() for n, t in slot.anchor.items()}
+            state = outer.OuterState(momentum={n: t.clone() for n, t in slot.state.momentum.items()},
+                                     version=slot.version)
+            base = slot.rank
+        outer.nesterov_step(anchor, merged, state, self.cfg.lr, self.cfg.momentum)
+        return PendingRound(base=base, rank=(state.version, self.hash_anchor(anchor)), anchor=anchor,
+                            momentum=state.momentum, sent_tokens=slot.sent_tokens, sent_steps=slot.sent_steps)
+
+    def adopt_pending(self) -> None:
+        """Commit the round we kept (:attr:`FragmentSlot.pending`) as :meth:`apply_round` would have: its anchor
+        and momentum become ours, our weights are alpha-mixed with the anchor, and what it carried is settled."""
+        slot = self.slot
+        pending = slot.pending
+        if pending is None or pending.base != slot.rank or slot.inflight is not None:
+            raise ValueError(f"fragment {slot.index}: no pending round to adopt at {slot.rank}")
+        with slot.lock, torch.no_grad():
+            slot.anchor = pending.anchor
+            slot.state = outer.OuterState(momentum=pending.momentum, version=pending.rank[0])
+            slot.anchor_hash = pending.rank[1]
+            if self.replica is not None:
+                mixed = to_host(self.replica.params, slot.names)
+                outer.alpha_mix(mixed, slot.anchor, self.cfg.alpha)
+                load_into(self.replica.params, mixed)
+        slot.since_tokens = max(0, slot.since_tokens - pending.sent_tokens)
+        slot.since_steps = max(0, slot.since_steps - pending.sent_steps)
+        slot.pending = None
+        slot.committed += 1
+        slot.late_commits += 1
         slot.restored = False
         self._advertise()
 
@@ -343,6 +385,7 @@ class FragmentSync:
             slot.anchor_hash = fetched.anchor_hash
         slot.resynced += 1
         slot.forks_healed += fork
+        slot.pending = None
         self._advertise()
         return "fork healed" if fork else "reset after resume" if reset else "rebased"
 

@@ -15,6 +15,21 @@ from p2p_diloco.core import outer
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PendingRound:
+    """A round we discarded for want of verdicts although our all-reduce was complete: its result, kept in case
+    a member committed it (see :meth:`~p2p_diloco.sync.fragment.FragmentSync.adopt_pending`)."""
+
+    base: tuple[int, str]
+    """The (version, anchor hash) it was computed from: it is adoptable only while we are still there."""
+    rank: tuple[int, str]
+    """The (version, anchor hash) its commit makes: a peer that holds exactly this committed it."""
+    anchor: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    sent_tokens: int
+    sent_steps: int
+
+
 @dataclass
 class FragmentSlot:
     """The learner's view of one fragment: its anchor, outer state, progress, and what is in flight
@@ -38,6 +53,9 @@ class FragmentSlot:
     forks_healed: int = 0
     consensus_distance: float = 0.0
     """``||ours - winner|| / ||winner||`` at the last fork we healed (0.0: none yet)."""
+    late_commits: int = 0
+    """Rounds we first discarded for want of verdicts, then adopted when a peer turned out to have committed them."""
+    pending: PendingRound | None = None
     busy_skips: int = 0
     local_drops: int = 0
     """Own pseudo-gradients the local check refused (the fragment was re-anchored)."""

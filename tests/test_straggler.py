@@ -1,0 +1,118 @@
+"""Stragglers come back to the one model, whatever the swarm's size (real learners on 127.0.0.1).
+
+A learner stopped with SIGSTOP (``kill -STOP PID``, as a user pausing a job or a machine that swaps) freezes
+between posting its verdict and reading the others'. Its partner gives up on the round when the commit timeout
+passes; the straggler, woken, used to read every "ok" and commit alone: a version only it held, which nobody
+else could vouch for, so in a swarm of two no download was ever accepted and the swarm stayed split for good.
+Now a member that gives up replaces its "ok" with a veto (the late member discards too), and one that gave up
+keeps the round's result: if a peer still turns out to hold exactly that result, it commits it too
+(``late_commit``), with no download and no third peer.
+
+1. SIGSTOP one learner of two for 15 s and for 60 s, and one of three for 15 s: all end at the same versions
+   with identical anchors, the straggler averages with the others again after SIGCONT, and every final line's
+   consensus distance is 0 (what identical anchors make it).
+2. The late-commit path, forced: one of two learners is blind to the others' verdicts for a while
+   (``blind@reading-verdicts``), so its partner commits while it gives up; it then commits the same round late
+   and both end identical.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from procs import Proc, ProcGroup, start_bootstrap
+from test_learner_swarm import TINY, events, final_summary
+
+from p2p_diloco.core.waiting import poll_until
+
+pytestmark = pytest.mark.integration
+
+BEFORE_STOP_S = 20.0
+"""Seconds of training (after every learner's first committed round) before the straggler is stopped."""
+AFTER_CONT_S = 25.0
+"""Seconds the learners train after SIGCONT: several rounds of each fragment (one every ~2-3 s here)."""
+START_ALLOWANCE_S = 40.0
+"""Start-up, the wait for peers and the first round, on a loaded 2-core machine."""
+EXIT_DEADLINE_S = 120.0
+
+
+def start(procs: ProcGroup, peers: str, name: str, tmp: Path, n: int, train_s: float, *extra: str) -> Proc:
+    return procs.cli("join", "--initial-peers", peers, "--config", TINY, "--name", name, "--events",
+                     str(tmp / f"{name}.jsonl"), "--wait-peers", str(n), "--max-time", str(train_s),
+                     "--steps", "1000000", "--set", "inner.total_steps=1000000", "--linger", "20", *extra, name=name)
+
+
+def committed_rounds(path: Path) -> list[dict[str, Any]]:
+    return [e for e in events(path) if e["event"] == "round" and e["outcome"] == "committed"] if path.exists() else []
+
+
+def process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def check_identical(finals: dict[str, dict[str, Any]]) -> None:
+    for n, s in finals.items():
+        print(f"\n{n}: versions {s['versions']} anchors {s['anchor_hashes']} committed {s['committed']} discarded "
+              f"{s['discarded']} resynced {s['resynced']} late {s['late_commits']} distance {s['consensus_distance']}")
+    assert len({tuple(s["versions"]) for s in finals.values()}) == 1, finals
+    assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
+    for s in finals.values():  # identical anchors: the distance each learner reports is 0
+        assert s["consensus_distance"] == [0.0] * len(s["versions"]), s
+
+
+@pytest.mark.parametrize(("n", "stop_s"), [(2, 15.0), (2, 60.0), (3, 15.0)], ids=["2-learners-15s", "2-learners-60s",
+                                                                                   "3-learners-15s"])
+def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, stop_s: float) -> None:
+    names = [f"l{i}" for i in range(n)]
+    victim = names[-1]
+    train_s = START_ALLOWANCE_S + BEFORE_STOP_S + stop_s + AFTER_CONT_S
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        learners = {nm: start(procs, peers, nm, tmp_path, n, train_s) for nm in names}
+        poll_until(lambda: all(committed_rounds(tmp_path / f"{nm}.jsonl") for nm in names), START_ALLOWANCE_S + 60,
+                   "every learner's first committed round", detail=lambda: learners[victim].output())
+        time.sleep(BEFORE_STOP_S)
+        pid = learners[victim].pid
+        learners[victim].send(signal.SIGSTOP)
+        poll_until(lambda: process_state(pid) == "T", 10, f"{victim} stopped")  # the fault took effect
+        time.sleep(stop_s)
+        assert process_state(pid) == "T", "the straggler was not stopped for the whole pause"
+        learners[victim].send(signal.SIGCONT)
+        resumed = time.time()
+        finals = {nm: final_summary(p, timeout_s=train_s + EXIT_DEADLINE_S) for nm, p in learners.items()}
+        for p in learners.values():
+            assert p.wait_exit(EXIT_DEADLINE_S) == 0, p.output()
+    check_identical(finals)
+    # after SIGCONT the straggler averaged with every other learner again, on every fragment
+    after = [e for e in committed_rounds(tmp_path / f"{victim}.jsonl") if e["time"] > resumed and e["group_size"] == n]
+    fragments = range(len(finals[victim]["versions"]))
+    assert {e["fragment"] for e in after} == set(fragments), after
+    for f in fragments:
+        print(f"fragment {f}: {sum(e['fragment'] == f for e in after)} full-group rounds of the straggler after SIGCONT")
+
+
+def test_a_member_that_gave_up_on_a_round_its_partner_committed_commits_it_late(tmp_path: Path) -> None:
+    spec = "blind@reading-verdicts:fragment=0:at=6:seconds=8"  # a few rounds in; longer than the commit timeout
+    train_s = START_ALLOWANCE_S + 40
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
+        a = start(procs, peers, "a", tmp_path, 2, train_s)
+        b = start(procs, peers, "b", tmp_path, 2, train_s, "--fault", spec)
+        finals = {"a": final_summary(a, timeout_s=train_s + EXIT_DEADLINE_S),
+                  "b": final_summary(b, timeout_s=train_s + EXIT_DEADLINE_S)}
+        for p in (a, b):
+            assert p.wait_exit(EXIT_DEADLINE_S) == 0, p.output()
+    assert any(f"FAULT fired: {spec}" in line for _, line in b.stderr), b.output()
+    late = [e for e in events(tmp_path / "b.jsonl") if e["event"] == "late_commit"]
+    print(f"\nlate commits of b: {late}")
+    assert late and all(e["fragment"] == 0 and e["version_after"] == e["version"] + 1 for e in late), late
+    # the round b committed late is one a committed on time, with the same result
+    a_commits = {(e["version"], e["anchor_hash"]) for e in committed_rounds(tmp_path / "a.jsonl") if e["fragment"] == 0}
+    assert {(e["version"], e["anchor_hash"]) for e in late} <= a_commits, (late, a_commits)
+    assert finals["b"]["late_commits"][0] == len(late)
+    check_identical(finals)
