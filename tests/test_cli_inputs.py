@@ -279,3 +279,17 @@ def test_a_learner_that_fails_after_joining_publishes_its_tombstone(tmp_path: Pa
     data = json.loads(status.stdout[-1][1])
     states = [p["status"] for p in data["peers"] if p["name"] == "doomed"]
     assert states == ["left"], data["peers"]
+
+
+def test_output_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    """``p2p-diloco config | head -1``: the reader leaves before we are done; no BrokenPipeError traceback. The
+    reader here is ``true``, which leaves before a Python process has started, so every write meets a closed pipe."""
+    import subprocess
+
+    from p2p_diloco.local.launcher import cli_argv
+
+    command = " ".join(cli_argv("config", "--config", "demo")) + " | true"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode in (0, 141), (done.returncode, done.stderr)

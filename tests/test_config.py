@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,11 @@ def test_help_imports_neither_torch_nor_hivemind() -> None:
     assert r.returncode == 0, r.stderr
     r = _cli("--help")
     assert r.returncode == 0 and "config" in r.stdout
+
+
+@pytest.mark.parametrize("override", ["inner.lr=inf", "inner.lr=nan", "outer.lr=-inf", "averaging.window_s=inf"])
+def test_non_finite_numbers_are_refused_naming_the_key(override: str) -> None:
+    # inf passed every "> 0" check and trained to a NaN loss
+    key = re.escape(override.split("=")[0])
+    with pytest.raises(ConfigError, match=rf"^{key}: expected a finite number, got"):
+        load_config(None, [override])

@@ -31,7 +31,9 @@ this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
   posts its veto from the averager process at once (:meth:`FragmentAveragerProcess._post_veto`), so the
   others do not wait out the timeout. (Two-phase commit without a coordinator cannot be perfect: a
   verdict read just after a member's deadline makes one member abort while the others commit;
-  versions then differ and the behind member catches up by state download.)
+  versions then differ. A member that gives up for want of verdicts withdraws its "ok" -- a late member then
+  discards too -- and keeps the round's result, committed late if a peer turns out to hold exactly it:
+  :meth:`~p2p_diloco.sync.fragment.FragmentSync.adopt_pending`. Otherwise the behind member downloads.)
 * **Checked metadata** (:func:`check_group`). Each member gathers (fragment, version, anchor hash,
   config hash, tokens, steps, weight, radial norms, due time) from all the others; a round whose
   members disagree on the anchor, or whose weights are not what their progress says, or all zero

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -144,9 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("p2p-diloco: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `status | head`: the reader left; say nothing, as other Unix tools do
+        quiet_broken_pipe()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError) as e:
         print(f"p2p-diloco: error: {e}", file=sys.stderr)
         return 2
+
+
+def quiet_broken_pipe() -> None:
+    """Point stdout at /dev/null so that the interpreter's own flush at exit does not raise again on the closed
+    pipe (Python's documented recipe for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

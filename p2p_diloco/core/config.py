@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -253,6 +254,8 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):  # inf and nan pass every "> 0" check below and train to a NaN loss
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
