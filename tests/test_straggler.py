@@ -32,9 +32,9 @@ from p2p_diloco.core.waiting import poll_until
 
 pytestmark = pytest.mark.integration
 
-BEFORE_STOP_S = 20.0
+BEFORE_STOP_S = 10.0
 """Seconds of training (after every learner's first committed round) before the straggler is stopped."""
-AFTER_CONT_S = 25.0
+AFTER_CONT_S = 18.0
 """Seconds the learners train after SIGCONT: several rounds of each fragment (one every ~2-3 s here)."""
 START_ALLOWANCE_S = 40.0
 """Start-up, the wait for peers and the first round, on a loaded 2-core machine."""
@@ -98,7 +98,7 @@ def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, s
 
 def test_a_member_that_gave_up_on_a_round_its_partner_committed_commits_it_late(tmp_path: Path) -> None:
     spec = "blind@reading-verdicts:fragment=0:at=6:seconds=8"  # a few rounds in; longer than the commit timeout
-    train_s = START_ALLOWANCE_S + 40
+    train_s = START_ALLOWANCE_S + 30
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         a = start(procs, peers, "a", tmp_path, 2, train_s)
