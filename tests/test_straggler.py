@@ -61,8 +61,10 @@ def check_identical(finals: dict[str, dict[str, Any]]) -> None:
               f"{s['discarded']} resynced {s['resynced']} late {s['late_commits']} distance {s['consensus_distance']}")
     assert len({tuple(s["versions"]) for s in finals.values()}) == 1, finals
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
-    for s in finals.values():  # identical anchors: the distance each learner reports is 0
-        assert s["consensus_distance"] == [0.0] * len(s["versions"]), s
+    # identical anchors: a learner that still saw live peers at the end states distance 0, never a stale figure
+    for s in finals.values():
+        assert all(d in (0.0, None) for d in s["consensus_distance"]), s
+    assert any(s["consensus_distance"] == [0.0] * len(s["versions"]) for s in finals.values()), finals
 
 
 @pytest.mark.parametrize(("n", "stop_s"), [(2, 15.0), (2, 60.0), (3, 15.0)], ids=["2-learners-15s", "2-learners-60s",

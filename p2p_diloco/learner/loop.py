@@ -344,6 +344,17 @@ class Learner:
         return get_dht_time()
 
 
+def final_consensus(rounds: Rounds) -> list[float | None]:
+    """Per fragment, the consensus distance we can state at the end: 0.0 when every live peer of the last view
+    holds exactly our (version, anchor hash); None when one holds another anchor (it differs, by an amount we
+    did not measure) or no live peer was left to compare with."""
+    out: list[float | None] = []
+    for slot in rounds.slots:
+        ranks = rounds.peer_ranks(slot)
+        out.append(0.0 if ranks and all(tuple(rank) == slot.rank for rank in ranks) else None)
+    return out
+
+
 def final_summary(learner: Learner, eval_start: float, eval_end: float, train_s: float) -> dict[str, Any]:
     """The ``final`` line: where we ended (versions, anchor hashes), the anchors' eval loss before and after,
     rounds and downloads per fragment, and how long the inner loop waited."""
@@ -356,7 +367,8 @@ def final_summary(learner: Learner, eval_start: float, eval_end: float, train_s:
         "committed": [s.committed for s in slots], "discarded": [s.discarded for s in slots],
         "resynced": [s.resynced for s in slots], "forks_healed": [s.forks_healed for s in slots],
         "late_commits": [s.late_commits for s in slots],
-        "consensus_distance": [s.consensus_distance for s in slots],
+        "consensus_distance": final_consensus(r),
+        "fork_distance": [s.consensus_distance for s in slots],
         "busy_skips": [s.busy_skips for s in slots],
         "behind_skips": [s.behind_skips for s in slots],
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
