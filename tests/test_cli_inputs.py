@@ -293,3 +293,15 @@ def test_output_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
                           cwd=tmp_path)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.returncode in (0, 141), (done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (("--checkpoint-dir", "/proc/nope"), "--checkpoint-dir /proc/nope: cannot write there"),
+    (("--events", "/proc/x.jsonl"), "--events /proc/x.jsonl: cannot write it"),
+    (("--metrics", "jsonl:/proc/nope/x.jsonl"), "--metrics jsonl: /proc/nope/x.jsonl: cannot write it"),
+    (("--metrics", "tensorboard:/proc/tb"), "--metrics tensorboard: /proc/tb: cannot write there"),
+], ids=["checkpoint-dir", "events", "metrics-jsonl", "metrics-tensorboard"])
+def test_paths_we_cannot_write_are_refused_before_joining(refused: Callable[..., str], flags: tuple[str, ...],
+                                                         expected: str) -> None:
+    # the initial peer is unreachable: a refusal that came after joining would be a different error
+    print(refused(_join(*flags), expected))

@@ -19,7 +19,9 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.core.console import out
@@ -163,3 +165,23 @@ class StopOnSignal:
             signal.signal(s, handler)
 
 
+def check_writable_dir(path: Path, what: str) -> None:
+    """Before joining: ``path`` is (or can be made) a folder we can write a file in; otherwise ValueError naming
+    ``what`` (a flag). Tried for real, not by mode bits: root passes every permission check, not /proc's."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def check_writable_file(path: Path, what: str) -> None:
+    """Before joining: ``path`` can be written (its folder made, the file opened for appending; nothing in it is
+    changed); otherwise ValueError naming ``what``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write it ({e.strerror or e})") from None

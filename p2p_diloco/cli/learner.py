@@ -18,6 +18,8 @@ from p2p_diloco.cli.common import (
     add_config_args,
     add_network_args,
     add_run_id_arg,
+    check_writable_dir,
+    check_writable_file,
     resolve_config,
     setup_logging,
 )
@@ -93,6 +95,16 @@ def cmd_join(args: argparse.Namespace) -> int:
     metrics.check_available(metrics_specs)  # tensorboard missing: fail now, not after joining
     chosen = args.checkpoint_dir or args.resume
     checkpoint_dir = Path(chosen) if chosen else None
+    # every path we will write is tried now: a folder we cannot write fails here, not at the first checkpoint
+    if checkpoint_dir is not None:
+        check_writable_dir(checkpoint_dir, "--checkpoint-dir" if args.checkpoint_dir else "--resume")
+    if args.events:
+        check_writable_file(Path(args.events), "--events")
+    for spec in metrics_specs:
+        if spec.kind == "tensorboard":
+            check_writable_dir(spec.path, f"--metrics {spec.kind}:")
+        else:
+            check_writable_file(spec.path, f"--metrics {spec.kind}:")
     if args.lr_schedule == "time" and not args.max_time_s:
         raise ValueError("--lr-schedule time: needs --max-time SECONDS")
     if args.checkpoint_every_s and checkpoint_dir is None:
