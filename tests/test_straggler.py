@@ -90,12 +90,14 @@ def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, s
         for p in learners.values():
             assert p.wait_exit(EXIT_DEADLINE_S) == 0, p.output()
     check_identical(finals)
-    # after SIGCONT the straggler averaged with every other learner again, on every fragment
-    after = [e for e in committed_rounds(tmp_path / f"{victim}.jsonl") if e["time"] > resumed and e["group_size"] == n]
-    fragments = range(len(finals[victim]["versions"]))
-    assert {e["fragment"] for e in after} == set(fragments), after
-    for f in fragments:
-        print(f"fragment {f}: {sum(e['fragment'] == f for e in after)} full-group rounds of the straggler after SIGCONT")
+    # after SIGCONT the straggler averaged with every other learner again, on every fragment, within 3 rounds
+    tried = [e for e in events(tmp_path / f"{victim}.jsonl") if e["event"] == "round" and e["time"] > resumed]
+    for f in range(len(finals[victim]["versions"])):
+        ours = [e for e in tried if e["fragment"] == f]
+        full = [i for i, e in enumerate(ours) if e["outcome"] == "committed" and e["group_size"] == n]
+        print(f"fragment {f}: the straggler's rounds after SIGCONT {[(e['outcome'], e['reason'][:60]) for e in ours[:3]]}"
+              f"; {len(full)} with every learner")
+        assert full and full[0] < 3, ours[:4]
 
 
 def test_a_member_that_gave_up_on_a_round_its_partner_committed_commits_it_late(tmp_path: Path) -> None:
