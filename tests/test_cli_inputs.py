@@ -305,3 +305,10 @@ def test_paths_we_cannot_write_are_refused_before_joining(refused: Callable[...,
                                                          expected: str) -> None:
     # the initial peer is unreachable: a refusal that came after joining would be a different error
     print(refused(_join(*flags), expected))
+
+
+def test_config_help_names_the_bundled_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bootstrap", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "or the name of a bundled one (" in shown and "demo" in shown and "tiny" in shown, shown

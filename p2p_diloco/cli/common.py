@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.core.console import out
+from p2p_diloco.core.resources import bundled_names  # importlib.resources only: --help stays fast
 from p2p_diloco.hivemind_ext.procguard import stop_process
 from p2p_diloco.net.arguments import swarm_options
 
@@ -42,7 +43,8 @@ MIN_WATCH_INTERVAL_S = 0.5
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="run config (TOML); its run id and hash identify the run")
+    p.add_argument("--config", metavar="FILE", help="run config: a TOML file, or the name of a bundled one ("
+                   f"{', '.join(bundled_names('configs'))}); its run id and hash identify the run")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one config value, e.g. --set run.run_id=myrun (repeatable)")
 
