@@ -5,7 +5,7 @@ A round of fragment f is a hivemind group all-reduce of the members' encoded pse
 within the matchmaking window (at least ``averaging.min_group_size`` peers). Every member then
 decodes the *same* averaged tensors with the *same* gathered metadata and applies the same outer
 step to the same anchor, so anchors stay identical inside a group. What makes that true, and what
-this module adds to hivemind 1.1.12 (see ``shared/notes/hivemind.md``):
+this module adds to hivemind 1.1.12 (see ``docs/design.md``, "What hivemind 1.1.12 does here"):
 
 * **Same bytes for everyone** (:class:`ExactAllReduceRunner`). hivemind's reducer sends each
   sender ``codec(average - x_sender)`` and the sender adds it to its own tensor, so with a lossy

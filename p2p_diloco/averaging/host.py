@@ -325,7 +325,9 @@ class FragmentAveragerHost:
 
         timeout_s = self.cfg.averaging.commit_timeout_s
         deadline = time.monotonic() + timeout_s
-        self.dht.store(key, own_verdict[:300], get_dht_time() + 10 * timeout_s + 60, subkey=self.report_subkey)
+        keep_s = 10 * timeout_s + 60  # verdicts outlive every member's read of them
+        posted_until = get_dht_time() + keep_s
+        self.dht.store(key, own_verdict[:300], posted_until, subkey=self.report_subkey)
         reports: dict[str, str] = {}
         rtt_s = math.inf
         reads = 0
@@ -343,8 +345,9 @@ class FragmentAveragerHost:
                 if not decision.ok and not vetoed:  # silence only: withdraw our "ok" (see above)
                     decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
                     if own_verdict == "ok":
+                        # a later expiration than our "ok" replaces it under the same subkey
                         self.dht.store(key, f"withdrawn: {decision.reason}"[:300],
-                                       get_dht_time() + 10 * timeout_s + 61, subkey=self.report_subkey)
+                                       max(posted_until + 1, get_dht_time() + keep_s), subkey=self.report_subkey)
                         withdrawn = True
                 return decision, rtt_s, withdrawn
             time.sleep(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)], max(0.0, deadline - time.monotonic())))

@@ -12,7 +12,7 @@ The DHT *is* the swarm's memory; there is no server. A peer:
    and state handlers (the DHT authorizer does not cover their RPCs; the remote peer id that
    libp2p reports there is authenticated, and records are owned by the same key).
 
-hivemind 1.1.12 facts this relies on are in ``shared/notes/hivemind.md``; the ones found while
+hivemind 1.1.12 facts this relies on are in ``docs/design.md`` ("What hivemind 1.1.12 does here"); the ones found while
 writing this module are marked "verified here".
 """
 
