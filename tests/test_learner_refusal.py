@@ -25,7 +25,7 @@ def test_incompatible_or_keyless_learners_are_refused(tmp_path: Path) -> None:
         peers = boot.wait_for(r"^initial peers: (\S+)").group(1)
         member = procs.cli("join", "--initial-peers", peers, "--config", TINY, "--swarm-key", "swarm.secret",
                            "--name", "member", "--profile", str(profile), "--steps", "100000", "--max-time", "120",
-                           "--linger", "1", name="member")
+                           "--linger", "1", "-v", name="member")  # -v: its round lines (INFO) are awaited below
         member.wait_for(r"^learner member: ")
 
         other_config = procs.cli("join", "--initial-peers", peers, "--config", TINY, "--swarm-key", "swarm.secret",

@@ -107,7 +107,7 @@ def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> No
         # the early pair trains, syncs, then stays to serve (versions final and equal: donor ranks tie)
         early = {n: start_learner(procs, peers, n, tmp_path, "--identity", str(tmp_path / f"{n}.id"), "--shard", str(i),
                                   "--num-shards", "3", "--profile", str(profile), "--wait-peers", "2", "--steps", "90", "--linger", "20",
-                                  "--serve", "60",
+                                  "--serve", "60", "-v",  # -v: the "serving" line is INFO
                                   *(("--fault", spec) if n == victim else ()))
                  for i, n in enumerate(("e0", "e1"))}
         for p in early.values():
@@ -234,7 +234,8 @@ def test_resume_after_kill_9_restores_the_saved_hashes(tmp_path: Path) -> None:
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         first = start_learner(procs, peers, "solo", tmp_path, "--profile", str(profile), "--steps", "100000",
-                              "--set", "inner.total_steps=300", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "0.5")
+                              "--set", "inner.total_steps=300", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "0.5",
+                              "-v")  # -v: "checkpoint saved" is INFO
         def three_saved() -> bool:  # three periodic checkpoints, then a crash (maybe in the middle of a save)
             assert first.popen.poll() is None, first.output()
             return sum("checkpoint saved" in line for _, line in first.stderr) >= 3

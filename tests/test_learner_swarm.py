@@ -210,7 +210,7 @@ def test_late_joiner_fetches_anchors_and_rebases(tmp_path: Path) -> None:
         # 25 s: on a loaded machine a download can take longer than the 4 s period, and the swarm moves on
         # meanwhile; the late joiner may need a few downloads before it is current and meets the others
         late = start_learner(procs, peers, "late", tmp_path, "--shard", "2", "--num-shards", "3",
-                             "--max-time", str(25 + START_ALLOWANCE_S), *clock)
+                             "--max-time", str(25 + START_ALLOWANCE_S), *clock, "-v")  # -v: its INFO lines below
         finals = {n: final_summary(p) for n, p in {**early, "late": late}.items()}
         for p in (*early.values(), late):
             assert p.wait_exit(30) == 0, p.output()

@@ -138,7 +138,7 @@ def test_summarize() -> None:
     assert (s.live, s.tokens, s.tokens_per_s) == (3, 160, 16.0)
     assert [(f.top_version, f.agreeing, f.versions) for f in s.fragments] == [
         (3, 3, {"3": 3}), (4, 2, {"3": 1, "4": 2})]
-    assert s.consensus is False
+    assert s.consensus is None  # no anchor hash published
     assert s.states == {"training": 2, "averaging": 1}
     assert s.left == (("d", "Qmd", NOW - 2),)
     assert [name for name, _, _ in s.foreign] == ["e"]
@@ -150,7 +150,7 @@ def test_summarize() -> None:
     healed = [(rec(n, fragment_versions=(3, 4), anchor_hashes=("aa", "b1")), NOW + 5) for n in "abc"]
     assert summarize(classify(healed, LOCAL, NOW), "run-a").consensus is True
     empty = summarize([], "run-a")
-    assert empty.live == 0 and empty.consensus is True and empty.fragments == ()
+    assert empty.live == 0 and empty.consensus is None and empty.fragments == ()
 
 
 def test_keys_are_sharded_by_peer_id() -> None:

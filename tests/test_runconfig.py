@@ -229,11 +229,11 @@ def test_idle_members_do_not_hold_consensus_back() -> None:
     assert (s.live, s.trainers, s.consensus) == (3, 2, True)
     assert [(f.top_version, f.agreeing) for f in s.fragments] == [(3, 2), (3, 2)]
     assert s.states == {"training": 2, "idle": 1}
-    # a training member that lags still breaks consensus
-    lagging = entries + [(rec("c", fragment_versions=(2, 3)), NOW + 5)]
-    assert summarize(classify(lagging, local, NOW), "run-a").consensus is False
+    # a training member that lags is counted, not held against the consensus (tests/test_status_consensus.py)
+    lagging = entries + [(rec("c", fragment_versions=(2, 3), anchor_hashes=("a0", "bb")), NOW + 5)]
+    assert summarize(classify(lagging, local, NOW), "run-a").consensus is True
     only_idle = summarize(classify(entries[2:], local, NOW), "run-a")
-    assert (only_idle.live, only_idle.trainers, only_idle.consensus, only_idle.fragments) == (1, 0, True, ())
+    assert (only_idle.live, only_idle.trainers, only_idle.consensus, only_idle.fragments) == (1, 0, None, ())
 
 
 def test_an_observer_sees_a_departed_peer_as_left_not_foreign() -> None:
@@ -243,12 +243,12 @@ def test_an_observer_sees_a_departed_peer_as_left_not_foreign() -> None:
     assert (view.status, view.reason) == ("left", f"left at {NOW - 5:.1f}")
     s = summarize([view], "run-a")
     assert [name for name, _, _ in s.left] == ["m2"] and s.foreign == ()
-    # a tombstone of another run is still foreign; a live record with a hash still needs the observer's
+    # a tombstone is left whatever its run or config (tests/test_status_consensus.py); another run's is no
+    # peer of ours: merge_index leaves it out
     [other] = classify([(tombstone(rec("x", run_id="run-b"), NOW - 5), NOW + 500)], observer, NOW)
-    assert other.status == "foreign"
-    # an observer with a config keeps calling an incompatible tombstone foreign (its config says so)
+    assert other.status == "left" and merge_index([], [other]) == []
     [with_cfg] = classify([(gone, NOW + 500)], replace(observer, config_hash="other"), NOW)
-    assert with_cfg.status == "foreign"
+    assert with_cfg.status == "left"
 
 
 def test_bootstrap_announcements_are_no_peers() -> None:

@@ -8,8 +8,9 @@ Now a member that gives up replaces its "ok" with a veto (the late member discar
 keeps the round's result: if a peer still turns out to hold exactly that result, it commits it too
 (``late_commit``), with no download and no third peer.
 
-1. SIGSTOP one learner of two for 15 s and for 60 s, and one of three for 15 s: all end at the same versions
-   with identical anchors, the straggler averages with the others again after SIGCONT, and every final line's
+1. SIGSTOP one learner of two for 15 s and, once it is back, for 60 s; and one of three for 15 s: after each
+   SIGCONT the straggler averages with every other learner again within 3 rounds of each fragment, on the
+   version and anchor they hold; all end at the same versions with identical anchors, and every final line's
    consensus distance is 0 (what identical anchors make it).
 2. The late-commit path, forced: one of two learners is blind to the others' verdicts for a while
    (``blind@reading-verdicts``), so its partner commits while it gives up; it then commits the same round late
@@ -28,6 +29,7 @@ import pytest
 from procs import Proc, ProcGroup, start_bootstrap
 from test_learner_swarm import TINY, events, final_summary
 
+from p2p_diloco.core.config import load_config
 from p2p_diloco.core.waiting import poll_until
 
 pytestmark = pytest.mark.integration
@@ -36,9 +38,12 @@ BEFORE_STOP_S = 10.0
 """Seconds of training (after every learner's first committed round) before the straggler is stopped."""
 AFTER_CONT_S = 18.0
 """Seconds the learners train after SIGCONT: several rounds of each fragment (one every ~2-3 s here)."""
-START_ALLOWANCE_S = 40.0
+START_ALLOWANCE_S = 30.0
 """Start-up, the wait for peers and the first round, on a loaded 2-core machine."""
+BETWEEN_PAUSES_S = 20.0
+"""Seconds from one SIGCONT to the next SIGSTOP when a learner is paused twice."""
 EXIT_DEADLINE_S = 120.0
+FRAGMENTS = load_config(TINY).outer.fragments
 
 
 def start(procs: ProcGroup, peers: str, name: str, tmp: Path, n: int, train_s: float, *extra: str) -> Proc:
@@ -67,12 +72,35 @@ def check_identical(finals: dict[str, dict[str, Any]]) -> None:
     assert any(s["consensus_distance"] == [0.0] * len(s["versions"]) for s in finals.values()), finals
 
 
-@pytest.mark.parametrize(("n", "stop_s"), [(2, 15.0), (2, 60.0), (3, 15.0)], ids=["2-learners-15s", "2-learners-60s",
-                                                                                   "3-learners-15s"])
-def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, stop_s: float) -> None:
+def check_back_within_3_rounds(tmp: Path, names: list[str], victim: str, resumed: float) -> None:
+    """After SIGCONT the straggler averaged with every other learner again, on every fragment, within 3 rounds,
+    and each of those rounds left it on the version and anchor its partners hold."""
+    tried = [e for e in events(tmp / f"{victim}.jsonl") if e["event"] == "round" and e["time"] > resumed]
+    for f in range(FRAGMENTS):
+        ours = [e for e in tried if e["fragment"] == f]
+        full = [i for i, e in enumerate(ours) if e["outcome"] == "committed" and e["group_size"] == len(names)]
+        print(f"fragment {f}: the straggler's rounds after SIGCONT {[(e['outcome'], e['reason'][:60]) for e in ours[:3]]}"
+              f"; {len(full)} with every learner")
+        assert full and full[0] < 3, ours[:4]
+        back = ours[full[0]]
+        for other in names:
+            held = {(e["version_after"], e["anchor_hash"]) for e in committed_rounds(tmp / f"{other}.jsonl")
+                    if e["fragment"] == f}
+            assert (back["version_after"], back["anchor_hash"]) in held, (other, back, sorted(held)[-3:])
+
+
+def straggler_back(tmp: Path, names: list[str], victim: str, resumed: float) -> bool:
+    return all(any(e["outcome"] == "committed" and e["group_size"] == len(names) and e["fragment"] == f
+                   for e in events(tmp / f"{victim}.jsonl") if e["event"] == "round" and e["time"] > resumed)
+               for f in range(FRAGMENTS))
+
+
+@pytest.mark.parametrize(("n", "pauses"), [(2, (15.0, 60.0)), (3, (15.0,))], ids=["2-learners-15s-then-60s",
+                                                                                 "3-learners-15s"])
+def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, pauses: tuple[float, ...]) -> None:
     names = [f"l{i}" for i in range(n)]
     victim = names[-1]
-    train_s = START_ALLOWANCE_S + BEFORE_STOP_S + stop_s + AFTER_CONT_S
+    train_s = START_ALLOWANCE_S + BEFORE_STOP_S + sum(pauses) + BETWEEN_PAUSES_S * (len(pauses) - 1) + AFTER_CONT_S
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
         learners = {nm: start(procs, peers, nm, tmp_path, n, train_s) for nm in names}
@@ -80,24 +108,23 @@ def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, s
                    "every learner's first committed round", detail=lambda: learners[victim].output())
         time.sleep(BEFORE_STOP_S)
         pid = learners[victim].pid
-        learners[victim].send(signal.SIGSTOP)
-        poll_until(lambda: process_state(pid) == "T", 10, f"{victim} stopped")  # the fault took effect
-        time.sleep(stop_s)
-        assert process_state(pid) == "T", "the straggler was not stopped for the whole pause"
-        learners[victim].send(signal.SIGCONT)
-        resumed = time.time()
+        for i, stop_s in enumerate(pauses):
+            learners[victim].send(signal.SIGSTOP)
+            poll_until(lambda: process_state(pid) == "T", 10, f"{victim} stopped")  # the fault took effect
+            time.sleep(stop_s)
+            assert process_state(pid) == "T", "the straggler was not stopped for the whole pause"
+            learners[victim].send(signal.SIGCONT)
+            resumed = time.time()
+            if i + 1 < len(pauses):  # back with the others before the next pause
+                poll_until(lambda t=resumed: straggler_back(tmp_path, names, victim, t), BETWEEN_PAUSES_S + 60,
+                           f"{victim} back in the rounds after a {stop_s:g} s pause", detail=learners[victim].output)
+                check_back_within_3_rounds(tmp_path, names, victim, resumed)
+                time.sleep(max(0.0, resumed + BETWEEN_PAUSES_S - time.time()))
         finals = {nm: final_summary(p, timeout_s=train_s + EXIT_DEADLINE_S) for nm, p in learners.items()}
         for p in learners.values():
             assert p.wait_exit(EXIT_DEADLINE_S) == 0, p.output()
     check_identical(finals)
-    # after SIGCONT the straggler averaged with every other learner again, on every fragment, within 3 rounds
-    tried = [e for e in events(tmp_path / f"{victim}.jsonl") if e["event"] == "round" and e["time"] > resumed]
-    for f in range(len(finals[victim]["versions"])):
-        ours = [e for e in tried if e["fragment"] == f]
-        full = [i for i, e in enumerate(ours) if e["outcome"] == "committed" and e["group_size"] == n]
-        print(f"fragment {f}: the straggler's rounds after SIGCONT {[(e['outcome'], e['reason'][:60]) for e in ours[:3]]}"
-              f"; {len(full)} with every learner")
-        assert full and full[0] < 3, ours[:4]
+    check_back_within_3_rounds(tmp_path, names, victim, resumed)
 
 
 def test_a_member_that_gave_up_on_a_round_its_partner_committed_commits_it_late(tmp_path: Path) -> None:

@@ -218,7 +218,7 @@ class FragmentAveragerHost:
         a = self.cfg.averaging
         t0 = time.monotonic()
         limits = c.timeouts if c.timeouts is not None else floor_timeouts(a)
-        base = dict(fragment=self.fragment, version=c.meta.version, window_s=c.window_s, timeouts=limits)
+        base: dict[str, Any] = dict(fragment=self.fragment, version=c.meta.version, window_s=c.window_s, timeouts=limits)
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
         self.averager.last_allreduce_s.value = math.nan  # the averager process times this round's all-reduce
 
@@ -277,7 +277,7 @@ class FragmentAveragerHost:
             return failed(f"bad metadata from a member: {e}", group_size=len(peers), peers=peers)
         weights = tuple(m.weight for m in metas)
         spread = max(m.due for m in metas) - min(m.due for m in metas)
-        extra = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
+        extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
         decision = check_group(c.meta, metas, self.radial_names, min_group_size=a.min_group_size,
                                weighting=self.cfg.outer.weighting, grid=self.grid)
         averaged: dict[str, torch.Tensor] = {}

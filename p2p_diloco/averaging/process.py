@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -37,6 +38,7 @@ from p2p_diloco.averaging.linktime import RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
 from p2p_diloco.core import faults, outer
+from p2p_diloco.core.logs import log_handled
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
 from p2p_diloco.hivemind_ext import require_hivemind
 from p2p_diloco.hivemind_ext.codecs import decode_part
@@ -134,6 +136,32 @@ class FragmentAveragerProcess(DecentralizedAverager):
             self.last_allreduce_s.value = time.monotonic() - t0
         self.last_updated = get_dht_time()
 
+    async def _step(self, *, step: StepControl, future_for_init: MPFuture) -> None:
+        """hivemind's step, without the exception it re-raises once the step holds its outcome: nobody awaits
+        this task, and asyncio logged "Task exception was never retrieved" for it. At SIGTERM above all: the
+        host cancels a step whose all-reduce is running (:meth:`FragmentAveragerHost.cancel`), and when the
+        all-reduce ends hivemind sets the cancelled step's result, which raises concurrent.futures'
+        InvalidStateError (hivemind catches asyncio's, another class). The host reads the outcome from the step."""
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        except Exception as e:
+            if not step.done():
+                raise
+            logger.debug("fragment %s: the step ended after its outcome was set (%s: %s)", self.fragment,
+                         type(e).__name__, e)
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """As hivemind's, which calls ``finalize()`` on the values of ``_running_groups`` -- futures of runners,
+        not runners -- and so raised AttributeError (a traceback on stderr) when stopped with a round in flight,
+        as at SIGTERM: the runners that started are cancelled (their peers are told), the others' futures too."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in list(self._running_groups.values()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            else:
+                future.cancel()
+
     # -- per-round timeouts (:mod:`linktime`): hivemind reads these attributes afresh for every round
     def set_round_timeouts(self, timeouts: RoundTimeouts) -> MPFuture:
         """(host) Use ``timeouts`` from the next round on; the future's result is what the averager process then
@@ -190,7 +218,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
             await self.dht.store(key, reason[:300], get_dht_time() + 120, subkey=self.report_subkey,
                                  return_future=True)
         except Exception:  # the veto is an optimisation: silence vetoes too, after commit_timeout_s
-            logger.exception("could not post our veto for a failed round")
+            log_handled(logger, "could not post our veto for a failed round")
 
     async def _refuse(self, context: P2PContext, what: str) -> bool:
         """True if a swarm key is in use and the remote peer is not a member (logged once per request)."""
@@ -303,7 +331,9 @@ class FragmentAveragerProcess(DecentralizedAverager):
         tensor of the ``expected`` shape (checked before it is decoded, :func:`decode_part`)."""
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts, received = None, [], [], 0
+        metadata, received = None, 0
+        tensors: list[torch.Tensor] = []
+        parts: list[Any] = []
 
         def decode(parts: list[Any]) -> torch.Tensor:
             if len(tensors) >= len(expected):

@@ -109,6 +109,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._left_out_of_part: collections.Counter[int] = collections.Counter()
         if robust is not None:
             weights, rule = robust
+            self.tensor_part_reducer: Any
             self.tensor_part_reducer.finished.set()  # hivemind's own reducer is replaced unused: no "0% received"
             self.tensor_part_reducer = RobustTensorPartReducer(
                 tuple(part.shape for part in self.parts_for_local_averaging),
@@ -206,7 +207,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             why = "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"[:200]
             self.reducer_failures.append(f"{str(peer_id)[-8:]}: {why}")
-            logger.warning("fragment %s: the reducer %s failed us: %s", self.fragment, peer_id, why)
+            # INFO: the round's failure names it (completeness_problem), in the one line it is logged with
+            logger.info("fragment %s: the reducer %s failed us: %s", self.fragment, peer_id, why)
             container.register_failed_reducer(peer_index)
             raise
 

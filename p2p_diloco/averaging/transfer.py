@@ -35,7 +35,8 @@ def state_payload(fragment: int, version: int, anchor: Mapping[str, torch.Tensor
                   names: Sequence[str]) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """What a donor sends: metadata and the anchor then the momentum tensors, in ``names`` order."""
     zeros = {n: torch.zeros_like(anchor[n]) for n in names if n not in momentum}
-    tensors = [anchor[n].detach().clone() for n in names] + [(momentum.get(n, zeros.get(n))).detach().clone() for n in names]
+    tensors = [anchor[n].detach().clone() for n in names] + [(momentum[n] if n in momentum else zeros[n]).detach().clone()
+                                                             for n in names]
     meta = {"fragment": fragment, "version": version, "anchor": anchor_hash({n: anchor[n] for n in names}),
             "momentum": bool(momentum)}
     return meta, tensors
@@ -65,7 +66,8 @@ def parse_state(metadata: Any, tensors: Sequence[torch.Tensor], fragment: int, n
     if len(tensors) != 2 * len(names):
         raise refuse(Reason.OVERSIZE if len(tensors) > 2 * len(names) else Reason.MALFORMED,
                      f"{len(tensors)} tensors, expected {2 * len(names)}")
-    anchor, momentum = {}, {}
+    anchor: dict[str, torch.Tensor] = {}
+    momentum: dict[str, torch.Tensor] = {}
     for i, n in enumerate(names):
         for t, sink in ((tensors[i], anchor), (tensors[len(names) + i], momentum)):
             if not isinstance(t, torch.Tensor):

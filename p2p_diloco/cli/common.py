@@ -73,9 +73,29 @@ def add_network_args(p: argparse.ArgumentParser, *, peers_required: bool, listen
         p.add_argument("--identity", metavar="FILE", help="key file for a stable peer id (created with mode 0600 if missing)")
 
 
+HIVEMIND_LOGLEVEL_ENV = "HIVEMIND_LOGLEVEL"
+"""hivemind's own handler takes its level from this variable when hivemind is first imported (default INFO)."""
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING, "WARNING": logging.WARNING,
+           "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
+
+
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Log on stderr warnings and errors, and with ``-v`` INFO too (the learner's line per round, ...); what a
+    command prints on stdout (``out``) is not logging and always shows.
+
+    hivemind's loggers, which have a handler of their own, follow: at least as much as ours is shown
+    (``HIVEMIND_LOGLEVEL`` may ask for more, e.g. DEBUG). The root logger's level is set even when it has
+    handlers already (``basicConfig`` then does nothing): it is what :func:`p2p_diloco.core.logs.verbose` reads.
+    """
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+    asked = _LEVELS.get(os.environ.get(HIVEMIND_LOGLEVEL_ENV, "").strip().upper())
+    if asked is None or asked > level:
+        if "hivemind.utils.logging" in sys.modules:  # imported already (an in-process caller): its level, then
+            logging.getLogger("hivemind").setLevel(level)
+        else:  # read by hivemind when it is first imported; the processes it forks inherit the level
+            os.environ[HIVEMIND_LOGLEVEL_ENV] = "INFO" if verbose else "WARNING"
 
 
 def local_run(args: argparse.Namespace, *, observer: bool = False) -> "LocalRun":

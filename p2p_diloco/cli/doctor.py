@@ -135,8 +135,9 @@ def _doctor_run(args: argparse.Namespace, dht: Any, runs: list["RunInfo"],
                    "or pass --config FILE / --run-id ID")
             return None
     else:
-        run = primary_run(visible)
-        assert run is not None
+        primary = primary_run(visible)
+        assert primary is not None  # visible is not empty
+        run = primary
         if len([r for r in visible if r.live]) > 1 or (not run.live and len(visible) > 1):
             report(None, f"several runs in this DHT: {', '.join(r.describe() for r in visible)}; checking {run.run_id}",
                    "pass --run-id ID (or --config FILE) to check another one; a join without either is refused")

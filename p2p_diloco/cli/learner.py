@@ -60,8 +60,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     import time
 
     started_at = time.monotonic()
-    setup_logging(args.verbose)
-    logging.getLogger("p2p_diloco.learner").setLevel(logging.INFO)  # one line per round, even without -v
+    setup_logging(args.verbose)  # without -v: warnings and errors only; the console lines (stdout) always
     from p2p_diloco.core.devices import check_precision, machine_device
 
     device = machine_device(args.device)  # --device cuda on a machine without one: one line, nothing started
@@ -121,6 +120,9 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco.learner.options import check_supported, load_splits
 
     check_supported(cfg)
+    from p2p_diloco.core.model import check_buildable
+
+    check_buildable(cfg.model, device)  # a model that cannot be built, or does not fit this machine, fails here
     splits = load_splits(cfg, num_shards)  # missing, empty, binary or too small data fails here, before we join
     incarnation = time.time_ns()
     with StopOnSignal() as stop, joined_run(swarm_options(args, client_mode=False), args.name, local, cfg.outer.fragments,
@@ -177,7 +179,11 @@ def add_parsers(subparsers: Any) -> None:
             "live peers; SIGINT/SIGTERM leave gracefully")
     p = subparsers.add_parser("join", help=help, description=help)
     p.set_defaults(handler=cmd_join, identity=None)
-    p.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO) on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log what happens (INFO) on stderr: a line per round, downloads, the sync clock, and the "
+                        "tracebacks of failures that are handled (a round discarded, a retry). Without it, stderr "
+                        "holds warnings and errors only (a failed round: one line); stdout shows the start, the "
+                        "final summary and the leave either way")
     add_network_args(p, peers_required=True, listen=True)
     add_config_args(p)
     add_run_id_arg(p)

@@ -12,6 +12,7 @@ from typing import Any
 
 from p2p_diloco.core import resources
 from p2p_diloco.core.console import out
+from p2p_diloco.core.tokenizer import loss_unit  # standard library only: --help stays fast
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, Child, LocalSwarm, unlimited_steps
 from p2p_diloco.local.run import (
     DEFAULT_CONFIG,
@@ -52,6 +53,11 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     # warm-up + cosine runs over the time (an explicit --set inner.total_steps=N still caps it)
     overrides = unlimited_steps(args.overrides) if seconds else list(args.overrides)
     cfg = load_config(config_path, overrides)
+    from p2p_diloco.core.devices import machine_device
+    from p2p_diloco.core.model import check_buildable
+
+    # every learner trains on this machine (--device auto): all of them must fit, before anything starts
+    check_buildable(cfg.model, machine_device("auto"), args.peers, "--peers")
     profiles = ([resources.find(p, resources.PEERS) for p in args.profiles.split(",")] if args.profiles
                 else [resources.bundled(resources.PEERS, p) for p in DEFAULT_PROFILES])
     from p2p_diloco.learner.options import Profile
@@ -139,7 +145,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         report["reference"] = {"tokens": tokens, "eval_loss": None, "why": why}
     out(write_report(report, out_dir))
     try:
-        plot(out_dir)
+        plot(out_dir, loss_unit(cfg))
         out(f"swarm: wrote {out_dir}/summary.json, summary.md, loss.png, rounds.png")
     except Exception as e:  # plots are a convenience: the report is already on disk
         out(f"swarm: could not draw the plots ({type(e).__name__}: {e}); the report is in {out_dir}/summary.json")

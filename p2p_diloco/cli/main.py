@@ -42,6 +42,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     device = machine_device(args.device)  # --device cuda on a machine without one: one line, nothing run
     cfg = load_config(args.config, args.overrides)
     check_precision(cfg.inner.precision, device)
+    from p2p_diloco.core.model import check_buildable
+
+    check_buildable(cfg.model, device, cfg.sim.learners if args.mode == "diloco" else 1, "sim.learners")
+    from p2p_diloco.core.tokenizer import loss_unit
     from p2p_diloco.sim import simulator as sim
     result = sim.run_from_config(cfg, mode=args.mode, data_path=args.data, progress=not args.quiet, device=device)
     summary = result.summary()
@@ -51,7 +55,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     saved = summary["bytes_saved_vs_dp_fp32"]
     print(f"mode {summary['mode']}: {summary['learners']} learner(s), {summary['tokens']:,} tokens, "
           f"{summary['wall_s']:.0f} s")
-    print(f"held-out eval loss: {summary['final_eval_loss']:.4f} nats/byte "
+    print(f"held-out eval loss: {summary['final_eval_loss']:.4f} {loss_unit(cfg)} "
           f"(untrained {result.curve[0]['eval_loss']:.2f})")
     if args.mode == "diloco":
         print(f"rounds: {summary['rounds']} ({summary['empty_rounds']} with nobody due); "

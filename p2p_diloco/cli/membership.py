@@ -25,6 +25,7 @@ from p2p_diloco.core.console import out
 from p2p_diloco.hivemind_ext.procguard import stop_process
 from p2p_diloco.net.arguments import swarm_options
 from p2p_diloco.net.joined import joined_run
+from p2p_diloco.net.report import CONSENSUS
 
 if TYPE_CHECKING:
     from p2p_diloco.core.config import Config
@@ -45,6 +46,11 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     run_id = cfg.run.run_id
     opts = swarm_options(args, client_mode=False, default_identity=DEFAULT_BOOTSTRAP_IDENTITY)
     from p2p_diloco.net.identity import swarm_key_fingerprint
+    from p2p_diloco.net.keptport import remember_port, with_kept_port
+
+    keep_port = opts.port == 0 and opts.identity is not None  # no --port: the one of our last start, if still free
+    if keep_port:
+        opts = with_kept_port(opts)
     from p2p_diloco.net.membership import start_dht, visible_addresses
 
     with StopOnSignal() as stop:
@@ -52,6 +58,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         announcer = None
         try:
             maddrs = visible_addresses(dht)
+            if keep_port and maddrs:
+                assert opts.identity is not None
+                remember_port(opts.identity.path, maddrs[0])
             peers = ",".join(maddrs)
             key = f" --swarm-key {args.swarm_key}" if args.swarm_key else ""
             out(f"peer id: {dht.peer_id}")
@@ -195,7 +204,9 @@ def add_parsers(subparsers: Any) -> None:
     add_network_args(p, peers_required=False, listen=True)
     add_config_args(p)
     p.set_defaults(identity=None)
-    p.epilog = (f"Default identity: {DEFAULT_BOOTSTRAP_IDENTITY} (a stable peer id across restarts). The bootstrap is "
+    p.epilog = (f"Default identity: {DEFAULT_BOOTSTRAP_IDENTITY} (a stable peer id across restarts). Without --port the "
+                "port it listened on is kept beside the identity (<identity>.port) and used again at the next start, "
+                "so its whole address stays valid (a WARNING and a new port if that one is taken). The bootstrap is "
                 "never a member of its run: it only makes the run and its config findable, so that joiners need no "
                 "--config.")
 
@@ -223,9 +234,11 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl+C")
     p.add_argument("--interval", dest="interval_s", type=float, default=2.0, metavar="SECONDS",
                    help=f"refresh period with --watch, at least {MIN_WATCH_INTERVAL_S:g} (default: 2)")
-    p.epilog = ("Records live under the DHT keys p2p-diloco.run.<run_id>_peers_<0-15> (16 shards by peer id; configs "
-                "under ..._config); the keys p2p-diloco_runs_<0-15> index every peer of every run (and bootstraps' "
-                "announcements), so other runs sharing the DHT are listed and their peers shown as foreign.")
+    p.epilog = (f"{CONSENSUS} Departed peers (their tombstones) are listed as left, "
+                "whatever config they had. Records live under the DHT keys p2p-diloco.run.<run_id>_peers_<0-15> (16 "
+                "shards by peer id; configs under ..._config); the keys p2p-diloco_runs_<0-15> index every peer of every "
+                "run (and bootstraps' announcements), so other runs sharing the DHT are listed and their live peers "
+                "shown as foreign.")
 
     p = add("keygen", "write a new swarm secret for a private swarm (or, with --identity, a peer identity key)",
             cmd_keygen)

@@ -292,7 +292,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         if f.name not in data:
             continue
         key, annotation, value = f"{prefix}{f.name}", hints[f.name], data[f.name]
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
             kwargs[f.name] = _build(annotation, value, f"{key}.")
@@ -466,7 +466,7 @@ def validate(cfg: Config) -> None:
     _require(o.sync_ramp_steps >= 0, "outer.sync_ramp_steps", f"must be >= 0, got {o.sync_ramp_steps}")
     _require(o.sync_ramp_steps == 0 or o.sync_every_start >= 1, "outer.sync_every_start",
              "must be >= 1 when outer.sync_ramp_steps is set")
-    _require(1 <= o.fragments <= (n_blocks or o.fragments), "outer.fragments",
+    _require(1 <= o.fragments <= (o.fragments if n_blocks is None else n_blocks), "outer.fragments",
              f"must be in [1, {blocks_key}={n_blocks}] (a fragment holds at least one block), got {o.fragments}")
     _require(o.fragments <= o.sync_every, "outer.fragments",
              f"must be <= outer.sync_every={o.sync_every} so each fragment gets its own offset, got {o.fragments}")

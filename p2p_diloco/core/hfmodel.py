@@ -20,6 +20,7 @@ import copy
 import hashlib
 import inspect
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -37,6 +38,11 @@ it names (we always build ``AutoModelForCausalLM``), its storage dtype (we build
 generation cache (the loss never uses it). Left out of the config hash."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 """Files of an ``init_from`` folder that hold (or index) weights; their contents are hashed."""
+DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "num_hidden_layers", "max_position_embeddings")
+"""Sizes of a transformers config that must be positive integers where the config has them (None: derived or
+absent). transformers checks few of them: a negative ``intermediate_size`` fails only when the model is built, and
+zero layers builds a model without blocks."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,24 @@ def _refused(key: str, e: Exception) -> ConfigError:
     return ConfigError(f"{key}: transformers refuses it: {_one_line(e)}")
 
 
+def _bad_size(value: Any) -> bool:
+    """Not a positive integer (nor a list of them: some configs size each layer, e.g. Gemma 3n's intermediate_size)."""
+    if isinstance(value, (list, tuple)):
+        return not value or any(_bad_size(v) for v in value)
+    return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+def _check_sizes(given: Mapping[str, Any], cls: type[PretrainedConfig], prefix: str) -> None:
+    """The sizes of :data:`DIMENSION_KEYS` as given (a table, a config.json), before transformers derives others from
+    them (``hidden_size // num_attention_heads`` would raise ZeroDivisionError); ConfigError naming the key after
+    ``prefix`` (``model.hf_config.``)."""
+    for name in DIMENSION_KEYS:
+        for spelled in dict.fromkeys((name, cls.attribute_map.get(name, name))):
+            value = given.get(spelled)
+            if value is not None and _bad_size(value):
+                raise ConfigError(f"{prefix}{spelled}: must be an integer >= 1, got {value!r}")
+
+
 def _from_table(table: Mapping[str, Any], key: str) -> PretrainedConfig:
     """An inline table, checked strictly: a key the model type's config does not know is an error (transformers
     would keep a misspelt ``hidden_sise`` as an unused attribute)."""
@@ -98,9 +122,10 @@ def _from_table(table: Mapping[str, Any], key: str) -> PretrainedConfig:
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]}: unknown key for model_type {model_type!r} "
                           f"(known: {', '.join(sorted(known - BOOKKEEPING_KEYS))})")
+    _check_sizes(table, cls, f"{key}.")
     try:
         return AutoConfig.for_model(model_type, **{k: copy.deepcopy(v) for k, v in table.items() if k != "model_type"})
-    except (ValueError, TypeError, StrictDataclassError) as e:
+    except (ValueError, TypeError, ArithmeticError, StrictDataclassError) as e:
         raise _refused(key, e) from e
 
 
@@ -122,9 +147,10 @@ def _from_file(text: str, key: str) -> PretrainedConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{key}: {str(file)!r} holds a JSON {type(data).__name__}, not a transformers config")
     model_type = _check_model_type(data.get("model_type"), f"{key} ({file.name}) model_type")
+    _check_sizes(data, CONFIG_MAPPING[model_type], f"{key} ({file.name}) ")
     try:
         return CONFIG_MAPPING[model_type].from_dict(data)
-    except (ValueError, TypeError, StrictDataclassError) as e:
+    except (ValueError, TypeError, ArithmeticError, StrictDataclassError) as e:
         raise _refused(key, e) from e
 
 
@@ -166,17 +192,57 @@ def resolve_config(m: ModelConfig) -> tuple[str, PretrainedConfig]:
     return source, copy.deepcopy(config)
 
 
+def _config_key(config: PretrainedConfig, name: str) -> str:
+    """The name a config file or table spells ``name`` with (GPT-2's ``n_embd`` for ``hidden_size``)."""
+    return config.attribute_map.get(name, name)
+
+
+def _check_dimensions(config: PretrainedConfig, source: str) -> None:
+    """Every size of :data:`DIMENSION_KEYS` the config has is a positive integer, and the query heads split evenly
+    into key/value groups (transformers builds a model with 3 key/value heads for 4 query heads; its first forward
+    fails); ConfigError naming the key."""
+    for name in DIMENSION_KEYS:
+        value = getattr(config, name, None)
+        if value is not None and _bad_size(value):
+            raise ConfigError(f"{source}.{_config_key(config, name)}: must be an integer >= 1, got {value!r}")
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ConfigError(f"{source}.{_config_key(config, 'num_key_value_heads')}: must divide "
+                          f"{_config_key(config, 'num_attention_heads')}={heads} (each key/value head serves an equal "
+                          f"group of query heads), got {kv_heads}")
+
+
 def check(m: ModelConfig) -> Architecture:
     """Resolve and check an hf model section (see :func:`resolve_config`); the facts validation needs."""
     source, config = resolve_config(m)
-    layers = getattr(config, "num_hidden_layers", None)
-    positions = getattr(config, "max_position_embeddings", None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
         raise ConfigError(f"{source}.vocab_size: required, a positive integer, got {vocab!r}")
+    _check_dimensions(config, source)
+    layers = getattr(config, "num_hidden_layers", None)
+    positions = getattr(config, "max_position_embeddings", None)
     return Architecture(source=source, model_type=config.model_type,
                         num_layers=layers if isinstance(layers, int) else None,
                         max_positions=positions if isinstance(positions, int) else None, vocab_size=vocab)
+
+
+def meta_build(m: ModelConfig) -> torch.nn.Module:
+    """The model's structure on the meta device: every parameter's shape and no memory (milliseconds for any size,
+    plus the first import of the model type's module, about a second, which :func:`build` then reuses). Whatever
+    transformers raises while building it is a ConfigError naming ``model.hf_config`` (or the key its message
+    names) with the message in one line, so a config that cannot be built fails before a learner joins."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    check(m)  # the sizes first: their errors name the key
+    source, config = resolve_config(m)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as e:  # model constructors raise RuntimeError, ValueError, ZeroDivisionError, ... on bad sizes
+        named = [k for k in config.to_dict() if k not in BOOKKEEPING_KEYS and re.search(rf"\b{re.escape(k)}\b", str(e))]
+        key = f"{source}.{named[0]}" if len(named) == 1 else source
+        raise ConfigError(f"{key}: transformers cannot build this model: {_one_line(e)}") from e
 
 
 def architecture(m: ModelConfig) -> dict[str, Any]:

@@ -9,14 +9,23 @@ the model's structure (:func:`p2p_diloco.core.fragments.block_map`).
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from p2p_diloco.core.config import ModelConfig
+from p2p_diloco.core.config import ConfigError, ModelConfig
 
 VOCAB_SIZE = 256
+FP32_BYTES = 4
+DEVICE_COPIES = 4
+"""fp32 copies of the parameters a learner keeps where it trains: the weights, their gradients, AdamW's two moments."""
+HOST_COPIES = 2
+"""...and on the CPU, whatever the device: the anchors and the outer Nesterov momentum (activations come on top:
+the estimate of :func:`check_buildable` is a lower bound)."""
+TRAINING_COPIES = DEVICE_COPIES + HOST_COPIES
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,8 +133,8 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner := getattr(model, "_orig_mod", None), nn.Module):
+            model = inner
         else:
             return model
 
@@ -141,3 +150,73 @@ def vocab_size(cfg: ModelConfig) -> int:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def meta_model(cfg: ModelConfig) -> nn.Module:
+    """The model's structure on the meta device (shapes, no memory); a ConfigError naming the key if it cannot be
+    built (:func:`p2p_diloco.core.hfmodel.meta_build`)."""
+    if cfg.kind == "hf":
+        from p2p_diloco.core import hfmodel
+
+        return hfmodel.meta_build(cfg)
+    with torch.device("meta"):
+        return ByteGPT(cfg)
+
+
+def available_ram() -> int:
+    """Bytes of memory this machine can give a new process without swapping: Linux's ``MemAvailable`` (free memory
+    plus what the page cache would give back), else the free pages."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def human_size(n: float) -> str:
+    """``23 GiB``, ``1.5 TiB``: binary units, two significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.2g} {unit}" if n < 10 else f"{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _count(n: int) -> str:
+    return f"{n:,}" if n < 1e9 else f"{n:.2g}".replace("e+", "e")
+
+
+def check_buildable(cfg: ModelConfig, device: torch.device | None = None, replicas: int = 1, replicas_what: str = "") -> int:
+    """Before a learner joins (or a simulation or a local swarm starts): the model can be built (on the meta
+    device, :func:`meta_model`) and, with ``device``, ``replicas`` learners of it fit this machine's memory:
+    :data:`DEVICE_COPIES` fp32 copies on ``device`` and :data:`HOST_COPIES` on the CPU per learner (all
+    :data:`TRAINING_COPIES` in RAM on a CPU device); ``replicas_what`` names where the count comes from. A
+    ConfigError naming the key otherwise. Returns the parameter count (tied tensors counted once)."""
+    model = meta_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if device is None:
+        return n
+    if cfg.kind == "hf":
+        from p2p_diloco.core import hfmodel
+
+        key = hfmodel.check(cfg).source
+    else:
+        key = "model"
+    learners = f" for {replicas} learners ({replicas_what})" if replicas > 1 else ""
+    per_copy = n * FP32_BYTES * replicas
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        if DEVICE_COPIES * per_copy > free:
+            raise ConfigError(f"{key}: the model has {_count(n)} parameters, about {human_size(DEVICE_COPIES * per_copy)} "
+                              f"on {device} to train{learners} (weights, gradients, AdamW moments); {device} has "
+                              f"{human_size(free)} free")
+        host_copies, what = HOST_COPIES, "anchors, outer momentum"
+    else:
+        host_copies, what = TRAINING_COPIES, "weights, gradients, AdamW moments, anchors, outer momentum"
+    ram = available_ram()
+    if host_copies * per_copy > ram:
+        raise ConfigError(f"{key}: the model has {_count(n)} parameters, about {human_size(host_copies * per_copy)} "
+                          f"to train{learners} ({what}); this machine has {human_size(ram)} available")
+    return n

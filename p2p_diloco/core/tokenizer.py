@@ -128,6 +128,12 @@ def tokenizer_hash(spec: str) -> str:
     return BYTES if spec == BYTES else load_tokenizer(spec).digest
 
 
+def loss_unit(cfg: Any) -> str:
+    """The unit of the run's losses (mean cross-entropy per token): ``nats/byte`` with the byte tokenizer, whose
+    tokens are bytes; ``nats/token`` with any other (``data.tokenizer``)."""
+    return "nats/byte" if cfg.data.tokenizer == BYTES else "nats/token"
+
+
 def check_vocab(tok: Tokenizer, model_vocab: int, model_key: str) -> None:
     """One line if the tokenizer's ids do not fit the model's embedding table."""
     if tok.vocab_size > model_vocab:

@@ -28,7 +28,7 @@ class WaitTimeout(RuntimeError):
         super().__init__(f"{what}: not within {timeout_s:g} s" + (f"\n{detail}" if detail else ""))
 
 
-def poll_until(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = DEFAULT_INTERVAL_S, *,
+def poll_until(predicate: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = DEFAULT_INTERVAL_S, *,
                detail: Callable[[], str] | None = None, nap: Callable[[float], object] = time.sleep) -> T:
     """Call ``predicate`` until it returns something truthy, and return that.
 

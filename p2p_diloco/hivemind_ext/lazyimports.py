@@ -91,8 +91,9 @@ def light_hivemind_import() -> None:
     spec = importlib.util.find_spec("hivemind")
     if spec is None or spec.origin is None or not spec.submodule_search_locations:
         return  # not installed as a plain package: import it the normal way
+    origin: str = spec.origin
     module = types.ModuleType("hivemind")
-    module.__spec__, module.__file__ = spec, spec.origin
+    module.__spec__, module.__file__ = spec, origin
     module.__path__ = list(spec.submodule_search_locations)
     loaded: list[bool] = []
 
@@ -104,7 +105,7 @@ def light_hivemind_import() -> None:
             raise AttributeError(f"module 'hivemind' has no attribute {name!r}")
         loaded.append(True)
         logger.debug("hivemind.%s requested: running hivemind/__init__ now", name)
-        exec(compile(Path(spec.origin).read_text(), spec.origin, "exec"), module.__dict__)
+        exec(compile(Path(origin).read_text(), origin, "exec"), module.__dict__)
         return getattr(module, name)
 
     module.__getattr__ = __getattr__  # type: ignore[method-assign]

@@ -24,7 +24,7 @@ def install() -> None:
     if getattr(PeerID.from_identity, "_p2p_diloco_ed25519", False):
         return
     require_hivemind(__name__)  # patches a hivemind classmethod
-    original = PeerID.from_identity.__func__  # type: ignore[attr-defined]
+    original = PeerID.from_identity.__func__
 
     def from_identity(cls: Any, data: bytes) -> Any:
         key = crypto_pb2.PrivateKey.FromString(data)
@@ -33,7 +33,7 @@ def install() -> None:
         return original(cls, data)
 
     from_identity._p2p_diloco_ed25519 = True  # type: ignore[attr-defined]
-    PeerID.from_identity = classmethod(from_identity)  # type: ignore[method-assign,assignment]
+    PeerID.from_identity = classmethod(from_identity)
 
 
 def ed25519_public_of(data: bytes) -> bytes:

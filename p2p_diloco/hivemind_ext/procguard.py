@@ -100,7 +100,7 @@ def install() -> None:
         return await original(*args, **kwargs)
 
     # patch only the reference hivemind's daemon module uses, not asyncio for everyone
-    p2p_daemon.asyncio = _AsyncioProxy(p2p_daemon.asyncio, create_subprocess_exec)  # type: ignore[attr-defined]
+    p2p_daemon.asyncio = _AsyncioProxy(p2p_daemon.asyncio, create_subprocess_exec)
     _installed = True
     log.debug("procguard: child processes will die with their parent")
 

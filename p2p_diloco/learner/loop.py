@@ -347,7 +347,10 @@ class Learner:
 def final_consensus(rounds: Rounds) -> list[float | None]:
     """Per fragment, the consensus distance we can state at the end: 0.0 when every live peer of the last view
     holds exactly our (version, anchor hash); None when one holds another anchor (it differs, by an amount we
-    did not measure) or no live peer was left to compare with."""
+    did not measure) or no live peer was left to compare with. In grid mode groups are small and anchors only
+    converge, so it is the relative distance measured across the last committed group instead."""
+    if rounds.grid:
+        return [slot.consensus_distance for slot in rounds.slots]
     out: list[float | None] = []
     for slot in rounds.slots:
         ranks = rounds.peer_ranks(slot)

@@ -12,6 +12,7 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, Iterable
 
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
+from p2p_diloco.core.logs import log_handled
 from p2p_diloco.learner.options import (
     CLOCK_REPUBLISH_S,
     CLOCK_SKIP_STEPS,
@@ -147,7 +148,7 @@ class SwarmView:
     def read(self, snapshot: Any = None) -> list[Any] | None:
         """Read the swarm once (or take ``snapshot``, a fresh read) and update our view of the other live
         learners (their anchors, states, how many); returns their records, or None if the read failed
-        (logged whole; the last view is kept)."""
+        (logged in one line, whole with -v; the last view is kept)."""
         from p2p_diloco.net.membership import read_swarm
         from p2p_diloco.net.records import PeerRecord
 
@@ -156,7 +157,7 @@ class SwarmView:
             try:
                 snapshot = read_swarm(joined.dht, self.learner.local, index=False)
             except Exception:  # a DHT hiccup: keep the last view, try again next period
-                logger.exception("reading the swarm failed")
+                log_handled(logger, "reading the swarm failed")
                 return None
         others = [v.record for v in snapshot.live()
                   if isinstance(v.record, PeerRecord) and v.peer_id != joined.peer_id
@@ -181,7 +182,7 @@ class SwarmView:
         the sync clock. Its size does not grow with the swarm (the next version's vouchers are one group at
         most, and only while we are behind), unlike a full read. On the sync clock a fragment that advanced
         since its latest boundary is left out (:func:`settled`): with rounds that commit, most probes read the
-        clock alone. False if the search failed (logged whole; the last view is kept)."""
+        clock alone. False if the search failed (logged in one line, whole with -v; the last view is kept)."""
         from p2p_diloco.net.membership import owned_values, read_many
 
         me = self.learner
@@ -195,7 +196,7 @@ class SwarmView:
         try:
             found = read_many(me.joined.dht, keys)
         except Exception:  # a DHT hiccup: keep the last view, try again next period
-            logger.exception("probing the fragments' next versions failed")
+            log_handled(logger, "probing the fragments' next versions failed")
             return False
         seen_at, heads, live = me._dht_time(), dict(self._heads), set(self._records)
         for key, (f, version) in wanted.items():

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+from signal import Signals  # the annotation inside the class, where the method `signal` hides the module
 import subprocess
 import sys
 import tempfile
@@ -176,13 +177,13 @@ class ChildProcess:
             reader.join(timeout=READER_JOIN_S)
         return rc
 
-    def signal(self, sig: signal.Signals) -> None:
+    def signal(self, sig: Signals) -> None:
         """Signal the main process only (as ``kill PID`` does): on SIGTERM a peer leaves gracefully and stops its
         own children (its DHT and averager processes and p2pd must stay up until it has left)."""
         if self.alive:
             self.popen.send_signal(sig)
 
-    def signal_group(self, sig: signal.Signals) -> None:
+    def signal_group(self, sig: Signals) -> None:
         """Signal the main process's group (as ``kill -- -PGID`` or a terminal's Ctrl+C does). The helpers have
         groups of their own and follow the main process (:mod:`p2p_diloco.hivemind_ext.procguard`)."""
         try:
@@ -194,7 +195,7 @@ class ChildProcess:
         """(pid, command name) of every live process of this child's session, helpers included (Linux only)."""
         return session_members(self.pid) if HAVE_PROC else []
 
-    def signal_session(self, sig: signal.Signals) -> int:
+    def signal_session(self, sig: Signals) -> int:
         """Send ``sig`` to every process of this child's session; returns how many it reached (Linux only)."""
         return signal_session(self.pid, sig) if HAVE_PROC else 0
 
@@ -239,11 +240,15 @@ class ChildExited(RuntimeError):
 
 
 class Child(ChildProcess):
-    """One ``p2p-diloco`` subcommand: stdout lines kept, stderr written to ``log``; notes when its ``final`` came."""
+    """One ``p2p-diloco`` subcommand: stdout lines kept, stderr written to ``log``; notes when its ``final`` came.
+    A learner (``join``) runs with ``-v``: its log file is for reading afterwards, a line per round (and the
+    benchmarks read it)."""
 
     def __init__(self, name: str, args: Sequence[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> None:
         self.final_at: float | None = None
         """When (``time.monotonic()``) its ``final`` line arrived: which learners finished together."""
+        if args and args[0] == "join" and not {"-v", "--verbose"} & set(args):
+            args = [args[0], "-v", *args[1:]]
         super().__init__(cli_argv(*args), name, env, cwd, stderr_log=log)
 
     def _on_line(self, sink: list[tuple[float, str]], at: float, line: str) -> None:

@@ -203,7 +203,7 @@ class LiveView:
             self.dht = None
             return
         from p2p_diloco.net.membership import read_swarm
-        from p2p_diloco.net.report import snapshot_json
+        from p2p_diloco.net.report import consensus_text, snapshot_json
 
         try:
             data = snapshot_json(read_swarm(self.dht, self.local), {})
@@ -216,7 +216,7 @@ class LiveView:
             self.train_started_s = elapsed_s
         share, budget = progress(elapsed_s, self.train_started_s, self.seconds, tokens, self.budget_tokens)
         line = (f"[{elapsed_s:5.0f} s] {s['live']} live, {budget}, {100 * share:.0f}% done, "
-                f"{s['tokens_per_s']:.0f} tokens/s, consensus {'yes' if s['consensus'] else 'no'}")
+                f"{s['tokens_per_s']:.0f} tokens/s, consensus {consensus_text(s)}")
         if self.rich:
             from rich.console import Group
             from rich.live import Live
@@ -300,6 +300,7 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
     loss) is compared among the learners that finished together (:func:`finished_together`; all learners
     with a final summary if ``endings`` is empty)."""
     from p2p_diloco.core.config import config_hash
+    from p2p_diloco.core.tokenizer import loss_unit
     from p2p_diloco.sim.simulator import dp_fp32_bytes
 
     n_params = _n_params(cfg)
@@ -312,7 +313,7 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
     return {
         "config": config_path, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
         "peers": args.peers, "chaos": args.chaos, "wall_s": round(wall_s, 1), "model_params": n_params,
-        "minutes": args.minutes,
+        "minutes": args.minutes, "loss_unit": loss_unit(cfg),
         "learners": finals,
         "tokens": tokens,
         "finished_together": together, "excluded": excluded,
@@ -350,11 +351,12 @@ def render_report(r: dict[str, Any]) -> str:
                      f"{100 * f['blocked_share']:.2f}% | {sum(f['committed'])} / {sum(f['discarded'])} | "
                      f"{f['eval_loss_end']:.4f} |")
     lines.append("")
+    unit = r.get("loss_unit", "nats")  # a report from before the unit was recorded: its tokenizer is not known
     if r["eval_loss_end"] is not None:
         saved = r["bytes_saved_vs_dp_fp32"]
         together = r.get("finished_together", sorted(r["learners"]))
         lines.append(f"held-out eval loss of the global model: {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.4f} "
-                     f"nats/byte after {r['tokens']:,} tokens; anchors identical on the {len(together)} learners that "
+                     f"{unit} after {r['tokens']:,} tokens; anchors identical on the {len(together)} learners that "
                      f"finished together ({', '.join(together)}): {'yes' if r['anchors_identical'] else 'NO'}")
         for name, why in sorted(r.get("excluded", {}).items()):
             lines.append(f"  left out of that comparison: {name} ({why})")
@@ -364,13 +366,16 @@ def render_report(r: dict[str, Any]) -> str:
             how = (f"computed for this run in {ref['computed_s'] / 60:.1f} min, cached in {ref['path']}"
                    if ref.get("computed_s") is not None else f"from {ref['path']}")
             lines.append(f"data-parallel reference (fp32 gradients averaged every step, same model) at the same tokens: "
-                         f"{ref['eval_loss']:.4f} nats/byte; ours {100 * gap:+.1f}% ({how}, a curve of "
+                         f"{ref['eval_loss']:.4f} {unit}; ours {100 * gap:+.1f}% ({how}, a curve of "
                          f"{ref['reference_tokens']:,} tokens)")
         elif ref:
             lines.append(f"data-parallel reference: none at {ref['tokens']:,} tokens ({ref['why']}); make one with "
                          f"python scripts/bench_reference.py --config {r['config'] or 'FILE'} --tokens {ref['tokens']}")
-        lines.append(f"bytes sent {r['bytes_sent'] / 1e6:.2f} MB vs {r['dp_fp32_bytes'] / 1e6:.0f} MB for fp32 "
-                     f"data-parallel on the same tokens" + (f" ({saved:.0f}x fewer)" if saved else ""))
+        if r["rounds_committed"] + r["rounds_discarded"]:
+            lines.append(f"bytes sent {r['bytes_sent'] / 1e6:.2f} MB vs {r['dp_fp32_bytes'] / 1e6:.0f} MB for fp32 "
+                         f"data-parallel on the same tokens" + (f" ({saved:.0f}x fewer)" if saved else ""))
+        else:  # nothing was averaged: 0 bytes against data-parallel's would compare nothing
+            lines.append("no round ran: no bytes to compare")
         lines.append(f"median utilization {100 * r['median_utilization']:.1f}%; rounds {r['rounds_committed']} committed, "
                      f"{r['rounds_discarded']} discarded; wall {r['wall_s']:.0f} s")
     for reason, count in r["discard_reasons"]:
@@ -380,8 +385,9 @@ def render_report(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(out: Path) -> None:
-    """``loss.png``: training loss per learner over time; ``rounds.png``: group size and weight share per round."""
+def plot(out: Path, unit: str) -> None:
+    """``loss.png``: training loss per learner over time (in ``unit``, :func:`~p2p_diloco.core.tokenizer.loss_unit`);
+    ``rounds.png``: group size and weight share per round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,7 +406,7 @@ def plot(out: Path) -> None:
         pts = [(e["time"] - t0, e["loss"]) for e in es if isinstance(e.get("loss"), float)]
         if pts:
             ax.plot(*zip(*pts), ".", color=color, alpha=0.35, label=f"{name}: training loss", markersize=2)
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel(f"loss ({unit})")
     _finish(plt, fig, [(ax, "held-out eval loss of the global model per learner (2 batches), and training loss")],
             out / "loss.png")
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -417,7 +423,8 @@ def _finish(plt: Any, fig: Any, axes: list[tuple[Any, str]], path: Path) -> None
         ax.set_title(title)
         ax.set_xlabel("seconds since the first round")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a run with no round has nothing to label (matplotlib would warn)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

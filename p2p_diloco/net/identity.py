@@ -75,6 +75,18 @@ def _write_new_key(path: Path) -> None:
     logger.info("created identity %s", path)
 
 
+def _open_mode(path: Path) -> int | None:
+    """The mode of ``path`` if others may read or write it (refused, as ssh refuses such keys), else None."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    return mode if mode & 0o077 else None
+
+
+def _refused(what: str, problem: str, path: Path, mode: int | None) -> ValueError:
+    """One line: what is wrong with the content first, then with the mode, so that one try shows both."""
+    also = f"; also mode {mode:04o} is readable by others: chmod 600 {path}" if mode is not None else ""
+    return ValueError(f"{what}: {problem}{also}")
+
+
 def load_or_create_identity(path: str | Path) -> Identity:
     """Load the key at ``path``, creating it (mode 0600) if it does not exist."""
     from hivemind.p2p import PeerID
@@ -88,24 +100,27 @@ def load_or_create_identity(path: str | Path) -> Identity:
             _write_new_key(path)
         except FileExistsError:
             logger.debug("identity %s appeared while creating it; loading it", path)
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        raise ValueError(f"identity file {path} is readable by others (mode {mode:04o}); run: chmod 600 {path}")
+    mode = _open_mode(path)
     blob = path.read_bytes()
+    what, fix = f"identity file {path}", "move it away to create a new one"
+    if not blob:
+        raise _refused(what, f"empty file, not a p2p-diloco/libp2p key (Ed25519 or RSA); {fix}", path, mode)
     try:
         pb = crypto_pb2.PrivateKey.FromString(blob)
         if pb.key_type == crypto_pb2.KeyType.Ed25519:
             from p2p_diloco.hivemind_ext.peerids import ed25519_public_of, peer_id_from_ed25519
 
             public = ed25519_public_of(pb.data)
-            return Identity(path, peer_id_from_ed25519(public), "ed25519", bytes(pb.data[:32]))
-        if pb.key_type != crypto_pb2.KeyType.RSA or not pb.data:
+            identity = Identity(path, peer_id_from_ed25519(public), "ed25519", bytes(pb.data[:32]))
+        elif pb.key_type != crypto_pb2.KeyType.RSA or not pb.data:
             raise ValueError("neither an Ed25519 nor an RSA key")
-        peer_id = PeerID.from_identity(blob).to_base58()
+        else:
+            identity = Identity(path, PeerID.from_identity(blob).to_base58(), "rsa", bytes(pb.data))
     except Exception as e:  # protobuf DecodeError, cryptography ValueError: all mean "not our key file"
-        raise ValueError(f"identity file {path} is not a p2p-diloco/libp2p key (Ed25519 or RSA) ({e}); "
-                         "move it away to create a new one") from None
-    return Identity(path, peer_id, "rsa", bytes(pb.data))
+        raise _refused(what, f"is not a p2p-diloco/libp2p key (Ed25519 or RSA) ({e}); {fix}", path, mode) from None
+    if mode is not None:
+        raise ValueError(f"{what} is readable by others (mode {mode:04o}); run: chmod 600 {path}")
+    return identity
 
 
 def peer_id_from_public_key(ssh_public_key: bytes) -> str:
@@ -145,28 +160,34 @@ def write_swarm_key(path: str | Path, flag: str = "--out") -> str:
 
 
 def read_swarm_key(path: str | Path) -> bytes:
-    """Read a swarm secret written by :func:`write_swarm_key` (one line of hex)."""
+    """Read a swarm secret written by :func:`write_swarm_key` (one line of hex). What is wrong with its content
+    is reported first, with a mode readable by others in the same line."""
     path = Path(path).expanduser()
+    what = f"--swarm-key {path}"
     try:
-        text = path.read_text(encoding="ascii").strip()
+        blob = path.read_bytes()
     except FileNotFoundError:
-        raise ValueError(f"--swarm-key {path}: file not found (create one with: p2p-diloco keygen --out {path})") from None
+        raise ValueError(f"{what}: file not found (create one with: p2p-diloco keygen --out {path})") from None
     except IsADirectoryError:
-        raise ValueError(f"--swarm-key {path}: a folder, not a swarm key file") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--swarm-key {path}: not a swarm key (binary; expected one line of hex written by "
-                         "p2p-diloco keygen)") from None
+        raise ValueError(f"{what}: a folder, not a swarm key file") from None
     except OSError as e:
-        raise ValueError(f"--swarm-key {path}: cannot read it ({e.strerror})") from None
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        raise ValueError(f"--swarm-key {path}: readable by others (mode {mode:04o}); run: chmod 600 {path}")
+        raise ValueError(f"{what}: cannot read it ({e.strerror})") from None
+    mode = _open_mode(path)
+    expected = f"expected one line of {2 * SWARM_KEY_BYTES} hex digits written by p2p-diloco keygen"
+    try:
+        text = blob.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise _refused(what, f"not a swarm key (binary; {expected})", path, mode) from None
+    if not text:
+        raise _refused(what, f"empty file ({expected})", path, mode)
     try:
         secret = bytes.fromhex(text)
     except ValueError:
-        raise ValueError(f"--swarm-key {path}: not a swarm key (expected one line of hex written by p2p-diloco keygen)") from None
+        raise _refused(what, f"not a swarm key ({expected})", path, mode) from None
     if len(secret) < 16:
-        raise ValueError(f"--swarm-key {path}: too short ({len(secret)} bytes, need >= 16)")
+        raise _refused(what, f"too short ({len(secret)} bytes, need >= 16; {expected})", path, mode)
+    if mode is not None:
+        raise ValueError(f"{what}: readable by others (mode {mode:04o}); run: chmod 600 {path}")
     return secret
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from p2p_diloco.core.console import out
+from p2p_diloco.core.logs import log_handled
 from p2p_diloco.hivemind_ext.procguard import stop_process
 
 if TYPE_CHECKING:
@@ -40,7 +41,8 @@ def joined_run(opts: "SwarmOptions", name: str | None, local: "LocalRun", num_fr
 
     Starts the DHT (a fresh private identity unless ``opts.identity``), named ``name`` (default ``peer-`` + the
     peer id's last 6 characters), refuses to go on if the run's
-    live peers disagree with our config hash or protocol (:func:`records.check_join`), publishes our
+    live peers disagree with our config hash or protocol (:func:`records.check_join`) or if another live peer
+    holds ``name`` (:func:`check_name_free`), publishes our
     first record and, given the run's ``cfg``, our config record (refreshed every
     ``CONFIG_REFRESH_FACTOR x ttl_s``: how a joiner without a config finds it) and prints the
     ``joined run`` line. On exit the DHT is shut down; a graceful
@@ -76,6 +78,8 @@ def joined_run(opts: "SwarmOptions", name: str | None, local: "LocalRun", num_fr
 
                 reason = explain_refusal(dht, cfg, snapshot.views, reason)
             raise ValueError(reason)
+        if name:  # an explicit --name; the generated one ends with our own peer id
+            check_name_free(dht, local, name, peer_id, snapshot)
         name = name or f"peer-{peer_id[-6:]}"
         record = PeerRecord(
             run_id=local.run_id, protocol_version=local.protocol_version, config_hash=local.config_hash,
@@ -105,6 +109,37 @@ def joined_run(opts: "SwarmOptions", name: str | None, local: "LocalRun", num_fr
             remove_ephemeral(opts)
 
 
+def check_name_free(dht: Any, local: "LocalRun", name: str, peer_id: str, snapshot: "SwarmSnapshot",
+                    poll_s: float = 0.5) -> None:
+    """Raise ``ValueError`` (one line; exit code 2) if a live peer of the run other than us (another peer id) holds
+    ``name`` (:func:`records.name_holder`). A live record need not be a live peer: one killed without a goodbye
+    leaves it for a TTL. So the holder must prove it is there: its record is read again every ``poll_s`` seconds
+    until its next heartbeat is due (a peer publishes every ``ttl_s / 3`` s), plus one more period of slack.
+    Refreshed: the name is taken. Gone, a tombstone, or not refreshed by then: a note, and the name is ours.
+    Two peers that start at the same moment do not see each other (neither has published yet)."""
+    import time
+
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.net.membership import read_swarm
+    from p2p_diloco.net.records import name_holder
+
+    first = name_holder(snapshot.views, name, peer_id)
+    if first is None:
+        return
+    refresh_by = first.time + 2 * first.ttl_s / 3  # DHT time: a heartbeat period after its last, and one of slack
+    while get_dht_time() < refresh_by:
+        time.sleep(poll_s)
+        holder = name_holder(read_swarm(dht, local, index=False).views, name, peer_id)
+        if holder is None:  # it left (tombstone) or its record expired
+            return
+        if holder.time > first.time:
+            raise ValueError(f"--name {name}: already taken by live peer {holder.peer_id[-8:]} (pick another name, "
+                             f"or leave --name out for a generated one)")
+    out(f"note: --name {name}: the record of peer {first.peer_id[-8:]} that holds it was not refreshed for "
+        f"{get_dht_time() - first.time:.0f} s (a stopped peer's); taking the name")
+
+
 def _publish_config(dht: Any, key: Any, cfg: "Config", peer_id: str, ttl_s: float) -> "RunAnnouncer":
     """A member's config record: published once now, then every ``CONFIG_REFRESH_FACTOR x ttl_s`` in a
     thread (stored for ``CONFIG_TTL_FACTOR x ttl_s``); returns the running announcer."""
@@ -120,7 +155,7 @@ def _publish_config(dht: Any, key: Any, cfg: "Config", peer_id: str, ttl_s: floa
     try:
         ok = announcer.publish_config()
     except Exception:  # a store that timed out: not fatal (the bootstrap or other members have it); retried
-        logger.exception("publishing our config record failed; retrying in the background")
+        log_handled(logger, "publishing our config record failed; retrying in the background")
         ok = False
     announcer.start(published=ok)
     return announcer

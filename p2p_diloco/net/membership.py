@@ -34,6 +34,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from p2p_diloco.core.logs import log_handled
 from p2p_diloco.hivemind_ext import peerids, procguard
 from p2p_diloco.hivemind_ext.peerids import peer_id_from_ed25519
 from p2p_diloco.net.addresses import PeerAddress, host_multiaddr
@@ -498,12 +499,12 @@ class RecordPublisher:
         return self.ttl_s / 3
 
     def beat(self) -> bool:
-        """One heartbeat: publish, and on any error log it whole and carry on (the next beat retries)."""
+        """One heartbeat: publish, and on any error log it (one line; whole with -v) and carry on (the next beat retries)."""
         try:
             return self.publish()
         except Exception:  # a DHT hiccup must not end the heartbeat; the record survives until its TTL
             self.failures += 1
-            logger.exception("heartbeat failed; retrying in %.1f s", self.period_s)
+            log_handled(logger, "heartbeat failed; retrying in %.1f s", self.period_s)
             return False
 
     def _loop(self) -> None:

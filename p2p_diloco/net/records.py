@@ -475,9 +475,9 @@ class PeerView:
 def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: LocalRun, now: float) -> list[PeerView]:
     """Classify (record, expiration time) pairs at DHT time ``now``.
 
-    expired: its expiration passed (a DHT cache may still hold it); foreign: incompatible with
-    ``local`` (whatever its state), except that an observer without a config hash (nobody live to
-    adopt one from) sees a tombstone of its run as left; left: a tombstone; live: everything else.
+    expired: its expiration passed (a DHT cache may still hold it); left: a tombstone, whatever the
+    config, protocol or run it had (a departed peer disturbs nobody: it is not foreign, and the join check
+    and ``doctor`` do not warn about it); foreign: incompatible with ``local``; live: everything else.
     One view per peer id: the newest record wins (a peer that restarted with a new subkey keeps one row).
     """
     newest: dict[str, tuple[PeerRecord | IndexEntry, float]] = {}
@@ -488,13 +488,12 @@ def classify(entries: Iterable[tuple[PeerRecord | IndexEntry, float]], local: Lo
     views = []
     for record, expiration in newest.values():
         ok, reason = is_compatible(record, local)
-        observed_leave = record.state == "left" and record.run_id == local.run_id and not local.config_hash
         if expiration < now:
             views.append(PeerView(record, expiration, "expired", f"expired {now - expiration:.1f} s ago"))
-        elif not ok and not observed_leave:
-            views.append(PeerView(record, expiration, "foreign", reason))
         elif record.state == "left":
             views.append(PeerView(record, expiration, "left", f"left at {record.time:.1f}"))
+        elif not ok:
+            views.append(PeerView(record, expiration, "foreign", reason))
         else:
             views.append(PeerView(record, expiration, "live", reason))
     views.sort(key=lambda v: (natural_key(v.record.name), v.peer_id))
@@ -508,8 +507,9 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def merge_index(views: list[PeerView], index_views: list[PeerView]) -> list[PeerView]:
-    """Add peers known only from the index (other runs, or records not yet visible) to ``views``.
-    A bootstrap's announcement is no peer of any run: it is left out."""
+    """Add foreign peers known only from the index (other runs, or records not yet visible) to ``views``.
+    A bootstrap's announcement is no peer of any run, and a tombstone known only from the index (another run's
+    departed peer: the run index counts it) none of ours: both are left out."""
     known = {v.peer_id for v in views}
     extra = [v for v in index_views if v.peer_id not in known and v.status in ("foreign",)
              and v.record.state != ANNOUNCE_STATE]
@@ -538,6 +538,16 @@ def check_join(views: Iterable[PeerView], local: LocalRun, own_peer_id: str) -> 
             return False, (f"refused by run {local.run_id!r}: {what} differs: ours {ours}, "
                            f"the run's {value} ({count} of {len(same_run)} live peers); {fix}")
     return False, f"refused by run {local.run_id!r}: incompatible with its {len(same_run)} live peers"
+
+
+def name_holder(views: Iterable[PeerView], name: str, own_peer_id: str) -> PeerRecord | None:
+    """The record of the live peer of our run, other than us, that carries ``name`` (``join --name``), or None.
+    Tombstones, expired records and foreign peers hold no name; our own earlier record (same peer id) neither."""
+    for v in views:
+        if (v.status == "live" and isinstance(v.record, PeerRecord) and v.record.name == name
+                and v.peer_id != own_peer_id):
+            return v.record
+    return None
 
 
 def tombstone(record: PeerRecord, now: float) -> PeerRecord:

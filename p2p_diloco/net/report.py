@@ -15,18 +15,41 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+CONSENSUS = ("Consensus, per fragment: the anchors (hashes) of the live training peers at the fragment's newest "
+             "version are identical. Shown with counts: 'f0 v12: 3/3 peers identical', 'f1 v9: 2 of 3 at v9, "
+             "identical' (one peer behind, still catching up), 'f1 v9: 2 of 3 at v9, anchors differ (2 distinct)' "
+             "(a fork not yet healed, or grid groups that converge rather than match; a distance, where shown, is the "
+             "largest one its peers last measured: at a healed fork, or across their last grid group), "
+             "'-' when no training peer is live. Idle members (heartbeat) and departed peers do not count.")
+"""What ``consensus`` means, everywhere it is shown (``status``, its ``--help``, the ``swarm`` live view,
+``docs/usage.md``): :func:`summarize` computes it, :func:`consensus_text` renders it."""
+
+
 @dataclass(frozen=True)
 class FragmentConsensus:
+    """One fragment's consensus (:data:`CONSENSUS`) among the live training peers."""
+
     fragment: int
     versions: dict[str, int]
-    """Live peers per version (str keys: msgpack/JSON safe)."""
+    """Live training peers per version (str keys: msgpack/JSON safe)."""
     top_version: int
+    """The newest version a live training peer holds."""
     agreeing: int
-    """Live peers at ``top_version`` (the most common one; ties go to the newer version)."""
+    """Live training peers at ``top_version``."""
     anchors: int = 0
-    """Distinct anchor hashes among the live peers at ``top_version`` (> 1: a fork not yet healed)."""
+    """Distinct anchor hashes among the live training peers at ``top_version`` (> 1: a fork not yet healed;
+    0: none published yet)."""
     distance: float = 0.0
-    """Largest consensus distance a live peer reports for this fragment (its last healed fork)."""
+    """Only while the anchors differ (``anchors > 1``): the largest consensus distance those peers publish (the
+    one of their last healed fork); else 0.0: a healed fork's figure is history, not a present difference."""
+    peers: int = 0
+    """Live training peers that hold this fragment (at any version)."""
+
+    @property
+    def identical(self) -> bool | None:
+        """The fragment's consensus: True (one anchor at the newest version), False (several), None (no anchor
+        hash published yet)."""
+        return None if self.anchors == 0 else self.anchors == 1
 
 
 @dataclass(frozen=True)
@@ -36,19 +59,33 @@ class SwarmSummary:
     tokens: int
     tokens_per_s: float
     fragments: tuple[FragmentConsensus, ...]
-    consensus: bool
-    """Every live peer reports the same version and the same anchor hash for every fragment."""
+    consensus: bool | None
+    """:data:`CONSENSUS` for every fragment: True if each one's anchors at its newest version are identical,
+    False if some differ, None if nobody trains (no live training peer) or no anchor was published yet."""
     states: dict[str, int]
     left: tuple[tuple[str, str, float], ...]
     """(name, peer id, DHT time of leaving), newest first."""
     foreign: tuple[tuple[str, str, str], ...]
     """(name, peer id, reason)."""
     trainers: int = 0
-    """Live peers that train (every state but ``idle``): fragment agreement and consensus are taken over
-    these, so a ``heartbeat`` member or a monitor never holds consensus back."""
+    """Live peers that train (every state but ``idle``): fragment figures and consensus are taken over these, so
+    a ``heartbeat`` member or a monitor never holds consensus back."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def fragment_consensus(fragment: int, records: Iterable[PeerRecord]) -> FragmentConsensus:
+    """:data:`CONSENSUS` of one fragment among ``records`` (live training peers; pure)."""
+    held = [r for r in records if len(r.fragment_versions) > fragment]
+    counts = Counter(r.fragment_versions[fragment] for r in held)
+    top = max(counts, default=0)
+    at_top = [r for r in held if r.fragment_versions[fragment] == top]
+    anchors = {r.anchor_hashes[fragment] for r in at_top if len(r.anchor_hashes) > fragment and r.anchor_hashes[fragment]}
+    distance = max((r.consensus_distance[fragment] for r in at_top if len(r.consensus_distance) > fragment),
+                   default=0.0) if len(anchors) > 1 else 0.0
+    return FragmentConsensus(fragment, {str(k): c for k, c in sorted(counts.items())}, top, len(at_top),
+                             len(anchors), distance, len(held))
 
 
 def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
@@ -58,16 +95,9 @@ def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
     live = [v.record for v in views if v.status == "live" and isinstance(v.record, PeerRecord)]
     trainers = [r for r in live if r.state != "idle"]
     n_frag = max((len(r.fragment_versions) for r in trainers), default=0)
-    frags = []
-    for f in range(n_frag):
-        counts = Counter(r.fragment_versions[f] for r in trainers if len(r.fragment_versions) > f)
-        top, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-        anchors = {r.anchor_hashes[f] for r in trainers if len(r.fragment_versions) > f
-                   and r.fragment_versions[f] == top and len(r.anchor_hashes) > f}
-        distance = max((r.consensus_distance[f] for r in trainers if len(r.consensus_distance) > f), default=0.0)
-        frags.append(FragmentConsensus(f, {str(k): c for k, c in sorted(counts.items())}, top, agreeing,
-                                       len(anchors), distance))
-    consensus = all(fc.agreeing == len(trainers) and fc.anchors <= 1 for fc in frags)
+    frags = tuple(fragment_consensus(f, trainers) for f in range(n_frag))
+    verdicts = [fc.identical for fc in frags]
+    consensus = None if not frags or None in verdicts else all(verdicts)
     left = sorted(((v.record.name, v.peer_id, v.record.time) for v in views if v.status == "left"),
                   key=lambda t: -t[2])
     foreign = tuple((v.record.name, v.peer_id, v.reason) for v in views if v.status == "foreign")
@@ -76,13 +106,31 @@ def summarize(views: Iterable[PeerView], run_id: str) -> SwarmSummary:
         live=len(live),
         tokens=sum(r.tokens for r in live),
         tokens_per_s=sum(r.tokens_per_s for r in live),
-        fragments=tuple(frags),
+        fragments=frags,
         consensus=consensus,
         states=dict(Counter(r.state for r in live)),
         left=tuple(left),
         foreign=foreign,
         trainers=len(trainers),
     )
+
+
+def consensus_text(summary: dict[str, Any]) -> str:
+    """:data:`CONSENSUS` of a summary (``SwarmSummary.to_json()``, as ``snapshot_json`` holds it) in words, one
+    part per fragment: what ``status`` and the ``swarm`` live view print after ``consensus``."""
+    parts = []
+    for f in summary["fragments"]:
+        top, at_top, n = f["top_version"], f["agreeing"], f.get("peers", f["agreeing"])
+        who = f"{n}/{n} peers" if at_top == n else f"{at_top} of {n} at v{top},"
+        if f["anchors"] > 1:
+            dist = f"; last measured distance {f['distance']:.1e}" if f.get("distance", 0.0) > 0 else ""
+            verdict = f"{at_top} of {n} at v{top}, anchors differ ({f['anchors']} distinct{dist})"
+        elif f["anchors"] == 1:
+            verdict = f"{who} identical"
+        else:
+            verdict = f"{who.rstrip(',')}, anchors not published yet"
+        parts.append(f"f{f['fragment']} v{top}: {verdict}")
+    return "; ".join(parts) or "-"
 
 
 def config_mismatch(views: Iterable[PeerView], local: LocalRun) -> str:
@@ -153,20 +201,13 @@ HEADER = ["name", "peer", "state", "step", "tokens", "tok/s", "fragments", "last
 
 def _summary_lines(data: dict[str, Any]) -> list[str]:
     s = data["summary"]
-    def one(f: dict[str, Any]) -> str:
-        fork = f" {f['anchors']} anchors" if f.get("anchors", 0) > 1 else ""
-        dist = f" dist {f['distance']:.1e}" if f.get("distance", 0.0) > 0 else ""
-        return f"f{f['fragment']}=v{f['top_version']}({f['agreeing']}/{s.get('trainers', s['live'])}{fork}{dist})"
-
-    frag = " ".join(one(f) for f in s["fragments"]) or "-"
+    ours = next((r for r in data.get("runs_detail", []) if r["run_id"] == data["run_id"]), None)
+    announced = f" (announced by {ours['announced']} bootstrap(s))" if ours is not None and ours["announced"] else ""
     lines = [
-        f"run {data['run_id']}: {s['live']} live peers, {s['tokens_per_s']:.0f} tokens/s, {s['tokens']} tokens; "
-        f"fragments {frag}; consensus {'yes' if s['consensus'] else 'NO'}" if data["run_id"] else
+        f"run {data['run_id']}: {s['live']} live peers, {s['tokens_per_s']:.0f} tokens/s, {s['tokens']} tokens"
+        f"{announced}; consensus {consensus_text(s)}" if data["run_id"] else
         "no run in this DHT: no live peer, and no bootstrap announces one",
     ]
-    ours = next((r for r in data.get("runs_detail", []) if r["run_id"] == data["run_id"]), None)
-    if ours is not None and ours["announced"]:
-        lines[0] += f" (announced by {ours['announced']} bootstrap(s))"
     if data.get("config_mismatch"):
         lines.append(f"note: {data['config_mismatch']}")
     for name, pid, t in s["left"]:

@@ -33,6 +33,7 @@ from p2p_diloco.core.config import (
     load_config_data,
 )
 from p2p_diloco.core.identity import pin_data
+from p2p_diloco.core.logs import log_handled
 from p2p_diloco.net.records import INDEX_KEYS, IndexEntry, RunConfigRecord, config_key, index_key
 from p2p_diloco.net.runs import RunInfo, runs_in_index
 
@@ -278,9 +279,9 @@ class RunAnnouncer:
                 if self.announcement is not None and now >= next_announce:
                     next_announce = now + period
                     self.publish_announcement()
-            except Exception:  # a DHT hiccup must not end the thread: logged whole, retried next period
+            except Exception:  # a DHT hiccup must not end the thread: logged (whole with -v), retried next period
                 self.failures += 1
-                logger.exception("publishing the run's config / announcement failed; retrying later")
+                log_handled(logger, "publishing the run's config / announcement failed; retrying later")
 
     def stop(self) -> None:
         """Stop the thread (waits for a store in flight, at most ``store_timeout_s``)."""

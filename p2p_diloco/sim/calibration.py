@@ -51,9 +51,9 @@ def calibration_from_results(results: Path, config: Path) -> tuple[Calibration, 
     durations = []
     for log in sorted((results / "learners" / "logs").glob("*.jsonl")):
         for line in log.read_text().splitlines():
-            e = json.loads(line)
-            if e.get("event") == "round" and e.get("outcome") == "committed" and "duration_s" in e:
-                durations.append(float(e["duration_s"]))
+            record = json.loads(line)
+            if record.get("event") == "round" and record.get("outcome") == "committed" and "duration_s" in record:
+                durations.append(float(record["duration_s"]))
     round_s = statistics.median(durations) if durations else 2 * window_s
     cal = Calibration(step_s=step_s, round_period_s=period_s, fragments=cfg.outer.fragments, round_s=round_s,
                       startup_s=statistics.median(startups), state_download_s=statistics.median(downloads),

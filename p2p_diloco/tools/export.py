@@ -179,6 +179,7 @@ def save_tokenizer(spec: str, out: Path) -> str:
     path = Path(spec).expanduser()
     if not path.exists():
         raise ValueError(f"data.tokenizer: no such file or folder: {spec!r}")
+    tokenizer: Any  # fast or sentencepiece: both save_pretrained
     if path.is_file():
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
     elif (path / "tokenizer_config.json").is_file():
@@ -273,7 +274,8 @@ def export(checkpoint: Path, out: Path, config: Config | None = None, config_lab
         target.mkdir()
     try:
         if cfg.model.kind == "hf":
-            model.save_pretrained(str(target))
+            pretrained: Any = model  # a transformers PreTrainedModel (nn.Module to the type checker)
+            pretrained.save_pretrained(str(target))
             info["tokenizer"] = save_tokenizer(str(getattr(cfg.data, "tokenizer", BYTES_TOKENIZER)), target)
         else:
             assert isinstance(model, ByteGPT)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 PACKAGE = "p2p_diloco"
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,19 +126,27 @@ def violations(modules: Sequence[Module], allowed: dict[str, frozenset[str]] = A
     return sorted(set(problems))
 
 
-def summary(modules: Sequence[Module]) -> dict[str, dict[str, object]]:
+class LayerSummary(TypedDict):
+    lines: int
+    modules: dict[str, int]
+    imports: list[str]
+
+
+def summary(modules: Sequence[Module]) -> dict[str, LayerSummary]:
     """Per subpackage: line count, modules with their line counts, subpackages imported."""
-    out: dict[str, dict[str, object]] = {}
+    out: dict[str, LayerSummary] = {}
+    imported: dict[str, set[str]] = {}
     for m in modules:
-        entry = out.setdefault(m.layer or PACKAGE, {"lines": 0, "modules": {}, "imports": set()})
-        entry["lines"] = int(entry["lines"]) + m.lines  # type: ignore[call-overload]
-        entry["modules"][m.path.stem] = m.lines  # type: ignore[index]
+        layer = m.layer or PACKAGE
+        entry = out.setdefault(layer, {"lines": 0, "modules": {}, "imports": []})
+        entry["lines"] += m.lines
+        entry["modules"][m.path.stem] = m.lines
         for target, _ in m.imports:
             other = layer_of(target, ALLOWED)
             if other and other != m.layer:
-                entry["imports"].add(other)  # type: ignore[union-attr]
-    for entry in out.values():
-        entry["imports"] = sorted(entry["imports"])  # type: ignore[arg-type]
+                imported.setdefault(layer, set()).add(other)
+    for layer, entry in out.items():
+        entry["imports"] = sorted(imported.get(layer, ()))
     return out
 
 
@@ -153,9 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     order = [PACKAGE, *ALLOWED]
     for layer in sorted(table, key=lambda k: order.index(k) if k in order else len(order)):
         entry = table[layer]
-        imports = ", ".join(entry["imports"]) or "-"  # type: ignore[arg-type]
+        imports = ", ".join(entry["imports"]) or "-"
         print(f"{layer + '/':<14} {entry['lines']:>6} lines   imports: {imports}")
-        for name, lines in sorted(entry["modules"].items(), key=lambda kv: -kv[1]):  # type: ignore[union-attr]
+        for name, lines in sorted(entry["modules"].items(), key=lambda kv: -kv[1]):
             print(f"    {name:<22} {lines:>5}")
     total = sum(m.lines for m in modules)
     print(f"{len(modules)} modules, {total} lines; largest module {max(m.lines for m in modules)} lines "
