@@ -36,8 +36,9 @@ from typing import Any
 
 import _bench
 
+from p2p_diloco.core.events import Event, RoundEvent, read_events
 from p2p_diloco.core.waiting import poll_until
-from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, Child, LocalSwarm, read_jsonl
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, Child, LocalSwarm
 
 log = logging.getLogger("bench.control")
 
@@ -364,19 +365,19 @@ def training(children: list[Child]) -> bool:
                and TRAINING_LINE in child.log_path.read_text(errors="replace") for child in children)
 
 
-def rounds_in(events: list[list[dict[str, Any]]], t0: float, t1: float) -> dict[str, Any]:
+def rounds_in(events: list[list[Event]], t0: float, t1: float) -> dict[str, Any]:
     """Rounds each learner ended within [t0, t1] (wall clock, as the events' DHT time), and its step time there."""
-    rounds = [e for ev in events for e in ev if e.get("event") == "round" and t0 <= e["time"] <= t1]
+    rounds = [e for ev in events for e in ev if isinstance(e, RoundEvent) and t0 <= e.time <= t1]
     steps_s = []
     for ev in events:
-        inside = [e for e in ev if t0 <= e["time"] <= t1]
-        if len(inside) >= 2 and inside[-1]["step"] > inside[0]["step"]:
-            steps_s.append((inside[-1]["time"] - inside[0]["time"]) / (inside[-1]["step"] - inside[0]["step"]))
-    committed = [e for e in rounds if e["outcome"] == "committed"]
-    reasons = Counter(re.sub(r"\d+", "N", e["reason"])[:REASON_CHARS] for e in rounds if e["outcome"] != "committed")
+        inside = [e for e in ev if t0 <= e.time <= t1]
+        if len(inside) >= 2 and inside[-1].step > inside[0].step:
+            steps_s.append((inside[-1].time - inside[0].time) / (inside[-1].step - inside[0].step))
+    committed = [e for e in rounds if e.committed]
+    reasons = Counter(re.sub(r"\d+", "N", e.reason)[:REASON_CHARS] for e in rounds if not e.committed)
     return {"committed": len(committed), "discarded": len(rounds) - len(committed),
             "discard_reasons": [[reason, count] for reason, count in reasons.most_common(3)],
-            "median_group_size": statistics.median(e["group_size"] for e in committed) if committed else None,
+            "median_group_size": statistics.median(e.group_size for e in committed) if committed else None,
             "median_step_s": statistics.median(steps_s) if steps_s else None}
 
 
@@ -443,7 +444,7 @@ def run_size(n: int, window_s: float, settle_s: float, logs: Path) -> dict[str, 
         "bootstrap_control_bps": round(control_bytes(per_process.get("boot", {})) / seconds, 1),
         "top_rpcs": [{"rpc": name, "bps_per_peer": round((c[1] + c[2]) / seconds / n, 1),
                       "calls_per_s_per_peer": round(c[0] / seconds / n, 3)} for name, c in top],
-        "rounds": rounds_in([read_jsonl(logs / f"{name}.jsonl") for name in names], wall0, wall1),
+        "rounds": rounds_in([read_events(logs / f"{name}.jsonl") for name in names], wall0, wall1),
         "memory": {"pss_per_learner_mib": round(statistics.mean(pss) / MIB, 1),
                    "rss_per_learner_mib": round(statistics.mean(memory[name][1] for name in names) / MIB, 1),
                    "pss_all_gib": round(sum(m[0] for m in memory.values()) / GIB, 2),

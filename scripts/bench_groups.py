@@ -40,7 +40,8 @@ from typing import Any
 
 import _bench
 
-from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, cli_argv, read_jsonl
+from p2p_diloco.core.events import Event, RoundEvent, read_events
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, cli_argv
 
 BENCH = _bench.Bench("groups", "groups", "Past one group: grid groups against one group, on real learners",
                      "scripts/bench_groups.py", __doc__.split("\n\n", 1)[1].split("\n    python")[0])
@@ -66,8 +67,12 @@ def common_overrides(seconds: float, step_s: float, period_s: float) -> list[str
 
 def steps_of(events: Path) -> int:
     """The last inner step a learner's events file names (0 without any)."""
-    rows = read_jsonl(events) if events.exists() else []
-    return max((int(e.get("step", 0)) for e in rows), default=0)
+    return max((e.step for e in events_of(events)), default=0)
+
+
+def events_of(path: Path) -> list[Event]:
+    """A learner's events (none if it never opened its ``--events`` file)."""
+    return read_events(path) if path.exists() else []
 
 
 def run_arm(arm: str, args: Any, logs: Path) -> dict[str, Any]:
@@ -161,11 +166,10 @@ def analyse(swarm: dict[str, Any], logs: Path, group_size: int) -> dict[str, Any
     groups: dict[tuple[Any, ...], list[tuple[float, str, str]]] = {}
     last: dict[str, list[float]] = {}
     for name in [*finals, *swarm["killed"]]:
-        rows = [e for e in read_jsonl(logs / f"{name}.jsonl") if e["event"] == "round" and e.get("peers")]
+        rows = [e for e in events_of(logs / f"{name}.jsonl") if isinstance(e, RoundEvent) and e.peers]
         for e in rows:
-            groups.setdefault((e["fragment"], tuple(sorted(e["peers"]))), []).append(
-                (e["time"] - e["duration_s"], name, e["outcome"]))
-        distances = [e["group_distance"] for e in rows if e["outcome"] == "committed" and e.get("group_distance") is not None]
+            groups.setdefault((e.fragment, tuple(sorted(e.peers))), []).append((e.time - e.duration_s, name, e.outcome))
+        distances = [e.group_distance for e in rows if e.committed and e.group_distance is not None]
         if name in finals and distances:
             last[name] = distances
     anchors = {}
@@ -181,7 +185,7 @@ def analyse(swarm: dict[str, Any], logs: Path, group_size: int) -> dict[str, Any
     return {
         "learners_at_end": len(finals), "eval_loss_median": statistics.median(evals), "eval_loss_min": min(evals),
         "eval_loss_max": max(evals), "tokens": sum(f["tokens"] for f in finals.values()),
-        "tokens_of_killed": sum(max((e.get("tokens", 0) for e in read_jsonl(logs / f"{n}.jsonl")), default=0)
+        "tokens_of_killed": sum(max((e.tokens for e in events_of(logs / f"{n}.jsonl")), default=0)
                                 for n in swarm["killed"]),
         "committed": sum(sum(f["committed"]) for f in finals.values()),
         "discarded": sum(sum(f["discarded"]) for f in finals.values()),

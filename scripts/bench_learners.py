@@ -30,7 +30,8 @@ from typing import Any
 
 import _bench
 
-from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, read_jsonl
+from p2p_diloco.core.events import RoundEvent, read_events
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm
 
 FINISH_SLACK_S = 300.0
 """After the training time: final rounds, linger, evaluation and exit."""
@@ -71,10 +72,11 @@ def run_swarm(config: str, overrides: list[str], learners: int, seconds: float, 
 def _report_progress(names: list[str], logs: Path, elapsed_s: float, seconds: float) -> None:
     parts = []
     for name in names:
-        events = read_jsonl(logs / f"{name}.jsonl")
-        rounds = [e for e in events if e["event"] == "round"]
-        committed = sum(e["outcome"] == "committed" for e in rounds)
-        step = events[-1]["step"] if events else 0
+        path = logs / f"{name}.jsonl"
+        events = read_events(path) if path.exists() else []  # none before the learner opens it
+        rounds = [e for e in events if isinstance(e, RoundEvent)]
+        committed = sum(e.committed for e in rounds)
+        step = events[-1].step if events else 0
         parts.append(f"{name} step {step} rounds {committed}/{len(rounds)}")
     print(f"[{elapsed_s:5.0f}/{seconds:.0f} s] " + "; ".join(parts), file=sys.stderr, flush=True)
 

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 
 from p2p_diloco.averaging.host import Contribution, RoundOutcome
 from p2p_diloco.core import data, outer
-from p2p_diloco.core.config import Config, config_hash, load_config
+from p2p_diloco.core.config import Config, load_config
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.devices import autocast, machine_device
 from p2p_diloco.core.inner import lr_at
 from p2p_diloco.core.model import build_model, count_parameters

@@ -34,7 +34,8 @@ from typing import Any
 import _bench
 import bench_parity
 
-from p2p_diloco.core.config import Config, config_hash, load_config
+from p2p_diloco.core.config import Config, load_config
+from p2p_diloco.core.identity import config_hash
 
 BENCH = _bench.Bench("parity-demo", "parity-demo", "ML parity at the demo config (simulator, no network)",
                      "scripts/bench_parity_demo.py", """\

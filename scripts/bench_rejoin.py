@@ -23,8 +23,9 @@ from typing import Any
 
 import _bench
 
+from p2p_diloco.core.events import Event, FirstContributionEvent, ResyncEvent, RoundEvent, read_events
 from p2p_diloco.core.waiting import WaitTimeout, poll_until
-from p2p_diloco.local.launcher import LocalSwarm, read_jsonl
+from p2p_diloco.local.launcher import LocalSwarm
 
 WARMUP_DEADLINE_S = 240.0
 """Start of the swarm to committed rounds of every fragment."""
@@ -38,6 +39,11 @@ from its process start: when it had joined the DHT, its fragment downloads (outc
 first round committed -- its first contribution. The target: within 15 s.""")
 
 
+def events_so_far(path: Path) -> list[Event]:
+    """A learner's events up to now (none before it has opened its ``--events`` file)."""
+    return read_events(path) if path.exists() else []
+
+
 def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict[str, Any]]:
     with LocalSwarm(logs) as swarm:
         peers = swarm.start_bootstrap("--config", config)
@@ -46,8 +52,7 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             first_learner = swarm.start(f"l{i}", ["join", *common, "--name", f"l{i}", "--shard", str(i), "--wait-peers", str(learners),
                                   "--steps", "100000", "--max-time", "900", "--events", str(logs / f"l{i}.jsonl")])
         def every_fragment_committed() -> bool:
-            done = {e["fragment"] for e in read_jsonl(logs / "l0.jsonl")
-                    if e["event"] == "round" and e["outcome"] == "committed"}
+            done = {e.fragment for e in events_so_far(logs / "l0.jsonl") if isinstance(e, RoundEvent) and e.committed}
             m = first_learner.find(r"(\d+) fragments, codec")
             return m is not None and len(done) >= int(m.group(1))
 
@@ -63,8 +68,9 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             t0 = child.started_at
             child.wait_for(r"^joined run ", NEWCOMER_DEADLINE_S)  # RuntimeError naming the log if it does not
             t_joined = time.monotonic() - t0
-            def first_contribution(child: Any = child, name: str = name, events: Path = events) -> dict[str, Any] | None:
-                found = [e for e in read_jsonl(events) if e["event"] == "first_contribution"]
+            def first_contribution(child: Any = child, name: str = name,
+                                   events: Path = events) -> FirstContributionEvent | None:
+                found = [e for e in events_so_far(events) if isinstance(e, FirstContributionEvent)]
                 if not found and not child.alive:
                     raise WaitTimeout(f"{name}'s first contribution (it exited)", 0.0)
                 return found[0] if found else None
@@ -74,13 +80,14 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             except WaitTimeout as e:  # recorded as "none" in the results: what this benchmark measures
                 print(f"{name}: {e}", flush=True)
                 first = None
-            resyncs = [e for e in read_jsonl(events) if e["event"] == "resync"]
+            resyncs = [e for e in events_so_far(events) if isinstance(e, ResyncEvent)]
             result = {"newcomer": name, "joined_s": round(t_joined, 2),
-                      "first_contribution_s": first["seconds_since_start"] if first else None,
-                      "downloads": [{k2: e.get(k2) for k2 in ("fragment", "outcome", "donors_tried", "donor_failures",
-                                                             "duration_s")} for e in resyncs]}
+                      "first_contribution_s": first.seconds_since_start if first else None,
+                      "downloads": [{"fragment": e.fragment, "outcome": e.outcome, "donors_tried": e.donors_tried,
+                                     "donor_failures": list(e.donor_failures) if e.donor_failures is not None else None,
+                                     "duration_s": e.duration_s} for e in resyncs]}
             print(f"{name}: joined {t_joined:.1f} s after start, first contribution "
-                  + (f"{first['seconds_since_start']:.1f} s" if first else "none") + f", {len(resyncs)} downloads",
+                  + (f"{first.seconds_since_start:.1f} s" if first else "none") + f", {len(resyncs)} downloads",
                   flush=True)
             results.append(result)
             child.stop(grace_s=60)

@@ -65,7 +65,7 @@ def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]
 
     from p2p_diloco.averaging.decisions import RoundMeta
     from p2p_diloco.averaging.host import Contribution
-    from p2p_diloco.core.config import config_hash
+    from p2p_diloco.core.identity import config_hash
 
     start = get_dht_time() + cfg.averaging.window_s
     futures = []

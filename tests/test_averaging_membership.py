@@ -21,7 +21,8 @@ from averagers import wait_declared
 from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost
 from p2p_diloco.averaging.decisions import RoundMeta, anchor_hash
 from p2p_diloco.averaging.transfer import state_payload
-from p2p_diloco.core.config import config_hash, load_config
+from p2p_diloco.core.config import load_config
+from p2p_diloco.core.identity import config_hash
 
 pytestmark = pytest.mark.integration
 

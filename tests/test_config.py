@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.core.config import Config, ConfigError, OuterConfig, config_hash, load_config, parse_override, replace
+from p2p_diloco.core.config import Config, ConfigError, OuterConfig, load_config, parse_override, replace
+from p2p_diloco.core.identity import config_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

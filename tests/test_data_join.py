@@ -29,7 +29,8 @@ TINY = str(REPO / "configs" / "tiny.toml")
 
 def test_same_files_elsewhere_join_and_other_files_are_refused(tmp_path: Path, make_corpus: Callable[..., Path]) -> None:
     from p2p_diloco.core import datasource
-    from p2p_diloco.core.config import config_hash, load_config
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.identity import config_hash
 
     ours = make_corpus(tmp_path / "alice" / "corpus", n=16)
     same = shutil.copytree(ours, tmp_path / "bob" / "somewhere" / "else")

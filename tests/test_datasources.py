@@ -21,7 +21,8 @@ import pytest
 
 from p2p_diloco.core import data, datasource
 from p2p_diloco.sim import simulator as sim
-from p2p_diloco.core.config import DataConfig, config_hash, load_config
+from p2p_diloco.core.config import DataConfig, load_config
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.identity import pin_data
 from p2p_diloco.core.datasource import TextSource, doc_digest, is_held_out
 from p2p_diloco.net.runconfig import data_mismatch

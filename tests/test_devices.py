@@ -19,7 +19,8 @@ import torch
 from scripts_loader import load_script
 from p2p_diloco.core import data, devices
 from p2p_diloco.sim import simulator as sim
-from p2p_diloco.core.config import ConfigError, config_hash, load_config
+from p2p_diloco.core.config import ConfigError, load_config
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.identity import inner_identity
 from p2p_diloco.core.devices import load_into, resolve_device, to_host
 from p2p_diloco.core.inner import AdamW, build_optimizer, lr_at, train_step

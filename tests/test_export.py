@@ -16,7 +16,8 @@ import torch
 
 from p2p_diloco.cli import main as cli
 from p2p_diloco.learner.checkpoint import portable_config, save_checkpoint
-from p2p_diloco.core.config import Config, config_hash, load_config, load_config_data
+from p2p_diloco.core.config import Config, load_config, load_config_data
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.tools.export import EXPORT_INFO_FILE, load_byte_gpt, model_fingerprint, save_tokenizer
 from p2p_diloco.core.model import build_model
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.core.config import ConfigError, config_hash, load_config, render
+from p2p_diloco.core.config import ConfigError, load_config, render
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.identity import model_identity
 from p2p_diloco.core.inner import build_optimizer, train_step
 from p2p_diloco.core.model import build_model, lm_loss, vocab_size

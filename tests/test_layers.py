@@ -66,3 +66,44 @@ def test_the_command_prints_layers_and_exits_by_the_rules() -> None:
                           timeout=60)
     assert "core/" in done.stdout and "imports:" in done.stdout, done.stdout
     assert done.returncode == (0 if "ok: every rule holds" in done.stdout else 1), done.stdout
+
+
+def test_an_import_circle_is_named_even_under_type_checking(tmp_path: Path) -> None:
+    modules = _package(tmp_path, {
+        "learner/loop.py": "from p2p_diloco.learner.checkpointer import Checkpointer\n",
+        "learner/checkpointer.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                   "    from p2p_diloco.learner.loop import Learner\n",
+        "learner/view.py": "from p2p_diloco.learner import loop\n",  # imports into the circle, is not in it
+    })
+    assert [p for p in layers.violations(modules) if p.startswith("circle")] == [
+        "circle: p2p_diloco.learner.checkpointer -> p2p_diloco.learner.loop -> p2p_diloco.learner.checkpointer"]
+
+
+def test_relative_function_level_and_submodule_imports_make_edges(tmp_path: Path) -> None:
+    modules = _package(tmp_path, {
+        "core/a.py": "from . import b\n",
+        "core/b.py": "def f():\n    from .c import x\n",
+        "core/c.py": "from p2p_diloco.core import a\n",
+        "core/d.py": "from p2p_diloco.core.a import name\nfrom .b import f\n",
+    })
+    graph = layers.import_graph(modules)
+    assert graph["p2p_diloco.core.a"] == {"p2p_diloco.core", "p2p_diloco.core.b"}
+    assert graph["p2p_diloco.core.d"] == {"p2p_diloco.core.a", "p2p_diloco.core.b"}
+    assert layers.circles(graph) == [[f"p2p_diloco.core.{m}" for m in ("a", "b", "c", "a")]]
+
+
+def test_a_module_importing_itself_is_a_circle_a_package_naming_its_submodule_is_not(tmp_path: Path) -> None:
+    modules = _package(tmp_path, {
+        "core/x.py": "def f():\n    import p2p_diloco.core.x\n",
+        "net/__init__.py": "from . import records\n",
+        "net/records.py": "",
+    })
+    assert layers.circles(layers.import_graph(modules)) == [["p2p_diloco.core.x", "p2p_diloco.core.x"]]
+
+
+def test_a_circle_through_a_hub_is_one_walk_over_real_imports() -> None:
+    graph = {"hub": {"a", "b", "c"}, "a": {"hub"}, "b": {"hub"}, "c": {"d"}, "d": {"hub"}, "leaf": {"hub"}}
+    [walk] = layers.circles(graph)
+    assert walk[0] == walk[-1] == "a" and set(walk) == {"a", "b", "c", "d", "hub"}, walk
+    assert all(after in graph[before] for before, after in zip(walk, walk[1:])), walk
+    assert layers.circles({"a": {"b"}, "b": set()}) == []

@@ -24,7 +24,8 @@ from p2p_diloco.averaging.host import Contribution
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.decisions import RoundMeta
 from p2p_diloco.hivemind_ext.codecs import error_bound
-from p2p_diloco.core.config import config_hash, load_config
+from p2p_diloco.core.config import load_config
+from p2p_diloco.core.identity import config_hash
 
 pytestmark = pytest.mark.integration
 

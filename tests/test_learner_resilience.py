@@ -200,7 +200,7 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
     from p2p_diloco.averaging.host import Contribution
     from p2p_diloco.averaging.runner import ExactAllReduceRunner
     from p2p_diloco.averaging.decisions import RoundMeta
-    from p2p_diloco.core.config import config_hash
+    from p2p_diloco.core.identity import config_hash
     from test_learner_faults import CFG, NAMES, SHAPES, swarm
 
     with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from p2p_diloco.cli import main as cli, learner as learner_cli
+from p2p_diloco.core.events import EvalEvent, Event, ResyncEvent, RoundEvent
 from p2p_diloco.learner.loop import Learner
 from p2p_diloco.learner.metrics import (
     EventLog, JsonlSink, MetricsSpec, ScalarTracker, open_event_log, parse_metrics_spec,
@@ -24,20 +25,27 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 
 
-def _stream() -> list[dict[str, Any]]:
-    """Records as :meth:`Learner._event` writes them: name, step, tokens, DHT time, latest loss, then the event."""
-    base = {"name": "peer-a"}
+def _round(**fields: Any) -> RoundEvent:
+    """A round event of peer-a; the fields no scalar comes from take plain values."""
+    plain: dict[str, Any] = {
+        "name": "peer-a", "reason": "ok", "peers": (), "own_share": 0.5, "weights": (), "arrival_spread_s": None,
+        "window_s": 1.0, "allreduce_s": None, "rtt_s": None, "timeouts": None, "group_distance": None,
+        "anchor_hash": "h", "tokens_sent": 0, "steps_sent": 0}
+    return RoundEvent(**{**plain, "version_after": fields["version"] + 1, **fields})
+
+
+def _stream() -> list[Event]:
+    """Events as :meth:`Learner._event` logs them: name, step, tokens, DHT time, latest loss, then the event's own."""
     return [
-        {**base, "step": 6, "tokens": 768, "time": 1000.0, "loss": 5.1, "event": "round", "fragment": 0, "version": 0,
-         "outcome": "committed", "group_size": 3, "bytes_sent": 1000, "bytes_received": 1200, "duration_s": 0.4},
-        {**base, "step": 12, "tokens": 1536, "time": 1002.0, "loss": 4.2, "event": "round", "fragment": 1,
-         "version": 0, "outcome": "discarded", "group_size": 2, "bytes_sent": 500, "bytes_received": 0,
-         "duration_s": 1.5},
-        {**base, "step": 12, "tokens": 1536, "time": 1002.1, "loss": 4.2, "event": "eval", "eval_loss": 4.5},
-        {**base, "step": 18, "tokens": 2304, "time": 1004.0, "loss": 3.6, "event": "resync", "fragment": 0},
-        {**base, "step": 24, "tokens": 3072, "time": 1006.0, "loss": None, "event": "round", "fragment": 0,
-         "version": 1, "outcome": "committed", "group_size": 3, "bytes_sent": 1000, "bytes_received": 1100,
-         "duration_s": 0.5},
+        _round(step=6, tokens=768, time=1000.0, loss=5.1, fragment=0, version=0, outcome="committed", group_size=3,
+               bytes_sent=1000, bytes_received=1200, duration_s=0.4),
+        _round(step=12, tokens=1536, time=1002.0, loss=4.2, fragment=1, version=0, outcome="discarded", group_size=2,
+               bytes_sent=500, bytes_received=0, duration_s=1.5),
+        EvalEvent(name="peer-a", step=12, tokens=1536, time=1002.1, loss=4.2, eval_loss=4.5, train_s=10.0,
+                  versions=(1, 0), batches=2),
+        ResyncEvent(name="peer-a", step=18, tokens=2304, time=1004.0, loss=3.6, fragment=0, outcome="rebased"),
+        _round(step=24, tokens=3072, time=1006.0, loss=None, fragment=0, version=1, outcome="committed", group_size=3,
+               bytes_sent=1000, bytes_received=1100, duration_s=0.5),
     ]
 
 
@@ -62,8 +70,8 @@ def test_parse_metrics_spec(tmp_path: Path) -> None:
 def test_scalar_tracker_maps_events_to_scalars() -> None:
     tracker = ScalarTracker()
     got: dict[str, list[tuple[int, float]]] = {}
-    for record in _stream():
-        for tag, value, step in tracker.scalars(record):
+    for event in _stream():
+        for tag, value, step in tracker.scalars(event):
             got.setdefault(tag, []).append((step, value))
     assert got["train/loss"] == [(6, 5.1), (12, 4.2), (18, 3.6)]  # once per step; a missing loss is skipped
     assert got["train/tokens"] == [(6, 768), (12, 1536), (18, 2304), (24, 3072)]
@@ -84,10 +92,11 @@ def test_tensorboard_and_jsonl_get_the_same_events(tmp_path: Path) -> None:
     specs = [parse_metrics_spec(f"tensorboard:{tmp_path / 'tb'}")]
     log = open_event_log(tmp_path / "events.jsonl", specs)
     assert log is not None
-    for record in _stream():
-        log.write(record)
+    for event in _stream():
+        log.write(event)
     log.close()
-    assert [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()] == _stream()
+    assert [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()] == \
+        [e.to_json() for e in _stream()]
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -104,15 +113,15 @@ def test_no_sink_means_no_event_log(tmp_path: Path) -> None:
 
 
 def test_the_learner_logs_through_the_event_log(tmp_path: Path) -> None:
-    """:meth:`Learner._event` adds the common fields and hands the record to its event log (no swarm needed)."""
+    """:meth:`Learner._event` adds the common fields and hands the event to its event log (no swarm needed)."""
     written: list[dict[str, Any]] = []
     fake = SimpleNamespace(
-        _events=SimpleNamespace(write=lambda r: written.append(dict(r))), _events_lock=threading.Lock(),
+        _events=SimpleNamespace(write=lambda e: written.append(e.to_json())), _events_lock=threading.Lock(),
         opts=SimpleNamespace(name="peer-a"), step=7, tokens=896, _dht_time=lambda: 123.0, _finite_loss=lambda: 4.0,
     )
-    Learner._event(fake, {"event": "eval", "eval_loss": 4.4})  # type: ignore[arg-type]
+    Learner._event(fake, EvalEvent(eval_loss=4.4, train_s=1.5, versions=(0, 2), batches=2))  # type: ignore[arg-type]
     assert written == [{"name": "peer-a", "step": 7, "tokens": 896, "time": 123.0, "loss": 4.0, "event": "eval",
-                        "eval_loss": 4.4}]
+                        "eval_loss": 4.4, "train_s": 1.5, "versions": [0, 2], "batches": 2}]
 
 
 def test_event_log_closes_every_sink_even_if_one_fails(tmp_path: Path) -> None:

@@ -41,10 +41,11 @@ def test_session_members_finds_a_whole_session_and_signal_session_reaches_it() -
     try:
         def all_three() -> list[tuple[int, str]] | None:
             found = procguard.session_members(leader.pid)
-            return found if len(found) >= 3 else None
+            # a child forked but not yet exec'd still reads "sh": wait until both sleeps run
+            return found if sorted(comm for _, comm in found) == ["sh", "sleep", "sleep"] else None
 
         members = poll_until(all_three, SESSION_DEADLINE_S, "sh and its two sleeps in the session", SESSION_POLL_S)
-        assert sorted(comm for _, comm in members) == ["sh", "sleep", "sleep"], members
+        assert len(members) == 3, members
         assert procguard.signal_session(leader.pid, signal.SIGKILL) == 3
         leader.wait(timeout=SESSION_DEADLINE_S)
         poll_until(lambda: procguard.session_members(leader.pid) == [], SESSION_DEADLINE_S,

@@ -237,7 +237,7 @@ def test_a_round_cancelled_mid_allreduce_leaves_no_unretrieved_exception(tmp_pat
 
     from p2p_diloco.averaging.decisions import RoundMeta
     from p2p_diloco.averaging.host import Contribution
-    from p2p_diloco.core.config import config_hash
+    from p2p_diloco.core.identity import config_hash
 
     log = tmp_path / "averagers.log"
     handler = logging.FileHandler(log)  # before the averagers fork: they log there too

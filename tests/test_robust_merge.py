@@ -15,7 +15,8 @@ from averagers import averaging_swarm
 from p2p_diloco.hivemind_ext import codecs as compression
 from p2p_diloco.core import data, outer
 from p2p_diloco.sim import simulator as sim
-from p2p_diloco.core.config import ConfigError, config_hash, load_config
+from p2p_diloco.core.config import ConfigError, load_config
+from p2p_diloco.core.identity import config_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = outer.Robust(clip_factor=2.0)

@@ -25,7 +25,8 @@ DEMO = str(REPO / "configs" / "demo.toml")
 
 
 def test_a_peer_without_config_finds_the_run_that_is_there(tmp_path: Path) -> None:
-    from p2p_diloco.core.config import config_hash, load_config
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.identity import config_hash
 
     tiny_hash = config_hash(load_config(TINY))
     with ProcGroup(tmp_path) as procs:

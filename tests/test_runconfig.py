@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import pytest
 
-from p2p_diloco.core.config import ConfigError, config_hash, load_config, load_config_data
+from p2p_diloco.core.config import ConfigError, load_config, load_config_data
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.identity import pin_data
 from p2p_diloco.net.records import (
     ANNOUNCE_STATE, MAX_CONFIG_CHARS, IndexEntry, LocalRun, PeerRecord, RunConfigRecord, classify, config_key,

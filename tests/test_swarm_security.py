@@ -49,7 +49,8 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
     from p2p_diloco.net.identity import load_or_create_identity
     from p2p_diloco.net.membership import owner_subkey
     from p2p_diloco.net.records import PeerRecord, record_shard, run_key
-    from p2p_diloco.core.config import load_config, config_hash
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.identity import config_hash
 
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path)

@@ -39,7 +39,8 @@ from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
 from p2p_diloco.core import faults, outer
-from p2p_diloco.core.config import Config, config_hash
+from p2p_diloco.core.config import Config
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import procguard
 from p2p_diloco.hivemind_ext.codecs import get_codec
 from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures

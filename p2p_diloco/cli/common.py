@@ -132,7 +132,8 @@ def resolve_config(args: argparse.Namespace) -> "Config":
     """
     import dataclasses
 
-    from p2p_diloco.core.config import config_hash, load_config
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.identity import config_hash
 
     run_id = getattr(args, "run_id", None)
     if args.config:
@@ -162,15 +163,24 @@ def resolve_config(args: argparse.Namespace) -> "Config":
 class StopOnSignal:
     """SIGINT/SIGTERM set an event (graceful leave) instead of raising in the middle of a DHT call; a
     second one exits at once (``128 + signal``), without the leave: the helper processes die with us
-    (:mod:`p2p_diloco.hivemind_ext.procguard`) and our record expires after its TTL."""
+    (:mod:`p2p_diloco.hivemind_ext.procguard`) and our record expires after its TTL.
+
+    SIGUSR1 sets :attr:`finish` instead: a learner ends its training as if ``--max-time`` ran out (its last
+    progress handed off in final rounds, then the linger), where SIGTERM cancels the rounds in flight."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.finish = threading.Event()
         self.signal_name = ""
 
     def __enter__(self) -> "StopOnSignal":
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._finish)
         return self
+
+    def _finish(self, signum: int, _frame: Any) -> None:
+        self.finish.set()
+        os.write(2, b"p2p-diloco: SIGUSR1: finishing: final rounds, then the linger (SIGTERM to leave at once)\n")
 
     def _handle(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name

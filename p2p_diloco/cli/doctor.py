@@ -121,7 +121,8 @@ def _doctor_run(args: argparse.Namespace, dht: Any, runs: list["RunInfo"],
     """``doctor`` without ``--config``: the run that is in the DHT (``--run-id``, else the primary one),
     its config fetched and verified as a joiner would; each finding a report line. None: no run to check."""
     from p2p_diloco import __version__
-    from p2p_diloco.core.config import PROTOCOL_VERSION, config_hash
+    from p2p_diloco.core.config import PROTOCOL_VERSION
+    from p2p_diloco.core.identity import config_hash
     from p2p_diloco.net.records import LocalRun
     from p2p_diloco.net.runconfig import fetch_config
     from p2p_diloco.net.runs import pick_run, primary_run

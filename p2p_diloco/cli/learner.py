@@ -156,7 +156,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             out(f"learner {joined.name}: {learner.data_stream}, profile {profile.name}, "
                  f"{opts.max_steps} steps, {cfg.outer.fragments} fragments, codec {cfg.outer.codec}, "
                  f"device {opts.device} ({cfg.inner.precision})")
-            summary: dict[str, Any] = learner.run(stop.event)
+            summary: dict[str, Any] = learner.run(stop.event, stop.finish)
         finally:
             learner.close()
         out("final " + json.dumps(summary))
@@ -176,7 +176,8 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 def add_parsers(subparsers: Any) -> None:
     """Register ``join`` on ``cli.build_parser``'s subparsers."""
     help = ("run a learner unit: inner AdamW steps on its own data stream, fragments averaged in the background with the "
-            "live peers; SIGINT/SIGTERM leave gracefully")
+            "live peers; SIGINT/SIGTERM leave gracefully (rounds in flight cancelled); SIGUSR1 finishes as --max-time "
+            "does (the last progress averaged in final rounds, then the linger)")
     p = subparsers.add_parser("join", help=help, description=help)
     p.set_defaults(handler=cmd_join, identity=None)
     p.add_argument("-v", "--verbose", action="store_true",

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:
-    from p2p_diloco.core.config import config_hash, load_config
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.identity import config_hash
 
     # resolved here (a bundled name becomes its path): the learners, the report and the reference all read this file
     config_path = str(resources.find(args.config, resources.CONFIGS) if args.config

@@ -106,7 +106,8 @@ def _announce_run(dht: Any, opts: "SwarmOptions", cfg: "Config") -> "RunAnnounce
     """A bootstrap's announcement of its run (index entry in state ``bootstrap``, never a member) and its
     config record, published now and then refreshed in a thread; returns the running announcer."""
     from p2p_diloco import __version__
-    from p2p_diloco.core.config import PROTOCOL_VERSION, config_hash
+    from p2p_diloco.core.config import PROTOCOL_VERSION
+    from p2p_diloco.core.identity import config_hash
     from p2p_diloco.net.records import ANNOUNCE_STATE, IndexEntry
     from p2p_diloco.net.runconfig import (
         ANNOUNCE_TTL_S,

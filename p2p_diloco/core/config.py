@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -24,14 +23,11 @@ from typing import Any, Mapping, Sequence
 import tomllib
 
 from p2p_diloco.core import resources
+from p2p_diloco.core.errors import ConfigError as ConfigError  # re-exported: everyone imports it from here
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-
-
-class ConfigError(ValueError):
-    """A configuration problem, always reported as one line naming the offending key."""
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -209,19 +205,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def config_hash(cfg: Config) -> str:
-    """Stable 16-hex-digit hash of the resolved config (key order and float spelling do not matter).
-
-    The model section counts by what it builds (:func:`model_identity`), the data section by the data and
-    tokenizer it reads (:func:`data_identity`), never by a local path."""
-    from p2p_diloco.core.identity import averaging_identity, data_identity, inner_identity, model_identity
-
-    blob = json.dumps({**cfg.to_dict(), "model": model_identity(cfg.model), "inner": inner_identity(cfg.inner),
-                       "averaging": averaging_identity(cfg),
-                       "data": data_identity(cfg.data)}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def field_help(section: type, name: str) -> str:

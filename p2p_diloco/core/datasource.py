@@ -1,6 +1,6 @@
 """Where the training text comes from (``data.source``), its fingerprint, the held-out rule, and each
 learner's own order over it. Only the standard library is imported at module level: the config hash
-(:func:`p2p_diloco.core.config.config_hash`) covers :func:`fingerprint`, and ``datasets`` costs seconds to
+(:func:`p2p_diloco.core.identity.config_hash`) covers :func:`fingerprint`, and ``datasets`` costs seconds to
 import, so the byte GPT on the embedded corpus never imports it.
 
 Sources:

@@ -8,7 +8,7 @@ or ``from_pretrained`` of that folder, in fp32.
 
 Nothing here downloads: every transformers call is local (``local_files_only=True``), and a path that does
 not exist is refused before transformers sees it (it would take it for a hub repo id). Config problems
-are :class:`~p2p_diloco.core.config.ConfigError`, one line naming the key.
+are :class:`~p2p_diloco.core.errors.ConfigError`, one line naming the key.
 
 Only the standard library is imported at module level; transformers (about a second) and torch are
 imported by the functions that need them, so the byte-gpt path never pays for them.
@@ -23,9 +23,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-from p2p_diloco.core.config import ConfigError, ModelConfig
+from p2p_diloco.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +57,19 @@ class Architecture:
     max_positions: int | None
     """``max_position_embeddings`` (None where positions are unbounded, e.g. some rotary models)."""
     vocab_size: int
+
+
+class ModelSpec(Protocol):
+    """What this module reads of a model section (:class:`~p2p_diloco.core.config.ModelConfig` is one); a protocol,
+    not that class, because the config's validation calls :func:`check`: the config imports this module, not the
+    other way round."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def hf_config(self) -> str | dict[str, Any]: ...
+    @property
+    def init_from(self) -> str: ...
 
 
 _resolved: dict[str, tuple[str, PretrainedConfig]] = {}
@@ -154,7 +167,7 @@ def _from_file(text: str, key: str) -> PretrainedConfig:
         raise _refused(key, e) from e
 
 
-def _init_folder(m: ModelConfig) -> Path:
+def _init_folder(m: ModelSpec) -> Path:
     path = Path(m.init_from).expanduser()
     if not path.is_dir():
         raise ConfigError(f"model.init_from: no such folder: {m.init_from!r}")
@@ -164,7 +177,7 @@ def _init_folder(m: ModelConfig) -> Path:
     return path
 
 
-def resolve_config(m: ModelConfig) -> tuple[str, PretrainedConfig]:
+def resolve_config(m: ModelSpec) -> tuple[str, PretrainedConfig]:
     """The transformers config of an hf model section (a copy: callers may change it) and the key it came from.
 
     ``model.hf_config`` if given, else the ``config.json`` of ``model.init_from``; ConfigError naming the key
@@ -212,7 +225,7 @@ def _check_dimensions(config: PretrainedConfig, source: str) -> None:
                           f"group of query heads), got {kv_heads}")
 
 
-def check(m: ModelConfig) -> Architecture:
+def check(m: ModelSpec) -> Architecture:
     """Resolve and check an hf model section (see :func:`resolve_config`); the facts validation needs."""
     source, config = resolve_config(m)
     vocab = getattr(config, "vocab_size", None)
@@ -226,7 +239,7 @@ def check(m: ModelConfig) -> Architecture:
                         max_positions=positions if isinstance(positions, int) else None, vocab_size=vocab)
 
 
-def meta_build(m: ModelConfig) -> torch.nn.Module:
+def meta_build(m: ModelSpec) -> torch.nn.Module:
     """The model's structure on the meta device: every parameter's shape and no memory (milliseconds for any size,
     plus the first import of the model type's module, about a second, which :func:`build` then reuses). Whatever
     transformers raises while building it is a ConfigError naming ``model.hf_config`` (or the key its message
@@ -245,7 +258,7 @@ def meta_build(m: ModelConfig) -> torch.nn.Module:
         raise ConfigError(f"{key}: transformers cannot build this model: {_one_line(e)}") from e
 
 
-def architecture(m: ModelConfig) -> dict[str, Any]:
+def architecture(m: ModelSpec) -> dict[str, Any]:
     """The resolved architecture as plain data for the config hash: ``to_dict()`` without bookkeeping keys,
     so an inline table and a ``config.json`` of the same model give the same dict."""
     _source, config = resolve_config(m)
@@ -258,7 +271,7 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
-def init_digest(m: ModelConfig) -> str:
+def init_digest(m: ModelSpec) -> str:
     """Content hash (sha256, 16 hex digits) of the ``init_from`` weights: names, sizes and bytes of its weight
     files, not its path; "" without ``init_from``. Cached per process by (path, names, sizes, mtimes)."""
     if not m.init_from:
@@ -278,7 +291,7 @@ def init_digest(m: ModelConfig) -> str:
     return _digests[key]
 
 
-def build(m: ModelConfig, seed: int) -> torch.nn.Module:
+def build(m: ModelSpec, seed: int) -> torch.nn.Module:
     """The model, in fp32 and training mode: ``from_config`` under ``seed`` (the same initial weights on every
     peer) or, with ``init_from``, ``from_pretrained`` of that folder (weights it lacks are initialised under
     ``seed`` too)."""

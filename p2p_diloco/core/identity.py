@@ -1,11 +1,13 @@
-"""What counts in a config's identity: the parts of the config hash (:func:`p2p_diloco.core.config.config_hash`) and
-of a data-parallel reference key that are not the config's plain values -- the data by what is read, the model by what
+"""What counts in a config's identity: the config hash (:func:`config_hash`), and the parts of it and of a
+data-parallel reference key that are not the config's plain values -- the data by what is read, the model by what
 it builds, keys added later only when they change the training -- so that hashes do not depend on local paths, and
 the hashes of existing runs and committed reference curves stay valid."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.core.config import BYTE_GPT_KEYS, LEGACY_DATA_KEYS
@@ -14,6 +16,17 @@ if TYPE_CHECKING:
     from p2p_diloco.core.config import Config, DataConfig, InnerConfig, ModelConfig
 
 DATA_PATH_KEYS = ("path", "tokenizer", "fingerprint", "tokenizer_hash")
+
+
+def config_hash(cfg: Config) -> str:
+    """Stable 16-hex-digit hash of the resolved config (key order and float spelling do not matter).
+
+    The model section counts by what it builds (:func:`model_identity`), the data section by the data and
+    tokenizer it reads (:func:`data_identity`), never by a local path."""
+    blob = json.dumps({**cfg.to_dict(), "model": model_identity(cfg.model), "inner": inner_identity(cfg.inner),
+                       "averaging": averaging_identity(cfg),
+                       "data": data_identity(cfg.data)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def data_identity(d: DataConfig) -> dict[str, Any]:

@@ -112,8 +112,10 @@ def build_optimizer(model: torch.nn.Module, cfg: InnerConfig, device: torch.devi
 
 
 def train_step(model: torch.nn.Module, opt: InnerOptimizer, batch: tuple[torch.Tensor, torch.Tensor],
-               step: int, total_steps: int, cfg: InnerConfig, device: torch.device = CPU) -> float:
-    """One AdamW step at the scheduled learning rate for 0-based ``step``; returns the training loss.
+               step: int, total_steps: int, cfg: InnerConfig, device: torch.device = CPU) -> torch.Tensor:
+    """One AdamW step at the scheduled learning rate for 0-based ``step``; returns the training loss, a detached
+    0-dim tensor on ``device``: reading it (``float(loss)``) waits for the device, so a caller does that only when
+    it logs or publishes the loss, not every step.
 
     ``model`` and ``opt`` live on ``device``; the batch (on the CPU) is moved there. With ``cfg.precision``
     "bf16" the forward pass and the loss run under bf16 autocast; the backward pass and the update are fp32."""
@@ -130,4 +132,4 @@ def train_step(model: torch.nn.Module, opt: InnerOptimizer, batch: tuple[torch.T
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
-    return float(loss.detach())
+    return loss.detach()

@@ -76,7 +76,7 @@ def portable_config(cfg: Config) -> dict[str, Any]:
     rebuilds its model on a machine without the run's local files: an hf model's ``model.hf_config`` is the
     resolved transformers architecture inline (a table, whatever file it came from) and ``model.init_from``
     is dropped (every weight is in the checkpoint). The model it builds is the run's; its
-    :func:`~p2p_diloco.core.config.config_hash` differs from the run's only where ``init_from`` was set. The data are
+    :func:`~p2p_diloco.core.identity.config_hash` differs from the run's only where ``init_from`` was set. The data are
     pinned (:func:`~p2p_diloco.core.identity.pin_data`: dataset fingerprint, tokenizer hash), so the hash needs no data."""
     from p2p_diloco.core.identity import pin_data
 

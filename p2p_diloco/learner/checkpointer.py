@@ -7,21 +7,46 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from p2p_diloco.core import outer
+from p2p_diloco.core import events, outer
 from p2p_diloco.core.devices import load_into, state_to_device, state_to_host, to_host
 from p2p_diloco.learner.checkpoint import portable_config, save_checkpoint, tensors_digest
 
 if TYPE_CHECKING:
-    from p2p_diloco.learner.loop import Learner
+    from p2p_diloco.core.config import Config
+    from p2p_diloco.core.inner import InnerOptimizer
+    from p2p_diloco.learner.options import LearnerOptions
+    from p2p_diloco.net.joined import Joined
+    from p2p_diloco.net.records import LocalRun
+    from p2p_diloco.sync.slot import FragmentSlot
 
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_state(learner: Learner) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+class Owner(Protocol):
+    """What a checkpoint holds of its learner, and what the checkpointer asks of it
+    (:class:`~p2p_diloco.learner.loop.Learner` is one; a protocol, because the learner builds its checkpointer:
+    it imports this module, not the other way round)."""
+
+    cfg: Config
+    opts: LearnerOptions
+    joined: Joined
+    local: LocalRun
+    params: dict[str, torch.nn.Parameter]
+    opt: InnerOptimizer
+    device: torch.device
+    slots: list[FragmentSlot]
+    step: int
+    tokens: int
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+    def _event(self, event: events.Event) -> None: ...
+
+
+def checkpoint_state(learner: Owner) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Everything a resumed learner needs, as flat tensors (copies) and JSON metadata: the weights,
     AdamW's state, every fragment's anchor and outer momentum, versions, progress and step."""
     tensors: dict[str, torch.Tensor] = {}
@@ -56,7 +81,7 @@ def model_digest(params: Mapping[str, torch.Tensor]) -> str:
     return tensors_digest({f"model/{n}": theta for n, theta in to_host(params).items()})
 
 
-def restore(learner: Learner, ckpt: Any, hash_anchor: Callable[[Mapping[str, torch.Tensor]], str]) -> str:
+def restore(learner: Owner, ckpt: Any, hash_anchor: Callable[[Mapping[str, torch.Tensor]], str]) -> str:
     """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpoint.load_checkpoint`, already checked
     against our config hash): weights, AdamW state, anchors, momenta, versions, progress, step. The
     restored weights and anchors are hashed again and must match the manifest; returns the weights' digest.
@@ -96,7 +121,7 @@ class Checkpointer:
     """Periodic checkpoints written by a background thread (the inner loop only pays for the copies),
     and a final one, written in the foreground, when the learner leaves."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: Owner) -> None:
         assert learner.opts.checkpoint_dir is not None
         self.learner, self.root = learner, learner.opts.checkpoint_dir
         self.every_s = learner.opts.checkpoint_every_s
@@ -132,10 +157,11 @@ class Checkpointer:
         except Exception as e:  # disk full, permissions: training goes on; the previous checkpoint is intact
             logger.error("checkpoint at step %d NOT saved (%s: %s); the previous one is intact", meta["inner_step"],
                          type(e).__name__, e)
-            self.learner._event({"event": "checkpoint", "outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]})
+            self.learner._event(events.CheckpointEvent(outcome="failed", reason=f"{type(e).__name__}: {e}"[:300]))
             return
         self.saved_step = int(meta["inner_step"])
         logger.info("checkpoint saved: %s (step %d, model %s, %.2f s)%s", path, meta["inner_step"], meta["model_digest"],
                     time.monotonic() - t0, " (final)" if final else "")
-        self.learner._event({"event": "checkpoint", "outcome": "saved", "path": str(path), "final": final,
-                             "model_digest": meta["model_digest"], "anchor_hashes": meta["anchor_hashes"]})
+        self.learner._event(events.CheckpointEvent(outcome="saved", path=str(path), final=final,
+                                                   model_digest=meta["model_digest"],
+                                                   anchor_hashes=tuple(meta["anchor_hashes"])))

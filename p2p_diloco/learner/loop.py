@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 from p2p_diloco.averaging.decisions import anchor_hash
-from p2p_diloco.core import data, faults, fragments
-from p2p_diloco.core.config import Config, config_hash
+from p2p_diloco.core import data, events, faults, fragments
+from p2p_diloco.core.config import Config
+from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.devices import load_into, to_host
 from p2p_diloco.core.inner import build_optimizer, schedule_step, train_step
 from p2p_diloco.core.model import build_model
@@ -87,7 +88,8 @@ class Learner:
                                 joined.private_key, membership)
         self.step = self.tokens = 0
         self.start_step = self.start_tokens = 0
-        self.loss: float | None = None
+        self.loss: torch.Tensor | None = None
+        """The latest training loss, on the device: read on the host only when logged or published."""
         self.blocked_s = self.stepping_s = 0.0
         self.max_stall_s = 0.0
         """The longest single time the inner loop waited between two steps (applying rounds, starting them)."""
@@ -99,7 +101,7 @@ class Learner:
         self._events_lock = threading.Lock()  # the status and checkpoint threads log events too
         self.view = SwarmView(self)
         self.rounds = Rounds(cfg, self.slots, self, hosts, self.view, local.config_hash, opts.started_at,
-                             self._event, self._dht_time)
+                             self._event, self._dht_time, joined.peer_id)
         self._stop_eval = threading.Event()
         self._eval_thread = threading.Thread(target=self._eval_loop, name="learner-eval", daemon=True)
         self._last_clock = self._dht_time()
@@ -113,7 +115,7 @@ class Learner:
 
     # -------------------------------------------------------------- the loop
 
-    def run(self, stop: threading.Event) -> dict[str, Any]:
+    def run(self, stop: threading.Event, finish: threading.Event | None = None) -> dict[str, Any]:
         if self.opts.wait_peers <= 1:
             self.view.look_before_training(stop)
         self.view.start()
@@ -131,7 +133,8 @@ class Learner:
         self._last_clock = self._dht_time()  # boundaries passed while waiting for peers are not due
         if self.cfg.averaging.schedule == "steps":
             self._align_schedule()
-        while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time():
+        finish = finish or threading.Event()  # set: training ends as at --max-time (SIGUSR1)
+        while self.step < self.opts.max_steps and not stop.is_set() and not self._out_of_time() and not finish.is_set():
             self.train_once(stop)
         train_s = time.monotonic() - self.t_start
         if self.step == self.start_step and self._out_of_time():
@@ -161,7 +164,7 @@ class Learner:
                                             time.monotonic() - self.t_start):
             logger.info("%s", lowered)
 
-    def inner_step(self) -> float:
+    def inner_step(self) -> torch.Tensor:
         """One AdamW step on our data stream, padded to the profile's pace."""
         t0 = time.monotonic()
         x, y = next(self.batches)
@@ -291,21 +294,24 @@ class Learner:
         quick = self.eval_set[:self.opts.eval_batches]
         while not self._stop_eval.wait(self.opts.eval_every_s) and self.training:
             loss = self.evaluate(self.anchor_snapshot(), quick)
-            self._event({"event": "eval", "eval_loss": loss, "tokens": self.tokens,
-                         "train_s": round(time.monotonic() - self.t_start, 3),
-                         "versions": [s.version for s in self.slots], "batches": len(quick)})
+            self._event(events.EvalEvent(eval_loss=loss, train_s=round(time.monotonic() - self.t_start, 3),
+                                         versions=tuple(s.version for s in self.slots), batches=len(quick)))
 
-    def _event(self, record: dict[str, Any]) -> None:
+    def _event(self, event: events.Event) -> None:
+        """Log ``event`` with our envelope (name, step, tokens, DHT time, latest loss)."""
         if self._events is None:
             return
-        record = {"name": self.opts.name, "step": self.step, "tokens": self.tokens, "time": self._dht_time(),
-                  "loss": self._finite_loss(), **record}
+        event = event.stamped(name=self.opts.name, step=self.step, tokens=self.tokens, time=self._dht_time(),
+                              loss=self._finite_loss())
         with self._events_lock:
-            self._events.write(record)  # the --events JSONL and every --metrics sink
+            self._events.write(event)  # the --events JSONL and every --metrics sink
 
     def _finite_loss(self) -> float | None:
         """The latest training loss, or None (not known yet, or not finite: JSON and records reject NaN)."""
-        return self.loss if self.loss is not None and math.isfinite(self.loss) else None
+        if self.loss is None:
+            return None
+        loss = float(self.loss)  # the one host sync for the loss, when it is logged or published
+        return loss if math.isfinite(loss) else None
 
     # -------------------------------------------------------------- small helpers
 

@@ -1,10 +1,13 @@
 """Where a learner's events go: the JSONL file of ``--events`` and the metric sinks of ``--metrics``.
 
-Every event the learner logs (``round``, ``eval``, ``resync``, ``checkpoint``, ...; each carries the
-learner's ``name``, inner ``step``, ``tokens``, DHT ``time`` and latest training ``loss``) goes through one
-:class:`EventLog` to every sink, so the JSONL file and TensorBoard show the same run:
+Every event the learner logs (an :class:`~p2p_diloco.core.events.Event`: ``round``, ``eval``, ``resync``,
+``checkpoint``, ...; each carries the learner's ``name``, inner ``step``, ``tokens``, DHT ``time`` and latest
+training ``loss``) goes through one :class:`EventLog` to every sink, so the JSONL file and TensorBoard show the
+same run:
 
-- ``jsonl:FILE`` (:class:`JsonlSink`; ``--events FILE`` is the same): one JSON object per line, appended.
+- ``jsonl:FILE`` (:class:`JsonlSink`; ``--events FILE`` is the same): each event's
+  :meth:`~p2p_diloco.core.events.Event.to_json`, one per line, appended
+  (:func:`~p2p_diloco.core.events.read_events` reads them back).
 - ``tensorboard:DIR`` (:class:`TensorBoardSink`): scalars for ``tensorboard --logdir DIR``, the inner step as
   the x-axis and the event's time as the wall time (:class:`ScalarTracker` says which).
 
@@ -24,7 +27,9 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence, TypeGuard
+from typing import Any, Protocol, Sequence, TypeGuard
+
+from p2p_diloco.core.events import Event, EvalEvent, RoundEvent
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +73,9 @@ def parse_metrics_spec(text: str) -> MetricsSpec:
 
 
 class Sink(Protocol):
-    """Receives every event record (JSON-plain: str, numbers, bools, None, lists, dicts)."""
+    """Receives every event the learner logs."""
 
-    def write(self, record: Mapping[str, Any]) -> None: ...
+    def write(self, event: Event) -> None: ...
 
     def close(self) -> None: ...
 
@@ -82,8 +87,8 @@ class JsonlSink:
         self.path = Path(path)
         self._file = self.path.open("a", encoding="utf-8")
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+    def write(self, event: Event) -> None:
+        self._file.write(json.dumps(event.to_json()) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -91,11 +96,11 @@ class JsonlSink:
 
 
 class ScalarTracker:
-    """Which TensorBoard scalars an event record gives, as ``(tag, value, step)``; pure bookkeeping, no I/O.
+    """Which TensorBoard scalars an event gives, as ``(tag, value, step)``; pure bookkeeping, no I/O.
 
-    - ``train/loss``: the record's ``loss`` (the latest inner step's), once per step;
+    - ``train/loss``: the event's ``loss`` (the latest inner step's), once per step;
     - ``train/tokens`` and ``train/tokens_per_s``: tokens trained on, and the rate since the last rate point
-      (over at least :data:`RATE_MIN_S` of the records' DHT ``time``);
+      (over at least :data:`RATE_MIN_S` of the events' DHT ``time``);
     - ``eval/loss``: an ``eval`` event's ``eval_loss`` (the anchors, on held-out batches);
     - per ``round`` event: ``rounds/committed`` and ``rounds/discarded`` (counts so far),
       ``rounds/group_size``, ``rounds/duration_s``, ``rounds/bytes_sent``, ``rounds/bytes_received`` (this
@@ -111,17 +116,16 @@ class ScalarTracker:
         self._tokens = -1
         self._rate_from: tuple[float, int] | None = None
 
-    def scalars(self, record: Mapping[str, Any]) -> list[tuple[str, float, int]]:
-        step = record.get("step")
-        if not _number(step):
+    def scalars(self, event: Event) -> list[tuple[str, float, int]]:
+        if not _number(event.step):
             return []
-        step = int(step)
+        step = int(event.step)
         out: list[tuple[str, float, int]] = []
-        loss = record.get("loss")
+        loss = event.loss
         if _number(loss) and step > self._loss_step:
             out.append(("train/loss", float(loss), step))
             self._loss_step = step
-        tokens, now = record.get("tokens"), record.get("time")
+        tokens, now = event.tokens, event.time
         if _number(tokens) and tokens > self._tokens:
             out.append(("train/tokens", float(tokens), step))
             self._tokens = int(tokens)
@@ -132,25 +136,24 @@ class ScalarTracker:
                 rate = (tokens - self._rate_from[1]) / (now - self._rate_from[0])
                 out.append(("train/tokens_per_s", rate, step))
                 self._rate_from = (float(now), int(tokens))
-        kind = record.get("event")
-        if kind == "eval":
-            if _number(record.get("eval_loss")):
-                out.append(("eval/loss", float(record["eval_loss"]), step))
-        elif kind == "round":
-            outcome = str(record.get("outcome"))
-            self.counts[outcome] += 1
+        if isinstance(event, EvalEvent):
+            if _number(event.eval_loss):
+                out.append(("eval/loss", float(event.eval_loss), step))
+        elif isinstance(event, RoundEvent):
+            self.counts[event.outcome] += 1
             out += [("rounds/committed", float(self.counts["committed"]), step),
                     ("rounds/discarded", float(self.counts["discarded"]), step)]
-            for key in ("group_size", "duration_s", "bytes_sent", "bytes_received"):
-                if _number(record.get(key)):
-                    out.append((f"rounds/{key}", float(record[key]), step))
-            self.bytes_sent += int(record.get("bytes_sent") or 0)
-            self.bytes_received += int(record.get("bytes_received") or 0)
+            for key, value in (("group_size", event.group_size), ("duration_s", event.duration_s),
+                               ("bytes_sent", event.bytes_sent), ("bytes_received", event.bytes_received)):
+                if _number(value):
+                    out.append((f"rounds/{key}", float(value), step))
+            self.bytes_sent += event.bytes_sent
+            self.bytes_received += event.bytes_received
             out += [("comm/bytes_sent", float(self.bytes_sent), step),
                     ("comm/bytes_received", float(self.bytes_received), step)]
-        elif isinstance(kind, str) and kind:
-            self.counts[kind] += 1
-            out.append((f"events/{kind}", float(self.counts[kind]), step))
+        elif event.kind:
+            self.counts[event.kind] += 1
+            out.append((f"events/{event.kind}", float(self.counts[event.kind]), step))
         return out
 
 
@@ -169,17 +172,16 @@ def _summary_writer() -> Any:
 
 class TensorBoardSink:
     """TensorBoard scalars (:class:`ScalarTracker`) in an event file under ``logdir``, via torch's
-    ``SummaryWriter``; the record's DHT ``time`` is the wall time of its points."""
+    ``SummaryWriter``; the event's DHT ``time`` is the wall time of its points."""
 
     def __init__(self, logdir: Path) -> None:
         self.logdir = Path(logdir)
         self.tracker = ScalarTracker()
         self._writer = _summary_writer()(log_dir=str(self.logdir), flush_secs=TENSORBOARD_FLUSH_S)
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        now = record.get("time")
-        walltime = float(now) if _number(now) else None
-        for tag, value, step in self.tracker.scalars(record):
+    def write(self, event: Event) -> None:
+        walltime = float(event.time) if _number(event.time) else None
+        for tag, value, step in self.tracker.scalars(event):
             self._writer.add_scalar(tag, value, global_step=step, walltime=walltime)
 
     def close(self) -> None:
@@ -201,17 +203,17 @@ def check_available(specs: Sequence[MetricsSpec]) -> None:
 
 
 class EventLog:
-    """Fans every event record out to its sinks, one record at a time (thread-safe: the learner's status,
-    eval and checkpoint threads log events too)."""
+    """Fans every event out to its sinks, one event at a time (thread-safe: the learner's status, eval and
+    checkpoint threads log events too)."""
 
     def __init__(self, sinks: Sequence[Sink]) -> None:
         self.sinks = list(sinks)
         self._lock = threading.Lock()
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, event: Event) -> None:
         with self._lock:
             for sink in self.sinks:
-                sink.write(record)
+                sink.write(event)
 
     def close(self) -> None:
         """Close every sink, even if one fails (the first failure is raised after the others are closed)."""

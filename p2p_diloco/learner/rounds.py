@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,7 +43,7 @@ from p2p_diloco.averaging.linktime import (
     round_timeouts,
 )
 from p2p_diloco.averaging.transfer import state_payload
-from p2p_diloco.core import faults
+from p2p_diloco.core import events, faults
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.learner.options import AVERAGER_START_TIMEOUT_S, ROUND_POLL_S
@@ -51,7 +51,7 @@ from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, FragmentSync, Offer, 
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
-    from p2p_diloco.learner.view import SwarmView
+    from p2p_diloco.net.clock import SyncClock
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,24 @@ FETCH_RETRY_S = 2.0
 DRAIN_SLICE_S = 0.2
 """Seconds :meth:`Rounds.drain` waits on one future before it applies what has finished."""
 
-Event = Callable[[dict[str, Any]], None]
+Event = Callable[[events.Event], None]
+"""Logs an event: the learner fills its envelope (``Learner._event``)."""
+
+
+class Swarm(Protocol):
+    """What the rounds read of the swarm, as the status thread last saw it (:class:`~p2p_diloco.learner.view.SwarmView`
+    is one; a protocol, because the view drives the rounds: it imports this module, not the other way round)."""
+
+    @property
+    def clock(self) -> SyncClock | None: ...
+    @property
+    def swarm_reads(self) -> int: ...
+    @property
+    def peer_ids(self) -> list[str]: ...
+    @property
+    def peer_anchors(self) -> list[list[tuple[int, str]]]: ...
+    @property
+    def peer_states(self) -> list[str]: ...
 
 
 class AveragerLink:
@@ -151,14 +168,29 @@ def _state_provider(slot: FragmentSlot) -> Callable[[], tuple[dict[str, Any], li
     return provide
 
 
+def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, steps_sent: int) -> events.RoundEvent:
+    """The ``round`` event of ``outcome`` (:meth:`RoundOutcome.event`'s fields), applied to ``slot``."""
+    o, finite = outcome, events.finite_or_none
+    return events.RoundEvent(
+        fragment=o.fragment, version=o.version, reason=o.reason, group_size=o.group_size, peers=tuple(o.peers),
+        own_share=o.own_share, weights=tuple(o.weights), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
+        duration_s=o.duration_s, arrival_spread_s=finite(o.arrival_spread_s), window_s=o.window_s,
+        allreduce_s=finite(o.allreduce_s), rtt_s=finite(o.rtt_s),
+        timeouts=o.timeouts.event() if o.timeouts is not None else None, version_after=slot.version,
+        group_distance=finite(o.group_distance), outcome="committed" if o.committed else "discarded",
+        anchor_hash=slot.anchor_hash, tokens_sent=tokens_sent, steps_sent=steps_sent)
+
+
 class Rounds:
     """Every fragment's rounds and downloads on a networked learner (called from the training thread)."""
 
     def __init__(self, cfg: Config, slots: Sequence[FragmentSlot], replica: Replica, hosts: Sequence[FragmentAveragerHost],
-                 view: SwarmView, config_hash: str, started_at: float, event: Event,
-                 dht_time: Callable[[], float]) -> None:
+                 view: Swarm, config_hash: str, started_at: float, event: Event,
+                 dht_time: Callable[[], float], own_id: str) -> None:
         self.cfg, self.view, self.config_hash, self.started_at = cfg, view, config_hash, started_at
         self.event, self.dht_time = event, dht_time
+        self.own_id = own_id
+        """Our peer id."""
         self.hosts = list(hosts)
         self.links = [AveragerLink(h, self) for h in hosts]
         self.syncs = [FragmentSync(s, replica, cfg.outer, link, hash_anchor=anchor_hash)
@@ -208,8 +240,7 @@ class Rounds:
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the "
                         "next round", slot.index, step, what)
         elif handed.status == DROPPED:  # never sent: the fragment restarts from its anchor, fresh AdamW moments
-            self.event({"event": "local_drop", "fragment": slot.index, "version": slot.version, "step": step,
-                        "reason": handed.reason})
+            self.event(events.LocalDropEvent(fragment=slot.index, version=slot.version, reason=handed.reason))
             logger.warning("fragment %d at step %d: %s; dropped, fragment re-anchored", slot.index, step,
                            handed.reason)
 
@@ -229,10 +260,6 @@ class Rounds:
             return False
         return True
 
-    @property
-    def own_id(self) -> str:
-        return str(self.view.learner.joined.peer_id)
-
     def roster(self) -> list[str]:
         """The live learners we know of, us included: the cells of the grid groups."""
         return sorted({self.own_id, *self.view.peer_ids})
@@ -251,8 +278,8 @@ class Rounds:
             try:
                 download: Download = done.future.result()
             except Exception as e:  # a failed download changes nothing; we retry later
-                self.event({"event": "resync", "fragment": sync.index, "outcome": "failed",
-                            "reason": f"{type(e).__name__}: {e}"[:300]})
+                self.event(events.ResyncEvent(fragment=sync.index, outcome="failed",
+                                              reason=f"{type(e).__name__}: {e}"[:300]))
                 logger.warning("fragment %d: state download failed: %s: %s", sync.index, type(e).__name__, e)
                 continue
             self.apply_fetched(sync, download)
@@ -286,8 +313,8 @@ class Rounds:
             if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
                 ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
                 self.first_contribution_s = ended - self.started_at
-                self.event({"event": "first_contribution", "fragment": slot.index,
-                            "seconds_since_start": round(self.first_contribution_s, 3)})
+                self.event(events.FirstContributionEvent(fragment=slot.index,
+                                                         seconds_since_start=round(self.first_contribution_s, 3)))
                 logger.info("first contribution: fragment %d committed %.1f s after this learner started",
                             slot.index, self.first_contribution_s)
             if math.isfinite(outcome.arrival_spread_s):
@@ -295,8 +322,7 @@ class Rounds:
                 self.window_s = adapt_window(self.spreads, self.cfg.averaging)
         self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
                           allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s)
-        self.event({"event": "round", **outcome.event(), "anchor_hash": slot.anchor_hash,
-                    "version_after": slot.version, "tokens_sent": sent_tokens, "steps_sent": sent_steps})
+        self.event(_round_event(outcome, slot, sent_tokens, sent_steps))
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
                     outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
                     outcome.own_share, outcome.bytes_sent, outcome.bytes_received, outcome.duration_s, outcome.reason)
@@ -337,8 +363,8 @@ class Rounds:
         old, old_hash = slot.rank
         sync.adopt_pending()
         self.last_sync_time = self.dht_time()
-        self.event({"event": "late_commit", "fragment": slot.index, "version": old, "version_after": slot.version,
-                    "anchor_hash_before": old_hash, "anchor_hash": slot.anchor_hash})
+        self.event(events.LateCommitEvent(fragment=slot.index, version=old, version_after=slot.version,
+                                          anchor_hash_before=old_hash, anchor_hash=slot.anchor_hash))
         logger.info("fragment %d: a peer committed the round we discarded for want of its verdict; committed it too: "
                     "v%d (%s) -> v%d (%s)", slot.index, old, old_hash, slot.version, slot.anchor_hash)
         return True
@@ -347,23 +373,23 @@ class Rounds:
         """Rebase our progress onto a downloaded anchor (:meth:`FragmentSync.apply_fetched`). At equal
         versions (a fork) the distance between the two anchors is our consensus distance."""
         slot, fetched = sync.slot, download.fetched
-        tried = {"donors_tried": len(download.attempts), "donor_failures": download.failures,
-                 "duration_s": round(download.duration_s, 3)}
+        tried, failures, took_s = len(download.attempts), tuple(download.failures), round(download.duration_s, 3)
         for failure in download.failures:
             logger.warning("fragment %d: a donor failed: %s", slot.index, failure)
         if fetched is None or not is_ahead((fetched.version, fetched.anchor_hash), slot.rank):
-            self.event({"event": "resync", "fragment": slot.index, "version": slot.version, **tried,
-                        "outcome": "failed" if download.failures else "nothing newer"})
+            self.event(events.ResyncEvent(fragment=slot.index, outcome="failed" if failures else "nothing newer",
+                                          version=slot.version, donors_tried=tried, donor_failures=failures,
+                                          duration_s=took_s))
             return
         fork = fetched.version == slot.version
         if fork:  # only this thread writes the anchor: read without the lock
             slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
         old, old_hash = slot.version, slot.anchor_hash
         how = sync.apply_fetched(fetched)
-        extra = {"consensus_distance": slot.consensus_distance} if fork else {}
-        self.event({"event": "resync", "fragment": slot.index, "outcome": how, "version": old,
-                    "version_after": slot.version, "anchor_hash_before": old_hash, "anchor_hash": slot.anchor_hash,
-                    **tried, **extra})
+        self.event(events.ResyncEvent(fragment=slot.index, outcome=how, version=old, version_after=slot.version,
+                                      anchor_hash_before=old_hash, anchor_hash=slot.anchor_hash, donors_tried=tried,
+                                      donor_failures=failures, duration_s=took_s,
+                                      consensus_distance=slot.consensus_distance if fork else None))
         logger.info("fragment %d: %s from v%d (%s) onto v%d (%s)%s", slot.index,
                     "reset (the swarm moved on since our checkpoint)" if how == "reset after resume" else "rebased",
                     old, old_hash, slot.version, slot.anchor_hash,

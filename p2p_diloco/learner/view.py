@@ -9,9 +9,10 @@ import re
 import threading
 import time
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
+from p2p_diloco.core import events
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.learner.options import (
     CLOCK_REPUBLISH_S,
@@ -46,7 +47,11 @@ from p2p_diloco.net.clock import (
 )
 
 if TYPE_CHECKING:
-    from p2p_diloco.learner.loop import Learner
+    from p2p_diloco.core.config import Config
+    from p2p_diloco.learner.options import LearnerOptions
+    from p2p_diloco.learner.rounds import Rounds
+    from p2p_diloco.net.joined import Joined
+    from p2p_diloco.net.records import LocalRun
     from p2p_diloco.sync.slot import FragmentSlot
 
 logger = logging.getLogger(__name__)
@@ -97,11 +102,33 @@ def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str
             if peer != own and peer in live and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
 
 
+class Owner(Protocol):
+    """What the status thread reads of its learner (:class:`~p2p_diloco.learner.loop.Learner` is one; a protocol,
+    because the learner builds its view: it imports this module, not the other way round)."""
+
+    cfg: Config
+    opts: LearnerOptions
+    joined: Joined
+    local: LocalRun
+    slots: list[FragmentSlot]
+    rounds: Rounds
+    training: bool
+    step: int
+    tokens: int
+    start_step: int
+    start_tokens: int
+    t_start: float
+
+    def _dht_time(self) -> float: ...
+    def _event(self, event: events.Event) -> None: ...
+    def _finite_loss(self) -> float | None: ...
+
+
 class SwarmView:
     """What this learner knows of the swarm, kept fresh by the ``learner-status`` thread: the other live
     learners' anchors, states and steps, and the sync clock (tended by its leader when it is derived)."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: Owner) -> None:
         self.learner = learner
         self._anchors: dict[str, list[Rank]] = {}
         """Other live learners' (version, anchor hash) per fragment, by peer id: from their records, raised by
@@ -333,7 +360,7 @@ class SwarmView:
             self._clock_retuned_at, self._clock_learners = wall, len(times)
             logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
                         "%.1f", period, h, period / h, len(times), clock.origin)
-            me._event({"event": "clock", "period_s": period, "origin": clock.origin, "learners": len(times)})
+            me._event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))
         elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
             return
         self.clock = clock  # the leader runs on its retuned clock even if this publish is refused (republished next period)

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.core.console import out
-from p2p_diloco.local.launcher import Child, LocalSwarm, read_jsonl
+from p2p_diloco.core.events import EvalEvent, RoundEvent, read_events
+from p2p_diloco.local.launcher import Child, LocalSwarm
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
     reference (``reference``: None; the caller looks it up or computes it). The end state (anchors, eval
     loss) is compared among the learners that finished together (:func:`finished_together`; all learners
     with a final summary if ``endings`` is empty)."""
-    from p2p_diloco.core.config import config_hash
+    from p2p_diloco.core.identity import config_hash
     from p2p_diloco.core.tokenizer import loss_unit
     from p2p_diloco.sim.simulator import dp_fp32_bytes
 
@@ -307,7 +308,7 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
     tokens = sum(f["tokens"] for f in finals.values())
     sent = sum(f["bytes_sent"] for f in finals.values())
     dp_bytes = dp_fp32_bytes(tokens, cfg, n_params, learners=max(1, len(finals)))
-    rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in read_jsonl(p) if e.get("event") == "round"]
+    rounds = [e for p in sorted((out / "logs").glob("*.jsonl")) for e in read_events(p) if isinstance(e, RoundEvent)]
     together, excluded = finished_together(endings, TOGETHER_WINDOW_S) if endings else (sorted(finals), {})
     end = [finals[n] for n in together if n in finals]
     return {
@@ -322,9 +323,9 @@ def build_report(cfg: Any, config_path: str | None, args: argparse.Namespace, fi
         "anchors_identical": len({tuple(f["anchor_hashes"]) for f in end}) == 1 if end else None,
         "bytes_sent": sent, "dp_fp32_bytes": dp_bytes, "bytes_saved_vs_dp_fp32": dp_bytes / sent if sent else None,
         "median_utilization": statistics.median(f["utilization"] for f in finals.values()) if finals else None,
-        "rounds_committed": sum(e["outcome"] == "committed" for e in rounds),
-        "rounds_discarded": sum(e["outcome"] != "committed" for e in rounds),
-        "discard_reasons": _top_reasons(e["reason"] for e in rounds if e["outcome"] != "committed"),
+        "rounds_committed": sum(e.committed for e in rounds),
+        "rounds_discarded": sum(not e.committed for e in rounds),
+        "discard_reasons": _top_reasons(e.reason for e in rounds if not e.committed),
         "chaos_events": events,
         "reference": None,
     }
@@ -394,16 +395,16 @@ def plot(out: Path, unit: str) -> None:
     import matplotlib.pyplot as plt
 
     logs = sorted((out / "logs").glob("*.jsonl"))
-    series = {p.stem: [e for e in read_jsonl(p) if e.get("event") == "round"] for p in logs}
-    t0 = min((e["time"] for es in series.values() for e in es), default=0.0)
-    evals = {p.stem: [e for e in read_jsonl(p) if e.get("event") == "eval"] for p in logs}
+    series = {p.stem: [e for e in read_events(p) if isinstance(e, RoundEvent)] for p in logs}
+    t0 = min((e.time for es in series.values() for e in es), default=0.0)
+    evals = {p.stem: [e for e in read_events(p) if isinstance(e, EvalEvent)] for p in logs}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, es) in enumerate(series.items()):
         color = f"C{i % 10}"
-        pts = [(e["time"] - t0, e["eval_loss"]) for e in evals.get(name, []) if isinstance(e.get("eval_loss"), float)]
+        pts = [(e.time - t0, e.eval_loss) for e in evals.get(name, []) if math.isfinite(e.eval_loss)]
         if pts:
             ax.plot(*zip(*pts), "o-", color=color, label=f"{name}: eval (global model)", markersize=3)
-        pts = [(e["time"] - t0, e["loss"]) for e in es if isinstance(e.get("loss"), float)]
+        pts = [(e.time - t0, e.loss) for e in es if e.loss is not None]
         if pts:
             ax.plot(*zip(*pts), ".", color=color, alpha=0.35, label=f"{name}: training loss", markersize=2)
     ax.set_ylabel(f"loss ({unit})")
@@ -411,9 +412,9 @@ def plot(out: Path, unit: str) -> None:
             out / "loss.png")
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, es in series.items():
-        done = [e for e in es if e["outcome"] == "committed"]
-        a1.plot([e["time"] - t0 for e in done], [e["group_size"] for e in done], "o", label=name, markersize=3)
-        a2.plot([e["time"] - t0 for e in done], [e["own_share"] for e in done], "o", label=name, markersize=3)
+        done = [e for e in es if e.committed]
+        a1.plot([e.time - t0 for e in done], [e.group_size for e in done], "o", label=name, markersize=3)
+        a2.plot([e.time - t0 for e in done], [e.own_share for e in done], "o", label=name, markersize=3)
     _finish(plt, fig, [(a1, "group size of each committed round"), (a2, "own weight share in each committed round")],
             out / "rounds.png")
 

@@ -225,7 +225,7 @@ class RunConfigRecord:
 
     run_id: str
     config_hash: str
-    """The hash the publisher computed (:func:`p2p_diloco.core.config.config_hash`); a reader recomputes it."""
+    """The hash the publisher computed (:func:`p2p_diloco.core.identity.config_hash`); a reader recomputes it."""
     protocol_version: int
     software_version: str
     peer_id: str
@@ -422,7 +422,8 @@ class LocalRun:
     @classmethod
     def from_config(cls, cfg: Any) -> "LocalRun":
         from p2p_diloco import __version__
-        from p2p_diloco.core.config import PROTOCOL_VERSION, config_hash
+        from p2p_diloco.core.config import PROTOCOL_VERSION
+        from p2p_diloco.core.identity import config_hash
 
         return cls(cfg.run.run_id, PROTOCOL_VERSION, config_hash(cfg), __version__)
 

@@ -29,10 +29,9 @@ from typing import Any, Iterable, Sequence
 from p2p_diloco.core.config import (
     Config,
     ConfigError,
-    config_hash,
     load_config_data,
 )
-from p2p_diloco.core.identity import pin_data
+from p2p_diloco.core.identity import config_hash, pin_data
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.net.records import INDEX_KEYS, IndexEntry, RunConfigRecord, config_key, index_key
 from p2p_diloco.net.runs import RunInfo, runs_in_index
@@ -53,7 +52,7 @@ BOOTSTRAP_CONFIG_REFRESH_S = CONFIG_REFRESH_FACTOR * ANNOUNCE_TTL_S
 def config_text(cfg: Config) -> str:
     """The config as canonical JSON, with the data pinned (:func:`p2p_diloco.core.identity.pin_data`: the dataset
     fingerprint and the tokenizer hash filled in from our data), so that a peer without our data computes
-    the same :func:`p2p_diloco.core.config.config_hash` from it, and checks its own data against the pins."""
+    the same :func:`p2p_diloco.core.identity.config_hash` from it, and checks its own data against the pins."""
     return json.dumps(pin_data(cfg).to_dict(), sort_keys=True, separators=(",", ":"))
 
 

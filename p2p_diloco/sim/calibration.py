@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.core.events import RoundEvent, read_events
 from p2p_diloco.sim.goodput import Calibration, GoodputError, require
 
 
@@ -48,12 +50,9 @@ def calibration_from_results(results: Path, config: Path) -> tuple[Calibration, 
         raise GoodputError(f"calibration: unexpected result file layout ({type(e).__name__}: {e})") from e
     require(bool(startups), "calibration", f"{paths['chaos']} has no restart ('up' event)")
     require(bool(downloads), "calibration", f"{paths['rejoin']} has no newcomer downloads")
-    durations = []
-    for log in sorted((results / "learners" / "logs").glob("*.jsonl")):
-        for line in log.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == "round" and record.get("outcome") == "committed" and "duration_s" in record:
-                durations.append(float(record["duration_s"]))
+    durations = [e.duration_s for log in sorted((results / "learners" / "logs").glob("*.jsonl"))
+                 for e in read_events(log)
+                 if isinstance(e, RoundEvent) and e.committed and math.isfinite(e.duration_s)]
     round_s = statistics.median(durations) if durations else 2 * window_s
     cal = Calibration(step_s=step_s, round_period_s=period_s, fragments=cfg.outer.fragments, round_s=round_s,
                       startup_s=statistics.median(startups), state_download_s=statistics.median(downloads),

@@ -145,7 +145,8 @@ def compute_curve(config: str | None, overrides: Sequence[str], tokens: int, eva
     if tokens <= 0 or eval_points <= 0:
         raise ValueError(f"reference: tokens and eval points must be > 0, got {tokens} and {eval_points}")
     from p2p_diloco.core import data
-    from p2p_diloco.core.config import config_hash, load_config
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.identity import config_hash
     from p2p_diloco.sim import simulator as sim
 
     cfg = load_config(config, list(overrides))

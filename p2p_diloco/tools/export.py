@@ -52,10 +52,9 @@ from p2p_diloco.core.config import (
     Config,
     ConfigError,
     ModelConfig,
-    config_hash,
     load_config_data,
 )
-from p2p_diloco.core.identity import model_identity
+from p2p_diloco.core.identity import config_hash, model_identity
 from p2p_diloco.core.devices import load_into, to_host
 from p2p_diloco.core.model import VOCAB_SIZE, ByteGPT, build_model
 from p2p_diloco.learner.checkpoint import Checkpoint, load_checkpoint

@@ -6,7 +6,8 @@ subpackages it imports, then every broken rule (exit 1 if any):
 - a subpackage imports only the layers below it (:data:`ALLOWED`): ``core`` and ``sync`` nothing of
   the network, ``cli`` is imported by nothing;
 - ``core`` and ``sync`` never import hivemind (torch only, no network);
-- no module over :data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES` lines.
+- no module over :data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES` lines;
+- no import circle between modules, inside a subpackage too (:func:`circles`).
 
 Imports are read from the source (every ``import`` statement, also inside functions and under
 ``TYPE_CHECKING``), so nothing is imported to check it.
@@ -18,7 +19,8 @@ import argparse
 import ast
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -64,7 +66,8 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> Iterable[str]:
         if node.level:  # relative: resolve against this module's package
             base = module.split(".") if is_package else module.split(".")[:-1]
             base = base[: len(base) - node.level + 1]
-            yield ".".join(base + ([node.module] if node.module else []))
+            yield (source := ".".join(base + ([node.module] if node.module else [])))
+            yield from (f"{source}.{a.name}" for a in node.names)  # "from . import loop"
         elif node.module:
             yield node.module
             yield from (f"{node.module}.{a.name}" for a in node.names)  # "from p2p_diloco import cli"
@@ -123,7 +126,92 @@ def violations(modules: Sequence[Module], allowed: dict[str, frozenset[str]] = A
         for cls, n in m.classes:
             if n > MAX_CLASS_LINES:
                 problems.append(f"{m.path}: class {cls} has {n} lines (at most {MAX_CLASS_LINES})")
+    problems += ["circle: " + " -> ".join(walk) for walk in circles(import_graph(modules))]
     return sorted(set(problems))
+
+
+def import_graph(modules: Sequence[Module]) -> dict[str, set[str]]:
+    """Each module and the package's modules it imports (top level, in functions, under ``TYPE_CHECKING``).
+
+    ``from p2p_diloco.x import name`` imports ``p2p_diloco.x`` and, where ``name`` is a submodule, that too.
+    """
+    names = {m.name for m in modules}
+    graph: dict[str, set[str]] = {}
+    for m in modules:
+        graph[m.name] = {target for target, _ in m.imports if target in names}
+        if m.path.name == "__init__.py":
+            graph[m.name].discard(m.name)  # "from . import sub" in a package names the package itself
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle: each strongly connected component of more than one module (or a module that
+    imports itself), as a closed walk ``[a, b, ..., a]`` through all its modules, each step an import."""
+    found: list[list[str]] = []
+    for members in _components(graph):
+        if len(members) == 1 and members[0] not in graph[members[0]]:
+            continue
+        inside, walk, todo = set(members), [members[0]], set(members[1:])
+        while todo:
+            path = _path(graph, walk[-1], todo, inside)
+            walk += path[1:]
+            todo -= set(path)
+        found.append(walk + _path(graph, walk[-1], {members[0]}, inside)[1:])
+    return sorted(found)
+
+
+def _components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components (Tarjan's algorithm, without recursion), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []  # visited, component not yet known
+    work: list[tuple[str, Iterator[str]]] = []  # the depth-first path: each node and its imports not yet followed
+    out: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        work.append((node, iter(sorted(graph[node]))))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        visit(root)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in index:
+                    visit(target)
+                    break
+                if target in stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    at = stack.index(node)
+                    out.append(sorted(stack[at:]))
+                    del stack[at:]
+    return out
+
+
+def _path(graph: dict[str, set[str]], start: str, goals: set[str], inside: set[str]) -> list[str]:
+    """A shortest import path of at least one step from ``start`` to one of ``goals``, within ``inside``."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for target in sorted(graph[node] & inside):
+            if target in goals:
+                path = [target, node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return path[::-1]
+            if target != start and target not in parent:
+                parent[target] = node
+                queue.append(target)
+    raise ValueError(f"no path from {start} to {sorted(goals)}")  # not strongly connected: a bug above
 
 
 class LayerSummary(TypedDict):
@@ -169,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = sum(m.lines for m in modules)
     print(f"{len(modules)} modules, {total} lines; largest module {max(m.lines for m in modules)} lines "
           f"(limit {MAX_MODULE_LINES}), largest class {max((n for m in modules for _, n in m.classes), default=0)} "
-          f"lines (limit {MAX_CLASS_LINES})")
+          f"lines (limit {MAX_CLASS_LINES}), {sum(p.startswith('circle: ') for p in problems)} import circles")
     for p in problems:
         print(f"problem: {p}")
     print("ok: every rule holds" if not problems else f"{len(problems)} problems")
