@@ -24,7 +24,7 @@ import contextlib
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -90,27 +90,36 @@ def check_identical(finals: dict[str, dict[str, Any]]) -> None:
     assert any(s["consensus_distance"] == [0.0] * len(s["versions"]) for s in finals.values()), finals
 
 
-def check_back_within_3_rounds(tmp: Path, names: list[str], victim: str, resumed: float) -> None:
-    """After SIGCONT, on every fragment, the straggler held the version and anchor its partners hold (through a
-    round with them, a download or a late commit) before its 4th round: the round it froze in counts as one."""
+def back_after(tmp: Path, names: list[str], victim: str, resumed: float) -> list[tuple[int, list[dict[str, Any]]]] | None:
+    """Per fragment, once the straggler is back after SIGCONT: (rounds it tried before it held the version and
+    anchor every other learner holds -- through a round with them, a download or a late commit --, its events
+    after SIGCONT), provided it has also committed a round with every learner since; None while not so far on
+    some fragment (or a partner has not logged that commit yet)."""
     log = [e for e in events(tmp / f"{victim}.jsonl") if e["time"] > resumed]
+    out = []
     for f in range(FRAGMENTS):
-        held = {other: {(e["version_after"], e["anchor_hash"]) for e in committed_rounds(tmp / f"{other}.jsonl")
-                        if e["fragment"] == f} for other in names if other != victim}
+        held = [{(e["version_after"], e["anchor_hash"]) for e in committed_rounds(tmp / f"{other}.jsonl")
+                 if e["fragment"] == f} for other in names if other != victim]
         ours = [e for e in log if e.get("fragment") == f and e["event"] in ("round", "resync", "late_commit")]
         back = next((i for i, e in enumerate(ours) if (e["event"] != "round" or e["outcome"] == "committed")
-                     and all((e["version_after"], e["anchor_hash"]) in h for h in held.values())), None)
+                     and all((e["version_after"], e["anchor_hash"]) in h for h in held)), None)
+        together = any(e["event"] == "round" and e["outcome"] == "committed" and e["group_size"] == len(names)
+                       for e in ours)
+        if back is None or not together:
+            return None
+        out.append((sum(e["event"] == "round" for e in ours[:back]), ours))
+    return out
+
+
+def check_back_within_3_rounds(tmp: Path, names: list[str], victim: str, resumed: float, what: str,
+                               detail: Callable[[], str]) -> None:
+    """After SIGCONT, on every fragment, the straggler held what the others hold before its 4th round (the round
+    it froze in counts as one), and it averages with every learner again."""
+    found = poll_until(lambda: back_after(tmp, names, victim, resumed), BACK_DEADLINE_S, what, detail=detail)
+    for f, (tried, ours) in enumerate(found):
         print(f"fragment {f}: the straggler after SIGCONT "
-              f"{[(e['event'], e.get('outcome'), e.get('reason', '')[:50]) for e in ours[:4]]}; back at {back}")
-        assert back is not None, ours[:6]
-        rounds_before = sum(e["event"] == "round" for e in ours[:back])
-        assert rounds_before < 3, ours[:back + 1]
-
-
-def straggler_back(tmp: Path, names: list[str], victim: str, resumed: float) -> bool:
-    return all(any(e["outcome"] == "committed" and e["group_size"] == len(names) and e["fragment"] == f
-                   for e in events(tmp / f"{victim}.jsonl") if e["event"] == "round" and e["time"] > resumed)
-               for f in range(FRAGMENTS))
+              f"{[(e['event'], e.get('outcome'), e.get('reason', '')[:50]) for e in ours[:4]]}; back after {tried} rounds")
+        assert tried < 3, ours[:tried + 2]
 
 
 @pytest.mark.parametrize(("n", "pauses"), [(2, (15.0, 60.0)), (3, (15.0,))], ids=["2-learners-15s-then-60s",
@@ -132,13 +141,11 @@ def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path, n: int, p
             assert process_state(pid) == "T", "the straggler was not stopped for the whole pause"
             learners[victim].send(signal.SIGCONT)
             resumed = time.time()
-            poll_until(lambda t=resumed: straggler_back(tmp_path, names, victim, t), BACK_DEADLINE_S,
-                       f"{victim} back in the rounds after a {stop_s:g} s pause", detail=learners[victim].output)
-            check_back_within_3_rounds(tmp_path, names, victim, resumed)
+            check_back_within_3_rounds(tmp_path, names, victim, resumed, f"{victim} back after a {stop_s:g} s pause",
+                                       learners[victim].output)
             time.sleep(BETWEEN_PAUSES_S if i + 1 < len(pauses) else AFTER_BACK_S)
         finals = finish(learners)
     check_identical(finals)
-    check_back_within_3_rounds(tmp_path, names, victim, resumed)
 
 
 def test_a_member_that_gave_up_on_a_round_its_partner_committed_commits_it_late(tmp_path: Path) -> None:

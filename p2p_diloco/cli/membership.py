@@ -22,6 +22,7 @@ from p2p_diloco.cli.common import (
 from p2p_diloco.cli.doctor import cmd_doctor
 from p2p_diloco.cli.status import cmd_status
 from p2p_diloco.core.console import out
+from p2p_diloco.core.logs import log_handled
 from p2p_diloco.hivemind_ext.procguard import stop_process
 from p2p_diloco.net.arguments import swarm_options
 from p2p_diloco.net.joined import joined_run
@@ -127,7 +128,7 @@ def _announce_run(dht: Any, opts: "SwarmOptions", cfg: "Config") -> "RunAnnounce
     try:
         ok = announcer.publish_all()
     except Exception:  # a store that timed out: the thread retries at once
-        logger.exception("announcing the run failed; retrying in the background")
+        log_handled(logger, "announcing the run failed; retrying in the background")
         ok = False
     announcer.start(published=ok)
     out(f"run {cfg.run.run_id} (config hash {entry.config_hash}) announced in the DHT" +
