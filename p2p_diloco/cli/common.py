@@ -75,8 +75,6 @@ def add_network_args(p: argparse.ArgumentParser, *, peers_required: bool, listen
 
 HIVEMIND_LOGLEVEL_ENV = "HIVEMIND_LOGLEVEL"
 """hivemind's own handler takes its level from this variable when hivemind is first imported (default INFO)."""
-_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING, "WARNING": logging.WARNING,
-           "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 
 
 def setup_logging(verbose: bool) -> None:
@@ -90,7 +88,7 @@ def setup_logging(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)
-    asked = _LEVELS.get(os.environ.get(HIVEMIND_LOGLEVEL_ENV, "").strip().upper())
+    asked = logging.getLevelNamesMapping().get(os.environ.get(HIVEMIND_LOGLEVEL_ENV, "").strip().upper())
     if asked is None or asked > level:
         if "hivemind.utils.logging" in sys.modules:  # imported already (an in-process caller): its level, then
             logging.getLogger("hivemind").setLevel(level)

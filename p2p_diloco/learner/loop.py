@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -310,8 +309,7 @@ class Learner:
         """The latest training loss, or None (not known yet, or not finite: JSON and records reject NaN)."""
         if self.loss is None:
             return None
-        loss = float(self.loss)  # the one host sync for the loss, when it is logged or published
-        return loss if math.isfinite(loss) else None
+        return events.finite_or_none(float(self.loss))  # the one host sync for the loss: when logged or published
 
     # -------------------------------------------------------------- small helpers
 
