@@ -8,7 +8,7 @@ precision, warm-up + cosine learning rate and gradient clipping, and the same nu
 - **plain**: ``model(input_ids).logits``, cross-entropy, ``zero_grad``, ``backward``, ``clip_grad_norm_``,
   ``torch.optim.AdamW`` -- the loop anyone would write;
 - **learner**: :meth:`p2p_diloco.learner.loop.Learner.train_once`, exactly what a learner's loop runs per step:
-  the inner step (our AdamW, the schedule, counters, pacing checks), then its bookkeeping -- finished
+  the inner step (our AdamW, the schedule, pacing), then the engine's ``DiLoCo.step`` -- counters, finished
   rounds collected, catch-up checks, which fragments are due (``averaging.schedule = "steps"``), each
   due fragment's pseudo-gradient computed on the host and handed off, the result applied (an outer
   Nesterov step, alpha-mixed into the weights) and an event written. Only the network is replaced: the
@@ -35,7 +35,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -168,19 +167,20 @@ def learner_loop(cfg: Config, device: torch.device, threads: int, batches: list[
     per call."""
     stream = torch.cat([x.reshape(-1) for x, _ in batches])
     splits = data.Splits(eval=stream, shards=(stream,))
-    joined = SimpleNamespace(dht=None, private_key=None, peer_id="bench-peer", snapshot=None,
+    joined = SimpleNamespace(dht=None, private_key=None, peer_id="bench-peer", name="bench", snapshot=None,
                              publisher=SimpleNamespace(update=lambda **_kw: None))
     local = SimpleNamespace(run_id=cfg.run.run_id, config_hash=config_hash(cfg))
-    opts = options.LearnerOptions(name="bench", shard=None, num_shards=1, max_steps=10**9, events_path=events,
-                                  train_nice=0, device=str(device))
+    swarm = SimpleNamespace(config=cfg, joined=joined, local=local, membership=None)
+    opts = options.LearnerOptions(name="bench", shard=None, num_shards=1, max_steps=10**9,
+                                  sync=options.SyncOptions(events_path=events), train_nice=0, device=str(device))
     with mock.patch.object(rounds, "FragmentAveragerHost", IdleAveraging):
-        unit = loop.Learner(cfg, options.Profile(name="bench", threads=threads), opts, joined, local, splits=splits)
+        unit = loop.Learner(cfg, options.Profile(name="bench", threads=threads), opts, swarm, splits=splits)
     unit.batches = itertools.cycle(batches)  # the same batches as the plain loop
-    unit.view.swarm_reads = 1  # as if the status thread had looked at the swarm: due fragments are handed off
-    unit.training = True
-    unit.t_start = time.monotonic()
-    stop = threading.Event()
-    return lambda: unit.train_once(stop), unit
+    d = unit.diloco
+    d.view.swarm_reads = 1  # as if the status thread had looked at the swarm: due fragments are handed off
+    d.training = True
+    d.t_start = time.monotonic()
+    return unit.train_once, unit
 
 
 def timed(step: Callable[[], None], n: int, device: torch.device) -> float:

@@ -35,12 +35,10 @@ def _join(*extra: str) -> list[str]:
 
 def test_missing_empty_or_binary_data_path_is_refused_before_joining(tmp_path: Path, refused: Callable[..., str],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2p_diloco.cli import learner as learner_cli
-
     def never(*_a: Any, **_k: Any) -> None:
         raise AssertionError("joined before checking the data")
 
-    monkeypatch.setattr(learner_cli, "joined_run", never)  # the name cmd_join calls
+    monkeypatch.setattr(joined, "joined_run", never)  # what Swarm.from_options calls
     missing = tmp_path / "missing.txt"
     refused(_join("--set", f"data.path={missing}"), f"data path {missing} does not exist")
     empty = tmp_path / "empty.txt"

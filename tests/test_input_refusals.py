@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from p2p_diloco.cli import learner as learner_cli
+from p2p_diloco.net import joined as joined_module
 from p2p_diloco.cli import main as cli
 from p2p_diloco.core import datasource
 from p2p_diloco.core import model as model_mod
@@ -40,7 +40,7 @@ def never_joins(monkeypatch: pytest.MonkeyPatch) -> None:
     def never(*_a: Any, **_k: Any) -> None:
         raise AssertionError("joined before checking the inputs")
 
-    monkeypatch.setattr(learner_cli, "joined_run", never)  # the name cmd_join calls
+    monkeypatch.setattr(joined_module, "joined_run", never)  # what Swarm.from_options calls
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ TensorBoard event file is read back with tensorboard's own ``EventAccumulator``.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 from pathlib import Path
@@ -14,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco.cli import main as cli, learner as learner_cli
+from p2p_diloco.cli import main as cli
+from p2p_diloco.net import joined as joined_module
 from p2p_diloco.core.events import EvalEvent, Event, ResyncEvent, RoundEvent
-from p2p_diloco.learner.loop import Learner
+from p2p_diloco.learner.engine import DiLoCo
 from p2p_diloco.learner.metrics import (
     EventLog, JsonlSink, MetricsSpec, ScalarTracker, open_event_log, parse_metrics_spec,
 )
@@ -112,14 +114,20 @@ def test_no_sink_means_no_event_log(tmp_path: Path) -> None:
     assert open_event_log(None, ()) is None
 
 
-def test_the_learner_logs_through_the_event_log(tmp_path: Path) -> None:
-    """:meth:`Learner._event` adds the common fields and hands the event to its event log (no swarm needed)."""
+def test_the_engine_logs_through_the_event_log_and_to_its_subscribers(tmp_path: Path) -> None:
+    """:meth:`DiLoCo.log_event` adds the common fields and hands the event to its event log, its subscribers and
+    :meth:`DiLoCo.poll_events` (no swarm needed)."""
     written: list[dict[str, Any]] = []
+    heard: list[dict[str, Any]] = []
     fake = SimpleNamespace(
         _events=SimpleNamespace(write=lambda e: written.append(e.to_json())), _events_lock=threading.Lock(),
-        opts=SimpleNamespace(name="peer-a"), step=7, tokens=896, _dht_time=lambda: 123.0, _finite_loss=lambda: 4.0,
+        _recent=collections.deque(maxlen=4), _subscribers=[lambda e: heard.append(e.to_json())],
+        joined=SimpleNamespace(name="peer-a"), inner_step=7, tokens=896, dht_time=lambda: 123.0, latest_loss=lambda: 4.0,
     )
-    Learner._event(fake, EvalEvent(eval_loss=4.4, train_s=1.5, versions=(0, 2), batches=2))  # type: ignore[arg-type]
+    DiLoCo.log_event(fake, EvalEvent(eval_loss=4.4, train_s=1.5, versions=(0, 2), batches=2))  # type: ignore[arg-type]
+    assert heard == written
+    polled = DiLoCo.poll_events(fake)  # type: ignore[arg-type]
+    assert [e.to_json() for e in polled] == written and DiLoCo.poll_events(fake) == []  # type: ignore[arg-type]
     assert written == [{"name": "peer-a", "step": 7, "tokens": 896, "time": 123.0, "loss": 4.0, "event": "eval",
                         "eval_loss": 4.4, "train_s": 1.5, "versions": [0, 2], "batches": 2}]
 
@@ -142,7 +150,7 @@ def test_join_refuses_a_bad_metrics_spec_before_joining(capsys: pytest.CaptureFi
     def never(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("joined before checking --metrics")
 
-    monkeypatch.setattr(learner_cli, "joined_run", never)
+    monkeypatch.setattr(joined_module, "joined_run", never)
     for spec, expected in [("wandb:x", "unknown kind 'wandb'"), ("tensorboard", "needs a folder")]:
         rc = cli.main(["join", "--initial-peers", PEER, "--config", str(ROOT / "configs" / "tiny.toml"),
                        "--metrics", spec])

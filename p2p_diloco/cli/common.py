@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.core.console import out
 from p2p_diloco.core.resources import bundled_names  # importlib.resources only: --help stays fast
-from p2p_diloco.hivemind_ext.procguard import stop_process
 from p2p_diloco.net.arguments import swarm_options
 
 if TYPE_CHECKING:
@@ -108,7 +107,7 @@ def local_run(args: argparse.Namespace, *, observer: bool = False) -> "LocalRun"
 
     run_id = getattr(args, "run_id", None)
     if (run_id or observer) and not args.config and not args.overrides:
-        from p2p_diloco import __version__
+        from p2p_diloco.core.version import VERSION as __version__
 
         return LocalRun(run_id or load_config().run.run_id, PROTOCOL_VERSION, "", __version__)
     cfg = load_config(args.config, args.overrides)
@@ -128,8 +127,6 @@ def resolve_config(args: argparse.Namespace) -> "Config":
     check then compares the result with the live peers as usual). Never the built-in defaults: they
     would be another run. Errors are one line (``ValueError``).
     """
-    import dataclasses
-
     from p2p_diloco.core.config import load_config
     from p2p_diloco.core.identity import config_hash
 
@@ -140,19 +137,9 @@ def resolve_config(args: argparse.Namespace) -> "Config":
             raise ValueError(f"--run-id {run_id!r} contradicts the config's run.run_id {cfg.run.run_id!r}; "
                              f"give one of them")
         return cfg
-    opts = swarm_options(args, client_mode=True)
-    opts = dataclasses.replace(opts, identity=None, check_identity_free=False, port=0, announce=())
-    from p2p_diloco.net.membership import start_dht
-    from p2p_diloco.net.runconfig import fetch_config, read_runs
-    from p2p_diloco.net.runs import pick_run
+    from p2p_diloco.net.runconfig import lookup_config
 
-    dht = start_dht(opts, None)
-    try:
-        runs, _rejected = read_runs(dht)
-        run = pick_run(runs, run_id)
-        cfg, _record = fetch_config(dht, run, args.overrides)
-    finally:
-        stop_process(dht, "DHT process")
+    cfg, run = lookup_config(swarm_options(args, client_mode=True), run_id, args.overrides)
     out(f"config: fetched run {run.run_id} (hash {run.config_hash}) from the DHT"
          + (f"; with --set: hash {config_hash(cfg)}" if args.overrides else ""))
     return cfg

@@ -2,7 +2,7 @@
 
 Only the standard library is imported here; torch and hivemind load when the command runs, so
 ``p2p-diloco --help`` stays fast. Joining, the compatibility check (config hash, protocol) and the
-graceful leave are the swarm commands' own (:func:`p2p_diloco.net.joined.joined_run`).
+graceful leave are the library's (:class:`p2p_diloco.learner.swarm.Swarm`), the loop a client of its engine.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from p2p_diloco.core import resources
 from p2p_diloco.core.console import out
 from p2p_diloco.learner.priority import JOINING_MAX_S
 from p2p_diloco.net.arguments import swarm_options
-from p2p_diloco.net.joined import joined_run
 
 logger = logging.getLogger(__name__)
 
@@ -125,42 +124,44 @@ def cmd_join(args: argparse.Namespace) -> int:
     check_buildable(cfg.model, device)  # a model that cannot be built, or does not fit this machine, fails here
     splits = load_splits(cfg, num_shards)  # missing, empty, binary or too small data fails here, before we join
     incarnation = time.time_ns()
-    with StopOnSignal() as stop, joined_run(swarm_options(args, client_mode=False), args.name, local, cfg.outer.fragments,
-                                                  ttl_s=cfg.averaging.record_ttl_s,
-                                             state="joining", profile=profile.name, cfg=cfg) as joined:
-        from p2p_diloco.learner.loop import Learner
-        from p2p_diloco.learner.options import LearnerOptions
-        from p2p_diloco.net.membership import Membership
+    from p2p_diloco.learner.swarm import Swarm
 
-        opts = LearnerOptions(
-            name=joined.name, shard=args.shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
-            max_time_s=args.max_time_s or 0.0, incarnation=incarnation,
-            lr_by_time=args.lr_schedule == "time" or (args.lr_schedule is None and bool(args.max_time_s)),
+    with StopOnSignal() as stop, Swarm.from_options(swarm_options(args, client_mode=False), cfg, name=args.name,
+                                                    profile=profile.name) as swarm:
+        from p2p_diloco.learner.loop import Learner
+        from p2p_diloco.learner.options import LearnerOptions, SyncOptions
+
+        sync = SyncOptions(
             events_path=Path(args.events) if args.events else None, metrics=metrics_specs,
-            wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s, checkpoint_dir=checkpoint_dir,
-            checkpoint_every_s=args.checkpoint_every_s or 0.0, eval_every_s=args.eval_every_s,
-            eval_batches=args.eval_batches, view_period_s=args.view_period_s,
-            train_nice=args.train_nice, blocking=args.blocking, started_at=started_at, device=str(device),
+            wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s,
+            view_period_s=args.view_period_s, blocking=args.blocking, max_time_s=args.max_time_s or 0.0,
+            started_at=started_at,
+        )
+        opts = LearnerOptions(
+            name=swarm.name, shard=args.shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
+            sync=sync, incarnation=incarnation,
+            lr_by_time=args.lr_schedule == "time" or (args.lr_schedule is None and bool(args.max_time_s)),
+            checkpoint_dir=checkpoint_dir, checkpoint_every_s=args.checkpoint_every_s or 0.0,
+            eval_every_s=args.eval_every_s, eval_batches=args.eval_batches, train_nice=args.train_nice,
+            device=str(device),
         )
         if armed:  # before the averagers start: their processes are forked with the faults armed
             faults.arm(armed)
             out(f"faults armed: {', '.join(f.spec for f in armed)}")
-        # our averaging / state handlers are not covered by the DHT authorizer: check members there
-        membership = Membership(joined.dht, local) if joined.opts.swarm_key is not None else None
-        learner = Learner(cfg, profile, opts, joined, local, membership=membership, splits=splits)
+        learner = Learner(cfg, profile, opts, swarm, splits=splits)
         try:
             if resume is not None:
                 digest = learner.restore(resume)  # recomputed from what was restored, not copied
                 out(f"resumed from {resume.path}: step {learner.step}, model {digest}, "
                      f"versions {[s.version for s in learner.slots]}, anchors {' '.join(s.anchor_hash for s in learner.slots)}")
-            out(f"learner {joined.name}: {learner.data_stream}, profile {profile.name}, "
+            out(f"learner {swarm.name}: {learner.data_stream}, profile {profile.name}, "
                  f"{opts.max_steps} steps, {cfg.outer.fragments} fragments, codec {cfg.outer.codec}, "
                  f"device {opts.device} ({cfg.inner.precision})")
             summary: dict[str, Any] = learner.run(stop.event, stop.finish)
         finally:
             learner.close()
         out("final " + json.dumps(summary))
-        ok = joined.publisher.leave()
+        ok = swarm.close()
         out(f"left run {local.run_id} ({stop.signal_name or 'done'}); tombstone {'published' if ok else 'NOT accepted'}")
     return 0
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from p2p_diloco import __version__
+from p2p_diloco.core.version import VERSION as __version__
 from p2p_diloco.core.config import ConfigError, load_config, render
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext.lazyimports import defer_unused_imports

@@ -119,7 +119,7 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     Our batches come already shifted (``y[:, t] = x[:, t + 1]``), so an HF causal LM is asked for logits
     only: its ``labels=`` would shift again. The one loss of the inner step, evaluation and the simulator.
     """
-    if isinstance(_unwrapped(model), ByteGPT):
+    if isinstance(unwrapped(model), ByteGPT):
         _, loss = model(x, y)  # through the wrapper, if any: DDP syncs gradients in its forward/backward
         if loss is None:
             raise ValueError("the model returned no loss for a batch with targets")
@@ -128,7 +128,7 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
+def unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a DistributedDataParallel / DataParallel or ``torch.compile`` wrapper."""
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):

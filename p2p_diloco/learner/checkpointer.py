@@ -38,12 +38,13 @@ class Owner(Protocol):
     params: dict[str, torch.nn.Parameter]
     opt: InnerOptimizer
     device: torch.device
-    slots: list[FragmentSlot]
+    @property
+    def slots(self) -> list[FragmentSlot]: ...
     step: int
     tokens: int
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
-    def _event(self, event: events.Event) -> None: ...
+    def log_event(self, event: events.Event) -> None: ...
 
 
 def checkpoint_state(learner: Owner) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -157,11 +158,11 @@ class Checkpointer:
         except Exception as e:  # disk full, permissions: training goes on; the previous checkpoint is intact
             logger.error("checkpoint at step %d NOT saved (%s: %s); the previous one is intact", meta["inner_step"],
                          type(e).__name__, e)
-            self.learner._event(events.CheckpointEvent(outcome="failed", reason=f"{type(e).__name__}: {e}"[:300]))
+            self.learner.log_event(events.CheckpointEvent(outcome="failed", reason=f"{type(e).__name__}: {e}"[:300]))
             return
         self.saved_step = int(meta["inner_step"])
         logger.info("checkpoint saved: %s (step %d, model %s, %.2f s)%s", path, meta["inner_step"], meta["model_digest"],
                     time.monotonic() - t0, " (final)" if final else "")
-        self.learner._event(events.CheckpointEvent(outcome="saved", path=str(path), final=final,
+        self.learner.log_event(events.CheckpointEvent(outcome="saved", path=str(path), final=final,
                                                    model_digest=meta["model_digest"],
                                                    anchor_hashes=tuple(meta["anchor_hashes"])))

@@ -86,6 +86,12 @@ class Profile:
         if not self.name or self.slowdown < 1.0 or self.min_step_s < 0 or self.threads < 0:
             raise ValueError(f"profile needs a name, slowdown >= 1, min_step_s >= 0, threads >= 0; got {self}")
 
+    def pad(self, natural_s: float) -> None:
+        """Sleep what it takes for a step that took ``natural_s`` seconds to take this machine's time."""
+        pace = max(natural_s, self.min_step_s) * self.slowdown
+        if pace > natural_s:
+            time.sleep(pace - natural_s)
+
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         p = Path(path)
@@ -120,27 +126,12 @@ class Profile:
 
 
 @dataclass(frozen=True)
-class LearnerOptions:
-    """Per-learner choices that are not part of the run's config (they do not change its hash)."""
+class SyncOptions:
+    """A unit's choices for its engine (:class:`~p2p_diloco.learner.engine.DiLoCo`) that are not part of the run's
+    config (they do not change its hash). Every default suits a library user's own loop."""
 
-    name: str
-    shard: int | None
-    """An explicit data shard (``--shard``), or None: random windows of the whole training split in this
-    learner's own order (:func:`p2p_diloco.core.data.stream_seed`)."""
-    num_shards: int
-    """Shards the training split is dealt into (1 without an explicit shard)."""
-    max_steps: int
-    """Inner steps this learner runs (the LR schedule still spans ``inner.total_steps``)."""
-    max_time_s: float = 0.0
-    """Stop training this many seconds after ``started_at`` (0 = no limit): the wait for peers and the
-    start-up count too, so that a learner is done when its user expects it."""
-    incarnation: int = 0
-    """This start of the learner (wall time in ns): with the peer id, it seeds our data stream, so a peer
-    restarted with the same identity does not see the same batches again."""
-    lr_by_time: bool = False
-    """With ``max_time_s``: the LR's cosine ends when the time does, if that comes before its steps
-    (:func:`p2p_diloco.core.inner.schedule_step`)."""
     events_path: Path | None = None
+    """Append every event, one JSON line each (``--events``)."""
     metrics: tuple[MetricsSpec, ...] = ()
     """Metric sinks fed from the same events as ``events_path`` (``--metrics tensorboard:DIR``)."""
     wait_peers: int = 0
@@ -158,13 +149,39 @@ class LearnerOptions:
     """While training: seconds between reads of the swarm and of the sync clock (:func:`view_due`)."""
     serve_s: float = 0.0
     """After the linger, stay this long (record alive, state shared) for newcomers to download from us."""
+    blocking: bool = False
+    """Wait for every round handed off before the next inner step (synchronous, OpenDiLoCo-style DiLoCo:
+    a baseline for the benchmarks; the decoupled default never waits)."""
+    max_time_s: float = 0.0
+    """The unit's time budget, counted from ``started_at`` (0 = no limit): a wait for peers ends with it, and
+    our learner stops training when it runs out (the wait and the start-up count too)."""
+    started_at: float = field(default_factory=time.monotonic)
+    """When the unit started (monotonic): time to first contribution is measured from here."""
+
+
+@dataclass(frozen=True)
+class LearnerOptions:
+    """``p2p-diloco join``'s choices for its loop, around its engine's (:class:`SyncOptions`)."""
+
+    name: str
+    shard: int | None
+    """An explicit data shard (``--shard``), or None: random windows of the whole training split in this
+    learner's own order (:func:`p2p_diloco.core.data.stream_seed`)."""
+    num_shards: int
+    """Shards the training split is dealt into (1 without an explicit shard)."""
+    max_steps: int
+    """Inner steps this learner runs (the LR schedule still spans ``inner.total_steps``)."""
+    sync: SyncOptions = field(default_factory=SyncOptions)
+    incarnation: int = 0
+    """This start of the learner (wall time in ns): with the peer id, it seeds our data stream, so a peer
+    restarted with the same identity does not see the same batches again."""
+    lr_by_time: bool = False
+    """With ``sync.max_time_s``: the LR's cosine ends when the time does, if that comes before its steps
+    (:func:`p2p_diloco.core.inner.schedule_step`)."""
     checkpoint_dir: Path | None = None
     """Save checkpoints here (:mod:`p2p_diloco.learner.checkpoint`): every ``checkpoint_every_s`` and when leaving."""
     checkpoint_every_s: float = 0.0
     """Seconds between periodic checkpoints (0: only the final one)."""
-    blocking: bool = False
-    """Wait for every round handed off before the next inner step (synchronous, OpenDiLoCo-style DiLoCo:
-    a baseline for the benchmarks; the decoupled default never waits)."""
     train_nice: int = 5
     """Niceness added to the training thread once it trains (Linux: per thread), so that the swarm's
     communication (the DHT and averager processes) is not starved by inner steps, and to our session's
@@ -174,8 +191,6 @@ class LearnerOptions:
     """Seconds between quick held-out evaluations of the anchors while training (``eval`` events; 0: none)."""
     eval_batches: int = QUICK_EVAL_BATCHES
     """Held-out batches per evaluation while training (the first ones of the eval set; at most all of it)."""
-    started_at: float = field(default_factory=time.monotonic)
-    """When the learner process started (monotonic): time to first contribution is measured from here."""
     device: str = "cpu"
     """Where the model and the inner optimizer live (``--device``, resolved: ``cpu`` or ``cuda:N``); anchors,
     outer momentum and the outer step stay fp32 on the CPU whatever it is (:mod:`p2p_diloco.core.devices`)."""

@@ -65,7 +65,7 @@ Event = Callable[[events.Event], None]
 """Logs an event: the learner fills its envelope (``Learner._event``)."""
 
 
-class Swarm(Protocol):
+class SwarmReads(Protocol):
     """What the rounds read of the swarm, as the status thread last saw it (:class:`~p2p_diloco.learner.view.SwarmView`
     is one; a protocol, because the view drives the rounds: it imports this module, not the other way round)."""
 
@@ -185,7 +185,7 @@ class Rounds:
     """Every fragment's rounds and downloads on a networked learner (called from the training thread)."""
 
     def __init__(self, cfg: Config, slots: Sequence[FragmentSlot], replica: Replica, hosts: Sequence[FragmentAveragerHost],
-                 view: Swarm, config_hash: str, started_at: float, event: Event,
+                 view: SwarmReads, config_hash: str, started_at: float, event: Event,
                  dht_time: Callable[[], float], own_id: str) -> None:
         self.cfg, self.view, self.config_hash, self.started_at = cfg, view, config_hash, started_at
         self.event, self.dht_time = event, dht_time

@@ -48,7 +48,7 @@ from p2p_diloco.net.clock import (
 
 if TYPE_CHECKING:
     from p2p_diloco.core.config import Config
-    from p2p_diloco.learner.options import LearnerOptions
+    from p2p_diloco.learner.options import SyncOptions
     from p2p_diloco.learner.rounds import Rounds
     from p2p_diloco.net.joined import Joined
     from p2p_diloco.net.records import LocalRun
@@ -103,25 +103,25 @@ def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str
 
 
 class Owner(Protocol):
-    """What the status thread reads of its learner (:class:`~p2p_diloco.learner.loop.Learner` is one; a protocol,
-    because the learner builds its view: it imports this module, not the other way round)."""
+    """What the status thread reads of its engine (:class:`~p2p_diloco.learner.engine.DiLoCo` is one; a protocol,
+    because the engine builds its view: it imports this module, not the other way round)."""
 
     cfg: Config
-    opts: LearnerOptions
+    opts: SyncOptions
     joined: Joined
     local: LocalRun
     slots: list[FragmentSlot]
     rounds: Rounds
     training: bool
-    step: int
+    inner_step: int
     tokens: int
     start_step: int
     start_tokens: int
     t_start: float
 
-    def _dht_time(self) -> float: ...
-    def _event(self, event: events.Event) -> None: ...
-    def _finite_loss(self) -> float | None: ...
+    def dht_time(self) -> float: ...
+    def log_event(self, event: events.Event) -> None: ...
+    def latest_loss(self) -> float | None: ...
 
 
 class SwarmView:
@@ -214,7 +214,7 @@ class SwarmView:
 
         me = self.learner
         run_id, own = me.local.run_id, me.joined.peer_id
-        now = me._dht_time()
+        now = me.dht_time()
         wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots
                   if not known_past(self._anchors.values(), s.index, s.version) and not self._settled(s, now)}
         keys = list(wanted) + ([clock_key(run_id)] if self.auto_clock else [])
@@ -225,7 +225,7 @@ class SwarmView:
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
             return False
-        seen_at, heads, live = me._dht_time(), dict(self._heads), set(self._records)
+        seen_at, heads, live = me.dht_time(), dict(self._heads), set(self._records)
         for key, (f, version) in wanted.items():
             for peer, rank in vouched_heads(owned_values(found.get(key)), version, live, own).items():
                 heads[peer] = {**heads.get(peer, {}), f: (rank, seen_at)}
@@ -254,7 +254,7 @@ class SwarmView:
         me = self.learner
         t0 = time.monotonic()
         joined = me.joined.snapshot  # what we saw when joining, if it is recent
-        others = self.read(joined if me._dht_time() - joined.now < JOIN_VIEW_FRESH_S else None)
+        others = self.read(joined if me.dht_time() - joined.now < JOIN_VIEW_FRESH_S else None)
         if others is None:
             return
         self.probe_heads()
@@ -271,7 +271,7 @@ class SwarmView:
         pending = [s.inflight for s in fetching if s.inflight is not None]
         while pending and not stop.is_set() and time.monotonic() < deadline:
             pending = list(wait_futures(pending, timeout=min(ROUND_POLL_S, max(0.0, deadline - time.monotonic()))).not_done)
-        me.rounds.collect(me.step, min_age_steps=0)
+        me.rounds.collect(me.inner_step, min_age_steps=0)
         logger.info("downloads before the first step: %.2f s, fragments at versions %s%s", time.monotonic() - t1,
                     [s.version for s in me.slots], f"; {len(pending)} still running" if pending else "")
 
@@ -296,18 +296,18 @@ class SwarmView:
                 seen.pop(0)
             tokens_per_s = max(0.0, (seen[-1][1] - seen[0][1]) / max(1e-6, seen[-1][0] - seen[0][0]))
             sent, received = me.rounds.bytes_total()
-            if me.training and me.step >= me.start_step + CLOCK_SKIP_STEPS:
-                stepped.append((now, me.step))
+            if me.training and me.inner_step >= me.start_step + CLOCK_SKIP_STEPS:
+                stepped.append((now, me.inner_step))
                 while len(stepped) > 2 and now - stepped[1][0] >= STEP_TIME_WINDOW_S:
                     stepped.pop(0)
             step_time_s = recent_step_time_s(stepped, STEP_TIME_WINDOW_S, CLOCK_WARMUP_STEPS) if me.training else 0.0
             slots = me.slots
-            publisher.update(inner_step=me.step, tokens=me.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
+            publisher.update(inner_step=me.inner_step, tokens=me.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
                              fragment_versions=tuple(s.version for s in slots),
                              anchor_hashes=tuple(s.anchor_hash for s in slots),
                              consensus_distance=tuple(s.consensus_distance for s in slots),
                              last_sync_time=me.rounds.last_sync_time, bytes_sent=sent,
-                             bytes_received=received, loss=me._finite_loss())
+                             bytes_received=received, loss=me.latest_loss())
             record = publisher.record
             # ... and once our step time is first measured (the clock leader derives the period from it)
             key = (*published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training), step_time_s > 0)
@@ -333,7 +333,7 @@ class SwarmView:
         if published is not None and published.newer_than(self.clock):
             if self.clock is None or published.period_s != self.clock.period_s:
                 logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
-            self.clock = published.after(self.clock, self.learner._dht_time())
+            self.clock = published.after(self.clock, self.learner.dht_time())
 
     def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
         """(status thread, after a probe adopted the newest published sync clock) If we are the clock leader (smallest peer
@@ -352,7 +352,7 @@ class SwarmView:
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s))
-        now, wall = me._dht_time(), time.monotonic()
+        now, wall = me.dht_time(), time.monotonic()
         clock = self.clock
         settled = retune_allowed(clock, wall - self._clock_retuned_at, len(times), self._clock_learners)
         if period is not None and settled and needs_retune(clock, period):
@@ -360,7 +360,7 @@ class SwarmView:
             self._clock_retuned_at, self._clock_learners = wall, len(times)
             logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
                         "%.1f", period, h, period / h, len(times), clock.origin)
-            me._event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))
+            me.log_event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))
         elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
             return
         self.clock = clock  # the leader runs on its retuned clock even if this publish is refused (republished next period)
@@ -405,7 +405,7 @@ class SwarmView:
                 return
             time.sleep(START_BARRIER_POLL_S)
         key = f"{me.local.run_id}_start_barrier"
-        now = me._dht_time()
+        now = me.dht_time()
         dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
         while True:
             proposals = {p: float(v) for p, v in owned_values(dht.get(key, latest=True)).items()
@@ -416,7 +416,7 @@ class SwarmView:
             if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start"):
                 return
             time.sleep(START_BARRIER_POLL_S)
-        wait_s = start - me._dht_time()
+        wait_s = start - me.dht_time()
         logger.info("%d learners ready; starting together in %.2f s", n, wait_s)
         if wait_s > 0:
             stop.wait(wait_s)

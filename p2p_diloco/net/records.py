@@ -421,7 +421,7 @@ class LocalRun:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LocalRun":
-        from p2p_diloco import __version__
+        from p2p_diloco.core.version import VERSION as __version__
         from p2p_diloco.core.config import PROTOCOL_VERSION
         from p2p_diloco.core.identity import config_hash
 

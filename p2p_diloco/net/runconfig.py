@@ -58,7 +58,7 @@ def config_text(cfg: Config) -> str:
 
 def config_record(cfg: Config, peer_id: str, now: float) -> RunConfigRecord:
     """Our config record for ``cfg`` (pure)."""
-    from p2p_diloco import __version__
+    from p2p_diloco.core.version import VERSION as __version__
     from p2p_diloco.core.config import PROTOCOL_VERSION
 
     return RunConfigRecord(run_id=cfg.run.run_id, config_hash=config_hash(cfg), protocol_version=PROTOCOL_VERSION,
@@ -197,6 +197,26 @@ def fetch_config(dht: Any, run: RunInfo, overrides: Sequence[str] = ()) -> tuple
 
     entries, _rejected = read_entries(dht, (config_key(run.run_id),), RunConfigRecord.from_wire)
     return config_from_records(entries, run, get_dht_time(), overrides)
+
+
+def lookup_config(opts: Any, run_id: str | None = None, overrides: Sequence[str] = ()) -> tuple[Config, RunInfo]:
+    """The verified config of the run in the DHT that ``opts`` (a :class:`~p2p_diloco.net.membership.SwarmOptions`)
+    reach: a short client-mode look-up with a fresh key on any port reads the run index, picks the run
+    (:func:`~p2p_diloco.net.runs.pick_run`, or ``run_id``) and fetches its config (:func:`fetch_config`). Errors are
+    one line (``ValueError``)."""
+    from p2p_diloco.hivemind_ext.procguard import stop_process
+    from p2p_diloco.net.membership import start_dht
+    from p2p_diloco.net.runs import pick_run
+
+    opts = replace(opts, client_mode=True, identity=None, check_identity_free=False, port=0, announce=())
+    dht = start_dht(opts, None)
+    try:
+        runs, _rejected = read_runs(dht)
+        run = pick_run(runs, run_id)
+        cfg, _record = fetch_config(dht, run, overrides)
+    finally:
+        stop_process(dht, "DHT process")
+    return cfg, run
 
 
 # ---------------------------------------------------------------- publishing
