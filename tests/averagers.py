@@ -20,7 +20,7 @@ def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapp
     """``providers``: per peer, the state it serves to downloads (None: it shares none)."""
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.averaging.host import FragmentAveragerHost
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
     from p2p_diloco.net.membership import SwarmOptions, start_dht, visible_addresses
 
     dhts: list[Any] = []

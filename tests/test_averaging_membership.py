@@ -84,7 +84,7 @@ def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -
 def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveragerHost, FragmentAveragerHost, FragmentAveragerHost]]:
     """A (member, state donor, checks membership), B (has the swarm key, publishes no record), C (member)."""
     from p2p_diloco.net.addresses import parse_initial_peers
-    from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key, write_swarm_key
+    from p2p_diloco.net.keys import load_or_create_identity, read_swarm_key, write_swarm_key
     from p2p_diloco.net.records import LocalRun, PeerRecord
     from p2p_diloco.net.membership import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
 

@@ -16,7 +16,7 @@ from p2p_diloco.net.keptport import port_file, remember_port, remembered_port, w
 
 
 def _opts(identity_path: Path) -> SwarmOptions:
-    from p2p_diloco.net.identity import Identity
+    from p2p_diloco.net.keys import Identity
 
     return SwarmOptions(identity=Identity(identity_path, "QmX", "ed25519", b"\0" * 32))
 

@@ -29,7 +29,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from p2p_diloco.core.codecs import (
     BLOCK_SIZE, CODEC_NAMES, ErrorFeedback, allreduce_error_bound, bits_per_element, error_bound, local_roundtrip,
 )
-from p2p_diloco.hivemind_ext.codecs import (
+from p2p_diloco.hivemind_ext.compression import (
     BlockwiseAbsmaxQuantization, get_codec, roundtrip, simulate_allreduce, simulate_allreduce_per_peer,
 )
 

@@ -39,7 +39,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 
 from p2p_diloco.core.codecs import allreduce_error_bound
-from p2p_diloco.hivemind_ext.codecs import get_codec, simulate_allreduce, simulate_allreduce_per_peer
+from p2p_diloco.hivemind_ext.compression import get_codec, simulate_allreduce, simulate_allreduce_per_peer
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,7 @@
 reads back to the same object, and old or unknown records still read.
 
 The expected key sets are written out from the emit sites (``rounds.py``, ``loop.py``, ``view.py``,
-``checkpointer.py``) as they were when the events were untyped dicts, so a renamed or dropped key fails here.
+``checkpoint.py``) as they were when the events were untyped dicts, so a renamed or dropped key fails here.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from p2p_diloco.averaging.host import FetchedState
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state, state_payload
 from p2p_diloco.core.codecs import CODEC_NAMES
-from p2p_diloco.hivemind_ext.codecs import decode_part, get_codec, roundtrip
+from p2p_diloco.hivemind_ext.compression import decode_part, get_codec, roundtrip
 from p2p_diloco.net.records import INDEX_KEYS, MAX_INT, STATES, IndexEntry, PeerRecord, peer_schemas, run_keys
 from p2p_diloco.core.rejects import PeerDataError, Reason
 

@@ -24,7 +24,7 @@ from p2p_diloco.hivemind_ext import (
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 180.0  # a fresh interpreter importing hivemind's averager on a busy machine
 GUARDED = (  # every module that overrides or reads hivemind private names, in import order
-    "p2p_diloco.hivemind_ext.codecs",
+    "p2p_diloco.hivemind_ext.compression",
     "p2p_diloco.hivemind_ext.logfilters",
     "p2p_diloco.hivemind_ext.dial",
     "p2p_diloco.averaging.runner",

@@ -19,7 +19,7 @@ sys.path.insert(0, {root!r})
 from p2p_diloco.hivemind_ext.lazyimports import DeferredModule, defer_unused_imports
 deferred = defer_unused_imports() if {defer!r} else []
 again = defer_unused_imports() if {defer!r} else []
-import p2p_diloco.learner.loop, p2p_diloco.cli.membership, p2p_diloco.hivemind_ext.codecs  # everything a learner imports
+import p2p_diloco.learner.loop, p2p_diloco.cli.members, p2p_diloco.hivemind_ext.compression  # everything a learner imports
 loaded_at_import = "scipy.optimize._optimize" in sys.modules
 from hivemind.averaging.load_balancing import load_balance_peers
 even = load_balance_peers(1000, [None] * 3)  # what our averagers ask: no bandwidths, no linprog

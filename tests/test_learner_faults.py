@@ -23,7 +23,7 @@ from averagers import averaging_swarm, run_round
 from p2p_diloco.averaging.host import Contribution
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.decisions import RoundMeta
-from p2p_diloco.hivemind_ext.codecs import error_bound
+from p2p_diloco.hivemind_ext.compression import error_bound
 from p2p_diloco.core.config import load_config
 from p2p_diloco.core.identity import config_hash
 

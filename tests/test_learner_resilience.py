@@ -94,7 +94,7 @@ def test_kill_mid_allreduce_survivors_discard_then_go_on(tmp_path: Path) -> None
 
 def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> None:
     from p2p_diloco.averaging.decisions import donor_order
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
 
     profile = write_profile(tmp_path, "paced")
     ids = {n: load_or_create_identity(tmp_path / f"{n}.id").peer_id for n in ("e0", "e1", "late")}

@@ -34,7 +34,7 @@ from hivemind.proto import averaging_pb2
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import load_config
-from p2p_diloco.hivemind_ext.codecs import get_codec
+from p2p_diloco.hivemind_ext.compression import get_codec
 
 pytestmark = pytest.mark.integration
 

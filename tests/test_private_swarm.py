@@ -121,7 +121,7 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.averaging.host import FragmentAveragerHost
     from p2p_diloco.averaging.transfer import state_payload
-    from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key, write_swarm_key
+    from p2p_diloco.net.keys import load_or_create_identity, read_swarm_key, write_swarm_key
     from p2p_diloco.net.records import LocalRun, PeerRecord
     from p2p_diloco.net.membership import Membership, RecordPublisher, SwarmOptions, start_dht, visible_addresses
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from averagers import averaging_swarm
 
-from p2p_diloco.hivemind_ext import codecs as compression
+from p2p_diloco.hivemind_ext import compression
 from p2p_diloco.core import data, outer
 from p2p_diloco.sim import simulator as sim
 from p2p_diloco.core.config import ConfigError, load_config

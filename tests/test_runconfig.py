@@ -293,7 +293,7 @@ def test_status_lists_other_runs_and_an_empty_dht() -> None:
 
 
 def test_bootstrap_prints_a_join_command_that_works_when_pasted() -> None:
-    from p2p_diloco.cli.membership import join_instructions
+    from p2p_diloco.cli.members import join_instructions
 
     peers = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQ6Zc23k8dddq4G2yn3dL546juChnAjDXrbZH89Q1ZH6h"
     lines = join_instructions(peers, " --swarm-key swarm.secret", "configs/tiny.toml", ["outer.lr=0.5"])

@@ -46,7 +46,7 @@ def test_incompatible_member_refused_and_forged_records_rejected(tmp_path: Path)
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
     from p2p_diloco.net.membership import owner_subkey
     from p2p_diloco.net.records import PeerRecord, record_shard, run_key
     from p2p_diloco.core.config import load_config
@@ -150,7 +150,7 @@ def test_private_swarms_do_not_mix(tmp_path: Path) -> None:
 
 
 def test_unreachable_initial_peers_fail_in_bounded_time(tmp_path: Path) -> None:
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
 
     pid = load_or_create_identity(tmp_path / "ghost.id").peer_id
     dead = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{pid}" for port in (1, 9)]

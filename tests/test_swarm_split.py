@@ -23,7 +23,7 @@ MERGE_DEADLINE_S = 20.0
 def test_split_detected_and_healed_then_membership(tmp_path: Path, write_rsa_identity: Any) -> None:
     """b has an RSA identity (made before Ed25519), a and c Ed25519 ones: one swarm, both kinds of records."""
     from p2p_diloco.net.addresses import parse_initial_peers
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
     from p2p_diloco.net.records import LocalRun, PeerRecord
     from p2p_diloco.net.membership import (
         Membership, RecordPublisher, SwarmOptions, read_swarm, start_dht, visible_addresses,

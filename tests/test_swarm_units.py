@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from p2p_diloco.net.addresses import parse_initial_peers
-from p2p_diloco.net.identity import load_or_create_identity, peer_id_from_public_key
+from p2p_diloco.net.keys import load_or_create_identity, peer_id_from_public_key
 
 if TYPE_CHECKING:
     from p2p_diloco.net.membership import RecordPublisher
@@ -88,7 +88,7 @@ def test_peer_id_from_public_key_matches_libp2p(tmp_path: Path, write_rsa_identi
 
 
 def test_swarm_key_file(tmp_path: Path) -> None:
-    from p2p_diloco.net.identity import read_swarm_key, swarm_key_fingerprint, write_swarm_key
+    from p2p_diloco.net.keys import read_swarm_key, swarm_key_fingerprint, write_swarm_key
 
     path = tmp_path / "swarm.secret"
     fingerprint = write_swarm_key(path)

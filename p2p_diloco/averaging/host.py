@@ -42,7 +42,7 @@ from p2p_diloco.core import faults, outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import procguard
-from p2p_diloco.hivemind_ext.codecs import get_codec
+from p2p_diloco.hivemind_ext.compression import get_codec
 from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from p2p_diloco.core import faults, outer
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
 from p2p_diloco.hivemind_ext import require_hivemind
-from p2p_diloco.hivemind_ext.codecs import decode_part
+from p2p_diloco.hivemind_ext.compression import decode_part
 
 require_hivemind(__name__)  # overrides DecentralizedAverager's private methods, reads its private state
 

@@ -34,7 +34,7 @@ from p2p_diloco.averaging.decisions import HIVEMIND_FRAMING_BYTES, completeness_
 from p2p_diloco.core import faults, outer
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection
 from p2p_diloco.hivemind_ext import require_hivemind
-from p2p_diloco.hivemind_ext.codecs import decode_part
+from p2p_diloco.hivemind_ext.compression import decode_part
 
 require_hivemind(__name__)  # overrides AllReduceRunner's private methods and TensorPartReducer's internals
 

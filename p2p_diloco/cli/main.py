@@ -110,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the full result (with the eval-loss curve) as JSON")
     p.set_defaults(handler=cmd_sim)
 
-    from p2p_diloco.cli import local, membership  # stdlib-only at import: --help stays fast
+    from p2p_diloco.cli import local, members  # stdlib-only at import: --help stays fast
 
-    membership.add_parsers(sub)
+    members.add_parsers(sub)
     learner_cli.add_parsers(sub)
     local.add_parsers(sub)
 

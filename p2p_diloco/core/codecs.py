@@ -11,7 +11,7 @@ This module holds what is pure maths: the blockwise quantizer and its buffer lay
 (:class:`BlockwiseAbsmax`), wire sizes, the error bounds and error feedback. It imports torch and
 numpy only, so the simulator's maths and the bounds are usable without a network stack. How these
 codecs are plugged into hivemind's compression slots (and why ours replace hivemind's 8-bit ones)
-is :mod:`p2p_diloco.hivemind_ext.codecs`.
+is :mod:`p2p_diloco.hivemind_ext.compression`.
 
 **Block layout.** Elements are quantized in blocks of ``BLOCK_SIZE`` consecutive elements of the
 flattened tensor (the last block may be short), with one float32 scale ``s = absmax(block) / q``
@@ -124,7 +124,7 @@ class BlockwiseAbsmax:
         """Bytes per value, scales included, rounded *up* to a power of two.
 
         Pessimistic on purpose: hivemind sizes its parts from it, and a power of two makes every part
-        start on the block grid of the whole tensor (see :mod:`p2p_diloco.hivemind_ext.codecs`).
+        start on the block grid of the whole tensor (see :mod:`p2p_diloco.hivemind_ext.compression`).
         """
         bytes_per_value = self.bits / 8 + SCALE_BYTES / self.block_size
         return 2.0 ** math.ceil(math.log2(bytes_per_value))
@@ -252,7 +252,7 @@ _QUANTIZERS: Final[dict[str, BlockwiseAbsmax]] = {
 def local_roundtrip(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """What the codec ``name`` turns ``tensor`` into, computed here without hivemind.
 
-    Bit for bit what :func:`p2p_diloco.hivemind_ext.codecs.roundtrip` (compress, then decode through
+    Bit for bit what :func:`p2p_diloco.hivemind_ext.compression.roundtrip` (compress, then decode through
     hivemind's registry) returns -- tests pin it: fp32 is hivemind's ``NoCompression`` (a copy), fp16
     its ``Float16Compression`` (clamp to the fp16 range, cast to half and back; bfloat16 refused, as
     hivemind refuses it), int8/int4 our :class:`BlockwiseAbsmax`.

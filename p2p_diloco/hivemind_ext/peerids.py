@@ -3,10 +3,10 @@
 hivemind 1.1.12 computes the peer id of an identity file in one place we reach: ``P2P.is_identity_taken``
 (``check_if_identity_free``, the check that no other live peer uses our key file) calls
 ``PeerID.from_identity``, which parses the key as RSA DER and fails on an Ed25519 file, the kind
-:mod:`p2p_diloco.net.identity` makes. :func:`install` wraps it: an Ed25519 file gets its libp2p peer id
+:mod:`p2p_diloco.net.keys` makes. :func:`install` wraps it: an Ed25519 file gets its libp2p peer id
 (the public key as an identity multihash, :func:`peer_id_from_ed25519`), every other file goes to hivemind's own
 code. Idempotent; the version is checked when it patches. The two key functions here are pure libp2p rules,
-used by :mod:`p2p_diloco.net.identity` too.
+used by :mod:`p2p_diloco.net.keys` too.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from p2p_diloco.core import data, events, faults
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.inner import build_optimizer, schedule_step, train_step
 from p2p_diloco.core.model import build_model
-from p2p_diloco.learner import checkpointer, priority
-from p2p_diloco.learner.checkpointer import Checkpointer
+from p2p_diloco.learner import checkpoint, priority
+from p2p_diloco.learner.checkpoint import Checkpointer
 from p2p_diloco.learner.engine import DiLoCo
 from p2p_diloco.learner.options import LearnerOptions, Profile, load_splits
 from p2p_diloco.learner.summary import evaluate_weights, final_summary
@@ -134,17 +134,17 @@ class Learner:
         self.diloco.log_event(event)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """:func:`~p2p_diloco.learner.checkpointer.checkpoint_state` of this learner."""
-        return checkpointer.checkpoint_state(self)
+        """:func:`~p2p_diloco.learner.checkpoint.checkpoint_state` of this learner."""
+        return checkpoint.checkpoint_state(self)
 
     def _model_digest(self) -> str:
-        return checkpointer.model_digest(self.params)
+        return checkpoint.model_digest(self.params)
 
     def restore(self, ckpt: Any) -> str:
-        """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpointer.restore`); the anchors
+        """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpoint.restore`); the anchors
         are advertised to downloaders only once verified, and the data stream goes on with fresh batches,
         not the ones the first run already saw. Returns the restored weights' digest."""
-        digest = checkpointer.restore(self, ckpt, anchor_hash)
+        digest = checkpoint.restore(self, ckpt, anchor_hash)
         self.diloco.rounds.advertise()
         self.resumed_from_step = self.step
         self._stream_seed = self._data_seed(self.step)

@@ -155,7 +155,7 @@ def _swarm_options(initial_peers: Iterable[str], swarm_key: bytes | str | Path |
         check_port_free(host, port)
     if not join_timeout_s > 0:
         raise ValueError(f"join_timeout_s: must be > 0, got {join_timeout_s}")
-    from p2p_diloco.net.identity import load_or_create_identity, read_swarm_key
+    from p2p_diloco.net.keys import load_or_create_identity, read_swarm_key
     from p2p_diloco.net.membership import SwarmOptions
 
     key = swarm_key if isinstance(swarm_key, bytes) or swarm_key is None else read_swarm_key(swarm_key)

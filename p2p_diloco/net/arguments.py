@@ -33,11 +33,11 @@ def swarm_options(args: argparse.Namespace, *, client_mode: bool, default_identi
         raise ValueError("--announce needs a fixed --port (the announced port must be the one we listen on)")
     if port != 0:
         check_port_free(host, port)  # libp2p would share a taken port silently (SO_REUSEPORT)
-    from p2p_diloco.net.identity import read_swarm_key
+    from p2p_diloco.net.keys import read_swarm_key
 
     swarm_key = read_swarm_key(args.swarm_key) if args.swarm_key else None  # before an identity file is created
     light_hivemind_import()
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
     from p2p_diloco.net.membership import SwarmOptions
 
     identity_path = getattr(args, "identity", None) or default_identity

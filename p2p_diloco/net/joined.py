@@ -184,7 +184,7 @@ def ephemeral_identity(opts: "SwarmOptions") -> "SwarmOptions":
     import dataclasses
     import tempfile
 
-    from p2p_diloco.net.identity import load_or_create_identity
+    from p2p_diloco.net.keys import load_or_create_identity
 
     folder = Path(tempfile.mkdtemp(prefix="p2p-diloco-id-"))  # mode 0700
     identity = load_or_create_identity(folder / "identity.key")

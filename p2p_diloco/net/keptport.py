@@ -1,6 +1,6 @@
 """The port a bootstrap listens on, kept beside its identity file, so that its whole address survives a restart.
 
-The identity file keeps the peer id (:mod:`p2p_diloco.net.identity`); an address others pasted,
+The identity file keeps the peer id (:mod:`p2p_diloco.net.keys`); an address others pasted,
 ``/ip4/HOST/tcp/PORT/p2p/PEER_ID``, also needs the port. A bootstrap started without ``--port`` writes the port
 it got into ``<identity file>.port`` (one line) and listens there again at its next start; if something else
 took it meanwhile, a WARNING and any free port (a new address, printed as usual). Imports no hivemind.

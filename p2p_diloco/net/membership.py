@@ -39,7 +39,7 @@ from p2p_diloco.hivemind_ext import peerids, procguard
 from p2p_diloco.hivemind_ext.peerids import peer_id_from_ed25519
 from p2p_diloco.net.addresses import PeerAddress, host_multiaddr
 from p2p_diloco.net.authorizer import MAX_DHT_CLOCK_SKEW_S, SwarmKeyAuthorizer
-from p2p_diloco.net.identity import (
+from p2p_diloco.net.keys import (
     Identity,
     peer_id_from_public_key,
 )

@@ -6,7 +6,7 @@ under that subkey that the marker's key did not sign: nobody can write in anothe
 750 bytes on every signed entry -- more than most entries themselves (a commit verdict is "ok"). Every read
 of a key returns every entry under it from every node asked, so those bytes were most of the control plane.
 
-Identities made since are Ed25519 (:mod:`p2p_diloco.net.identity`): the marker ``[ed25519:<public key,
+Identities made since are Ed25519 (:mod:`p2p_diloco.net.keys`): the marker ``[ed25519:<public key,
 base64>]`` is 54 bytes and the signature ``[ed25519-sig:<base64>]`` 102. The libp2p peer id of an Ed25519
 key is the key itself (an identity multihash), so a marker names its owner's peer id with no lookup, as an
 RSA marker does. Every node runs both validators, so peers with RSA identities made before keep working in

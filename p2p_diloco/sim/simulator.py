@@ -6,7 +6,7 @@ state machine (:class:`~p2p_diloco.sync.fragment.FragmentSync`: hand off with th
 apply a round, rebase onto a newer anchor), over an in-process transport. A round of fragment f
 is the weighted all-reduce of the pseudo-gradients of whichever learners are alive and delivered,
 reproduced by
-:func:`p2p_diloco.hivemind_ext.codecs.simulate_allreduce` (each tensor through the codec as hivemind's
+:func:`p2p_diloco.hivemind_ext.compression.simulate_allreduce` (each tensor through the codec as hivemind's
 butterfly all-reduce would send it). It is how we measure what quality to expect from the
 network and how tests pin the maths.
 
@@ -52,7 +52,7 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.core.devices import load_into
 from p2p_diloco.core.inner import CPU, InnerOptimizer, build_optimizer, train_step
 from p2p_diloco.core.model import build_model
-from p2p_diloco.hivemind_ext import codecs as compression
+from p2p_diloco.hivemind_ext import compression
 from p2p_diloco.sync.fragment import BUSY, DROPPED, FragmentSync, Offer
 from p2p_diloco.sync.slot import FragmentSlot
 

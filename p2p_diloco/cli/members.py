@@ -1,4 +1,4 @@
-"""`bootstrap`, `heartbeat` and `keygen`."""
+"""`bootstrap`, `heartbeat` and `keygen`: the commands of members that do not train (and the swarm secret)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     run_id = cfg.run.run_id
     opts = swarm_options(args, client_mode=False, default_identity=DEFAULT_BOOTSTRAP_IDENTITY)
-    from p2p_diloco.net.identity import swarm_key_fingerprint
+    from p2p_diloco.net.keys import swarm_key_fingerprint
     from p2p_diloco.net.keptport import remember_port, with_kept_port
 
     keep_port = opts.port == 0 and opts.identity is not None  # no --port: the one of our last start, if still free
@@ -170,7 +170,7 @@ def cmd_heartbeat(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     if args.identity:
-        from p2p_diloco.net.identity import load_or_create_identity
+        from p2p_diloco.net.keys import load_or_create_identity
 
         if Path(args.identity).expanduser().exists():
             raise ValueError(f"{args.identity} already exists; it is a peer identity and stays (delete it to make a new one)")
@@ -181,7 +181,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
         identity = load_or_create_identity(args.identity)
         out(f"wrote identity {identity.path} (mode 0600); peer id {identity.peer_id}")
         return 0
-    from p2p_diloco.net.identity import write_swarm_key
+    from p2p_diloco.net.keys import write_swarm_key
 
     fingerprint = write_swarm_key(args.out)
     out(f"wrote swarm key {args.out} (mode 0600, fingerprint {fingerprint})")
