@@ -75,7 +75,10 @@ def check_start(model: torch.nn.Module, cfg: Config) -> None:
         raise ValueError(f"model: its parameters are not the run's model ({len(ours)} vs {len(start)}; e.g. "
                          f"{odd[:3]}): build it with p2p_diloco.build_model(config)")
     for name, p in ours.items():
-        if p.shape != start[name].shape or not torch.equal(p.detach().to("cpu", torch.float32), start[name].detach()):
+        if p.shape != start[name].shape:
+            raise ValueError(f"model: parameter {name} has shape {tuple(p.shape)}, the run's model "
+                             f"{tuple(start[name].shape)}: build it with p2p_diloco.build_model(config)")
+        if not torch.equal(p.detach().to("cpu", torch.float32), start[name].detach()):
             raise ValueError(f"model: parameter {name} is not the run's seeded start (every peer begins from the same "
                              f"weights): build the model with p2p_diloco.build_model(config), before any step")
 
