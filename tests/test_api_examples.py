@@ -9,6 +9,7 @@ fragment versions and bit-identical anchors after rounds that committed, and its
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,26 @@ def test_both_examples_and_two_cli_learners_share_one_model(tmp_path: Path) -> N
         rounds = [e for e in events(tmp_path / f"{n}.jsonl") if e["event"] == "round" and e["outcome"] == "committed"]
         for u in users:
             assert any(finals[u]["peer_id"] in e["peers"] for e in rounds), f"{n} never averaged with {u}"
+
+
+BOOTSTRAP_AND_JOIN = """
+import json, sys
+from p2p_diloco import Swarm, load_config
+with Swarm.bootstrap(load_config(sys.argv[1]), name="first") as first:
+    with Swarm.join(first.addresses, name="second") as second:  # no config: fetched from the DHT, verified
+        seen = {"second": second.name, "config_hash": second.local.config_hash, "first_hash": first.local.config_hash}
+    seen["left"] = second.closed
+print("result " + json.dumps(seen), flush=True)
+"""
+
+
+def test_swarm_bootstrap_then_a_member_that_fetches_the_runs_config(tmp_path: Path) -> None:
+    script = tmp_path / "bootstrap_and_join.py"
+    script.write_text(BOOTSTRAP_AND_JOIN)
+    with ProcGroup(tmp_path) as procs:
+        proc = procs.start([sys.executable, str(script), str(REPO / "configs" / "llama-tiny.toml")], name="api")
+        seen = json.loads(proc.wait_for(r"^result (\{.*\})$", timeout_s=120).group(1))
+        assert proc.wait_exit(30) == 0, proc.output()
+    assert seen["second"] == "second" and seen["left"] is True
+    assert seen["config_hash"] == seen["first_hash"], seen
+    assert "joined run llama-tiny as second" in proc.output() and "1 other live peers" in proc.output()
