@@ -9,6 +9,10 @@ A benchmark writes into its folder (``results/<bench>`` by default, ``--out`` to
   again from the committed JSON without running anything.
 - ``<name>.png``: the figure, drawn in one style (:data:`STYLE`); ``--replot`` redraws it from the JSON.
 
+A run names the code it ran (:func:`code_identity`, :func:`short_commit`): results outlive the checkout they came
+from. What a script starts and reads besides lives in sibling modules of one concept each: ``_swarm.py`` (a local
+swarm and its learners' events), ``_tally.py`` (RPC bytes by purpose), ``_machine.py`` (memory, CPU and load).
+
 Scripts in ``scripts/`` import this module as a sibling (``python scripts/x.py`` puts ``scripts/`` on
 ``sys.path``); scripts in ``scripts/wan/`` and below reach it through a shim of the same name in their own folder
 (``scripts/wan/_bench.py``), which loads this file in its place.
@@ -17,7 +21,9 @@ Scripts in ``scripts/`` import this module as a sibling (``python scripts/x.py``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import logging
 import re
 import subprocess
 from collections.abc import Callable, Iterator
@@ -25,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("bench")
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository: paths in results are relative to it."""
@@ -213,3 +221,43 @@ def git_revision(timeout_s: float) -> tuple[str, list[str]]:
     status = subprocess.run([*git, "status", "--porcelain", "--", "p2p_diloco"], capture_output=True, text=True,
                             check=True, timeout=timeout_s).stdout
     return commit, [line[3:] for line in status.splitlines()]
+
+
+def sources_digest() -> str:
+    """A digest of the ``p2p_diloco`` sources a run's processes import (they run from this repository's folder)."""
+    h = hashlib.sha256()
+    package = ROOT / "p2p_diloco"
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def code_identity(label: str | None, timeout_s: float) -> dict[str, Any]:
+    """Which code a run used: ``label`` (given), the git commit and the ``p2p_diloco`` files changed from it (when
+    the repository is a git checkout, asked within ``timeout_s``), and the sources' digest."""
+    ident: dict[str, Any] = {"label": label, "commit": None, "changed": [], "sources_sha256": sources_digest()}
+    try:
+        ident["commit"], ident["changed"] = git_revision(timeout_s)
+    except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired):  # no git, not a checkout
+        log.info("no git checkout at %s: the code is named by its label and digest only", ROOT)
+    return ident
+
+
+def code_line(code: dict[str, Any]) -> str:
+    """:func:`code_identity`'s answer in a few words, for a page."""
+    parts = [code["label"]] if code.get("label") else []
+    if code.get("commit"):
+        changed = code.get("changed", [])
+        parts.append(f"commit {code['commit']}" + (f" with {len(changed)} changed files in p2p_diloco/ "
+                                                   f"({', '.join(changed)})" if changed else ""))
+    parts.append(f"sources digest {code['sources_sha256']}")
+    return "; ".join(parts)
+
+
+def short_commit(timeout_s: float) -> str | None:
+    """The checkout's commit (short), with "+changes" if ``p2p_diloco`` differs from it; None outside git."""
+    try:
+        head, changed = git_revision(timeout_s)
+    except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None
+    return head + ("+changes" if changed else "")

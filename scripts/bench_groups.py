@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import _bench
+from _swarm import Swarm, events_of, steps_of
 
-from p2p_diloco.core.events import Event, RoundEvent, read_events
-from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm, cli_argv
+from p2p_diloco.core.events import RoundEvent
+from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, cli_argv
 
 BENCH = _bench.Bench("groups", "groups", "Past one group: grid groups against one group, on real learners",
                      "scripts/bench_groups.py", __doc__.split("\n\n", 1)[1].split("\n    python")[0])
@@ -51,6 +52,8 @@ STATUS_TIMEOUT_S = 60.0
 PROGRESS_PERIOD_S = 30.0
 ATTEMPT_GAP_S = 2.0
 """Members of one round attempt start it within this many seconds of each other (the matchmaking window)."""
+GIT_TIMEOUT_S = 10.0
+"""Seconds a git command may take (naming the code a run used)."""
 
 
 def arm_overrides(arm: str, group_size: int) -> list[str]:
@@ -63,16 +66,6 @@ def common_overrides(seconds: float, step_s: float, period_s: float) -> list[str
     """What both arms run with; the LR's cosine spans the steps the pacing allows in ``seconds``."""
     return ["outer.codec=fp32", "outer.fragments=1", "averaging.schedule=clock", f"averaging.sync_period_s={period_s}",
             f"averaging.window_max_s={min(10.0, period_s / 2)}", f"inner.total_steps={int(seconds / step_s)}"]
-
-
-def steps_of(events: Path) -> int:
-    """The last inner step a learner's events file names (0 without any)."""
-    return max((e.step for e in events_of(events)), default=0)
-
-
-def events_of(path: Path) -> list[Event]:
-    """A learner's events (none if it never opened its ``--events`` file)."""
-    return read_events(path) if path.exists() else []
 
 
 def run_arm(arm: str, args: Any, logs: Path) -> dict[str, Any]:
@@ -94,7 +87,7 @@ def run_arm(arm: str, args: Any, logs: Path) -> dict[str, Any]:
                 str(logs / f"{name}.jsonl"), "--checkpoint-dir", str(logs / "ckpt" / name)]
 
     t0 = time.monotonic()
-    with LocalSwarm(logs) as swarm:
+    with Swarm(logs) as swarm:
         peers = swarm.start_bootstrap("--config", args.config, *sets)
         launched = time.monotonic()
         deadline = launched + args.seconds
@@ -198,19 +191,6 @@ def analyse(swarm: dict[str, Any], logs: Path, group_size: int) -> dict[str, Any
     }
 
 
-GIT_TIMEOUT_S = 10.0
-"""Seconds a git command may take (naming the code a run used)."""
-
-
-def git_commit() -> str | None:
-    """The checkout's commit (short), with "+changes" if ``p2p_diloco`` differs from it; None outside git."""
-    try:
-        head, changed = _bench.git_revision(GIT_TIMEOUT_S)
-    except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        return None
-    return head + ("+changes" if changed else "")
-
-
 def markdown(payload: dict[str, Any]) -> str:
     a = payload["arms"]
     grid, one = a["grid"]["analysis"], a["one group"]["analysis"]
@@ -292,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"config": args.config, "overrides": args.overrides, "learners": args.learners,
                "group_size": args.group_size, "seconds": args.seconds, "step_s": args.step_s, "period": args.period,
                "kill": args.kill, "restart_after": args.restart_after, "quick": args.quick, "arms": arms,
-               "commit": git_commit()}
+               "commit": _bench.short_commit(GIT_TIMEOUT_S)}
     _bench.publish(BENCH, args.out, payload, markdown, plot)
     return 0
 

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import _bench
+from _swarm import events_of
 
-from p2p_diloco.core.events import RoundEvent, read_events
+from p2p_diloco.core.events import RoundEvent
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, START_TIMEOUT_S, LocalSwarm
 
 FINISH_SLACK_S = 300.0
@@ -73,7 +74,7 @@ def _report_progress(names: list[str], logs: Path, elapsed_s: float, seconds: fl
     parts = []
     for name in names:
         path = logs / f"{name}.jsonl"
-        events = read_events(path) if path.exists() else []  # none before the learner opens it
+        events = events_of(path)  # none before the learner opens it
         rounds = [e for e in events if isinstance(e, RoundEvent)]
         committed = sum(e.committed for e in rounds)
         step = events[-1].step if events else 0

@@ -43,8 +43,10 @@ from typing import Any, Callable
 from unittest import mock
 
 import _bench
+import _machine
 import torch
 import torch.nn.functional as F
+from bench_overhead_page import TARGET, markdown, plot
 
 from p2p_diloco.averaging.host import Contribution, RoundOutcome
 from p2p_diloco.core import data, outer
@@ -63,8 +65,6 @@ COMMON = ["inner.batch_size=8", "inner.total_steps=1000", "inner.warmup_steps=10
           "outer.fragments=2", "averaging.schedule=steps"]
 """Both sizes: batch 8; a fragment due every 5 steps (H = 10, 2 fragments), so handing off and applying rounds
 is part of what the learner arm pays for."""
-TARGET = 0.95
-"""The acceptance bar (issue 19): learner steps/s >= 0.95 x the plain loop's."""
 BENCH = _bench.Bench("overhead", "overhead", "Learner overhead against a plain PyTorch loop", "scripts/bench_overhead.py", """\
 Both arms train the same Hugging Face Llama (3.5M parameters: hidden 256, 4 layers, vocabulary 256, context 128,
 batch 8; `configs/llama-tiny.toml` with overrides) from the same initial weights, on the same precomputed batches,
@@ -220,52 +220,6 @@ def measure(cfg: Config, device: torch.device, threads: int, blocks: int, steps:
     }
 
 
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def markdown(payload: dict[str, Any]) -> str:
-    m = payload["model"]
-    lines = [f"Learner overhead ({m['description']}, {m['parameters'] / 1e6:.2f}M parameters, batch {m['batch']} x "
-             f"{m['block_size']} tokens, {payload['precision']}, {payload['device']}; {payload['blocks']} alternating blocks "
-             f"of {payload['steps_per_block']} steps per arm; load average {payload['load_average_start'][0]:.2f} at the "
-             f"start, {payload['load_average_end'][0]:.2f} at the end, {payload['cpus']} CPUs):", "",
-             "| torch threads | plain loop (steps/s, median) | learner (steps/s, median) | ratio of the medians | "
-             "learner / plain (median of paired blocks) |",
-             "|---|---|---|---|---|"]
-    for r in payload["results"]:
-        lines.append(f"| {r['threads']} | {r['plain_median']:.3f} | {r['learner_median']:.3f} | "
-                     f"{r['ratio_of_medians']:.3f} | **{r['ratio']:.3f}** |")
-    verdict = "meets" if all(r["ratio"] >= TARGET for r in payload["results"]) else "does NOT meet"
-    lines += ["", f"The learner {verdict} the bar of {TARGET:.2f} x the plain loop's steps/s at every thread count."]
-    return "\n".join(lines) + "\n"
-
-
-def plot(payload: dict[str, Any], path: Path) -> None:
-    with _bench.figure(path, 1, (6.5, 4)) as (ax,):
-        _plot_arms(payload, ax)
-
-
-def _plot_arms(payload: dict[str, Any], ax: Any) -> None:
-    results = payload["results"]
-    width = 0.38
-    for k, (arm, color) in enumerate((("plain", "#888888"), ("learner", "#1f77b4"))):
-        xs = [i + (k - 0.5) * width for i in range(len(results))]
-        ax.bar(xs, [r[f"{arm}_median"] for r in results], width, color=color, alpha=0.8,
-               label="plain PyTorch loop" if arm == "plain" else "learner (train_once)")
-        for x, r in zip(xs, results):
-            blocks = r[f"{arm}_steps_per_s"]
-            ax.scatter([x] * len(blocks), blocks, s=8, color="black", zorder=3)
-    for i, r in enumerate(results):
-        top = max(r["plain_median"], r["learner_median"])
-        ax.text(i, top * 1.04, f"{r['ratio']:.3f}x", ha="center")
-    ax.set_xticks(range(len(results)), [f"{r['threads']} thread{'s' * (r['threads'] > 1)}" for r in results])
-    ax.set_ylabel("inner steps / s (bars: medians; dots: blocks)")
-    ax.set_title(f"Learner vs plain loop: {payload['model']['description']}, {payload['precision']}")
-    ax.legend(loc="upper left")
-    ax.set_ylim(0, max(max(r["plain_median"], r["learner_median"]) for r in results) * 1.25)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = _bench.parser(__doc__, BENCH, quick="a tiny Llama, few blocks: checks the pipeline, not the numbers")
     p.add_argument("--threads", type=int, nargs="+", default=None, help="torch thread counts (default: 1 2)")
@@ -297,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_overhead: {model['description']} ({model['parameters'] / 1e6:.2f}M), threads {threads}, {blocks} "
           f"blocks x {steps} steps per arm, {args.precision} on {device}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    start_load = load_average()
+    start_load = _machine.load_average()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         for n in threads:
@@ -309,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "device": str(device), "precision": args.precision, "model": model,
         "blocks": blocks, "steps_per_block": steps, "target_ratio": TARGET, "results": results,
         "ratio_min": min(r["ratio"] for r in results), "load_average_start": start_load,
-        "load_average_end": load_average(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "load_average_end": _machine.load_average(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "machine": platform.machine(), "wall_s": round(time.monotonic() - t0, 1),
         "command": "python scripts/bench_overhead.py" + (" --quick" if args.quick else ""),
     }

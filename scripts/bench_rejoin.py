@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import _bench
+from _swarm import events_of
 
-from p2p_diloco.core.events import Event, FirstContributionEvent, ResyncEvent, RoundEvent, read_events
+from p2p_diloco.core.events import FirstContributionEvent, ResyncEvent, RoundEvent
 from p2p_diloco.core.waiting import WaitTimeout, poll_until
 from p2p_diloco.local.launcher import LocalSwarm
 
@@ -39,11 +40,6 @@ from its process start: when it had joined the DHT, its fragment downloads (outc
 first round committed -- its first contribution. The target: within 15 s.""")
 
 
-def events_so_far(path: Path) -> list[Event]:
-    """A learner's events up to now (none before it has opened its ``--events`` file)."""
-    return read_events(path) if path.exists() else []
-
-
 def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict[str, Any]]:
     with LocalSwarm(logs) as swarm:
         peers = swarm.start_bootstrap("--config", config)
@@ -52,7 +48,7 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             first_learner = swarm.start(f"l{i}", ["join", *common, "--name", f"l{i}", "--shard", str(i), "--wait-peers", str(learners),
                                   "--steps", "100000", "--max-time", "900", "--events", str(logs / f"l{i}.jsonl")])
         def every_fragment_committed() -> bool:
-            done = {e.fragment for e in events_so_far(logs / "l0.jsonl") if isinstance(e, RoundEvent) and e.committed}
+            done = {e.fragment for e in events_of(logs / "l0.jsonl") if isinstance(e, RoundEvent) and e.committed}
             m = first_learner.find(r"(\d+) fragments, codec")
             return m is not None and len(done) >= int(m.group(1))
 
@@ -70,7 +66,7 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             t_joined = time.monotonic() - t0
             def first_contribution(child: Any = child, name: str = name,
                                    events: Path = events) -> FirstContributionEvent | None:
-                found = [e for e in events_so_far(events) if isinstance(e, FirstContributionEvent)]
+                found = [e for e in events_of(events) if isinstance(e, FirstContributionEvent)]
                 if not found and not child.alive:
                     raise WaitTimeout(f"{name}'s first contribution (it exited)", 0.0)
                 return found[0] if found else None
@@ -80,7 +76,7 @@ def measure(config: str, learners: int, newcomers: int, logs: Path) -> list[dict
             except WaitTimeout as e:  # recorded as "none" in the results: what this benchmark measures
                 print(f"{name}: {e}", flush=True)
                 first = None
-            resyncs = [e for e in events_so_far(events) if isinstance(e, ResyncEvent)]
+            resyncs = [e for e in events_of(events) if isinstance(e, ResyncEvent)]
             result = {"newcomer": name, "joined_s": round(t_joined, 2),
                       "first_contribution_s": first.seconds_since_start if first else None,
                       "downloads": [{"fragment": e.fragment, "outcome": e.outcome, "donors_tried": e.donors_tried,

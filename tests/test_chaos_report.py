@@ -1,7 +1,9 @@
-"""``scripts/chaos.py``'s pure parts: the seeded schedule, goodput, stalls, reason grouping (no processes)."""
+"""``scripts/chaos.py``'s pure parts: goodput, stalls, reason grouping, the page (no processes). The schedule and
+its driver: ``tests/test_local_chaos.py``."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -9,42 +11,10 @@ import pytest
 
 from scripts_loader import load_script
 
-chaos = load_script("chaos.py", "chaos_script")
-NAMES = ["l0", "l1", "l2", "l3"]
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_schedule_is_seeded_one_at_a_time_and_quiet_at_the_edges(seed: int) -> None:
-    actions = chaos.make_schedule(seed, 600.0, NAMES)
-    assert actions == chaos.make_schedule(seed, 600.0, NAMES)
-    assert len(actions) >= 6
-    for a in actions:
-        assert a.at_s >= 45.0 and a.end_s <= 600.0 - 60.0
-        assert a.victim in NAMES and a.kind in ("kill", "stop")
-        lo, hi = (10.0, 30.0) if a.kind == "stop" else (15.0, 45.0)
-        assert lo <= a.down_s <= hi
-    for a, b in zip(actions, actions[1:]):
-        assert b.at_s >= a.end_s + 20.0  # never two learners down or stopped at once
-        assert b.victim != a.victim
-    kills = sum(a.kind == "kill" for a in actions)
-    assert abs(kills - (len(actions) - kills)) <= 1
-    chaos.check_schedule(actions, 600.0, 45.0, 60.0)
-
-
-def test_schedules_differ_between_seeds_and_the_quick_one_fits() -> None:
-    assert chaos.make_schedule(1, 600.0, NAMES) != chaos.make_schedule(2, 600.0, NAMES)
-    q = chaos.QUICK_SCHEDULE
-    quick = chaos.make_schedule(0, 90.0, NAMES[:3], q.every_s, q.jitter_s, q.stop_s, q.down_s, q.quiet_start_s,
-                                q.quiet_end_s, q.settle_s)
-    assert quick
-    chaos.check_schedule(quick, 90.0, q.quiet_start_s, q.quiet_end_s)
-
-
-def test_check_schedule_rejects_overlap() -> None:
-    a = chaos.ChaosAction(60.0, "l0", "kill", 30.0)
-    b = chaos.ChaosAction(80.0, "l1", "stop", 10.0)
-    with pytest.raises(ValueError, match="overlap"):
-        chaos.check_schedule([a, b], 600.0, 45.0, 60.0)
+chaos = load_script("chaos.py", "chaos_script")  # puts scripts/ on sys.path: its sibling modules import by name
+analysis = importlib.import_module("chaos_analysis")
+goodput = importlib.import_module("chaos_goodput")
+record = importlib.import_module("chaos_record")
 
 
 def test_reasons_group_once_ids_and_numbers_are_masked() -> None:
@@ -56,14 +26,14 @@ def test_reasons_group_once_ids_and_numbers_are_masked() -> None:
         {"outcome": "discarded", "reason": "version mismatch: a member is at v3, we are at v4"},
         {"outcome": "committed", "reason": "ok"},
     ]
-    assert chaos.failed_reasons(rounds) == [
+    assert analysis.failed_reasons(rounds) == [
         ("member <peer> reported: AllreduceException: partial all-reduce: N of N elements not averaged "
          "(a reducer failed)", 2),
         ("version mismatch: a member is at vN, we are at vN", 1),
     ]
-    assert chaos.normalise_reason("anchor mismatch at v2: 294557ffa1b6fffb vs ours e79e0aceb7005fee") == \
+    assert analysis.normalise_reason("anchor mismatch at v2: 294557ffa1b6fffb vs ours e79e0aceb7005fee") == \
         "anchor mismatch at vN: <hash> vs ours <hash>"
-    assert chaos.normalise_reason("P2PDaemonError from QmVTdVdsYwZniit1hWYVQE43Xohu6JWmmC3CsTMKgrM7bB") == \
+    assert analysis.normalise_reason("P2PDaemonError from QmVTdVdsYwZniit1hWYVQE43Xohu6JWmmC3CsTMKgrM7bB") == \
         "P2PDaemonError from <peer>"
 
 
@@ -79,7 +49,7 @@ def test_goodput_counts_committed_tokens_averaged_over_fragments() -> None:
         {"learner": "l1", "key": "l1.0", "rounds": [_round(0, 300), _round(1, 500), _round(0, 200, "discarded")]},
         {"learner": "l1", "key": "l1.1", "rounds": [_round(0, 400), _round(1, 200)]},
     ]
-    g = chaos.goodput(incs, {"l0": 10.0, "l1": 10.0}, 100.0, fragments=2)
+    g = goodput.goodput(incs, {"l0": 10.0, "l1": 10.0}, 100.0, fragments=2)
     assert g is not None
     assert g["per_learner"]["l0"]["goodput"] == pytest.approx(1.0)
     assert g["per_learner"]["l1"]["committed_tokens"] == 700  # (300 + 400 + 500 + 200) / 2
@@ -89,9 +59,9 @@ def test_goodput_counts_committed_tokens_averaged_over_fragments() -> None:
 
 def test_goodput_is_unknown_without_tokens_sent_or_a_rate() -> None:
     incs = [{"learner": "l0", "key": "l0.0", "rounds": [_round(0, None)]}]
-    assert chaos.goodput(incs, {"l0": 10.0}, 100.0, fragments=1) is None
+    assert goodput.goodput(incs, {"l0": 10.0}, 100.0, fragments=1) is None
     incs = [{"learner": "l0", "key": "l0.0", "rounds": [_round(0, 5)]}]
-    assert chaos.goodput(incs, {}, 100.0, fragments=1) is None
+    assert goodput.goodput(incs, {}, 100.0, fragments=1) is None
 
 
 def test_stall_leaves_out_a_stall_that_may_be_the_stop() -> None:
@@ -101,22 +71,22 @@ def test_stall_leaves_out_a_stall_that_may_be_the_stop() -> None:
         {"key": "l2.0", "final": {"max_stall_s": 0.9}, "stops": [[200.0, 220.0]]},  # stopped mid-step: stall is real
         {"key": "l3.0", "final": None, "stops": []},  # killed
     ]
-    s = chaos.survivor_stall(incs)
+    s = analysis.survivor_stall(incs)
     assert (s["survivors_max_s"], s["survivors_max_at"]) == (0.9, "l2.0")
     assert (s["overall_max_s"], s["overall_max_at"]) == (12.0, "l1.0")
     assert s["excluded"] == ["l1.0"]
-    assert chaos.survivor_stall([{"key": "l0.0", "final": {"steps": 3}, "stops": []}])["survivors_max_s"] is None
+    assert analysis.survivor_stall([{"key": "l0.0", "final": {"steps": 3}, "stops": []}])["survivors_max_s"] is None
 
 
 def test_steps_sum_incarnations_and_eval_uses_the_most_advanced_anchors() -> None:
     incs = [{"learner": "l0", "key": "l0.0", "final": None, "max_step": 120},
             {"learner": "l0", "key": "l0.1", "final": {"steps": 300}, "max_step": 290},
             {"learner": "l1", "key": "l1.0", "final": {"steps": 450}, "max_step": 440}]
-    assert chaos.steps_per_learner(incs) == {"l0": 420, "l1": 450}
+    assert analysis.steps_per_learner(incs) == {"l0": 420, "l1": 450}
     finals = [{"versions": [5, 5], "eval_loss_end": 1.80}, {"versions": [5, 5], "eval_loss_end": 1.80},
               {"versions": [4, 5], "eval_loss_end": 1.95}]
-    assert chaos.final_model_eval(finals) == pytest.approx(1.80)
-    assert chaos.final_model_eval([]) is None
+    assert analysis.final_model_eval(finals) == pytest.approx(1.80)
+    assert analysis.final_model_eval([]) is None
 
 
 def _final(name: str, tokens: int, stall: float, eval_loss: float = 1.8) -> dict[str, Any]:
@@ -167,9 +137,9 @@ def test_resumed_incarnation_counts_its_steps_from_the_checkpoint(tmp_path: Path
     first = {"learner": "l1", "final": None, "max_step": 130}  # killed at step 130, last checkpoint at 120
     resumed = {"learner": "l1", "final": {"steps": 300}, "max_step": 300, "resumed_from_step": 120}
     afresh = {"learner": "l2", "final": {"steps": 90}, "max_step": 90, "resumed_from_step": None}
-    assert chaos.incarnation_steps(resumed) == 180
-    assert chaos.incarnation_steps(afresh) == 90
-    assert chaos.steps_per_learner([first, resumed, afresh]) == {"l1": 310, "l2": 90}
+    assert analysis.incarnation_steps(resumed) == 180
+    assert analysis.incarnation_steps(afresh) == 90
+    assert analysis.steps_per_learner([first, resumed, afresh]) == {"l1": 310, "l2": 90}
 
     class Child:  # what the harness keeps of a learner's stdout (launcher.Child.find)
         def __init__(self, lines: list[str]) -> None:
@@ -179,13 +149,13 @@ def test_resumed_incarnation_counts_its_steps_from_the_checkpoint(tmp_path: Path
             return next((m for m in map(pattern.search, self.lines) if m), None)
 
     resumed = Child(["faults armed: none", "resumed from /tmp/x/ckpt-l1/ckpt-00000120: step 120, model ab12, v [3]"])
-    assert chaos._resumed_step(resumed) == 120
-    assert chaos._resumed_step(Child(["learner l1: shard 1/4"])) is None
+    assert record.resumed_step(resumed) == 120
+    assert record.resumed_step(Child(["learner l1: shard 1/4"])) is None
 
 
 def test_learner_time_goodput_is_the_time_spent_training_times_the_work_share() -> None:
-    assert chaos.learner_time_goodput(0.89, 0.96) == pytest.approx(0.8544)
-    assert chaos.learner_time_goodput(None, 0.96) is None and chaos.learner_time_goodput(0.89, None) is None
+    assert goodput.learner_time_goodput(0.89, 0.96) == pytest.approx(0.8544)
+    assert goodput.learner_time_goodput(None, 0.96) is None and goodput.learner_time_goodput(0.89, None) is None
 
 
 def test_time_away_splits_down_start_up_and_stops_inside_the_window() -> None:
@@ -197,12 +167,12 @@ def test_time_away_splits_down_start_up_and_stops_inside_the_window() -> None:
         # killed near the end, restarted, never trained again before the window closed
         {"learner": "l1", "key": "l1.1", "spawned_s": 560.0, "up_s": None, "ended_s": 610.0, "stops": []},
     ]
-    t = chaos.time_away(incs, window_s=600.0, learners=2)
+    t = goodput.time_away(incs, window_s=600.0, learners=2)
     assert t["down_s"] == pytest.approx(30.0 + 60.0)  # 100 -> 130, 500 -> 560
     assert t["startup_s"] == pytest.approx(20.0 + 40.0)  # 130 -> 150, 560 -> the window's end
     assert t["stopped_s"] == pytest.approx(10.0 + 20.0 + 5.0)
     assert t["allocated_s"] == 1200.0 and t["ceiling"] == pytest.approx(1 - 185.0 / 1200.0)
-    assert chaos.time_away([], window_s=600.0, learners=0)["ceiling"] is None
+    assert goodput.time_away([], window_s=600.0, learners=0)["ceiling"] is None
 
 
 def test_anchors_are_compared_among_the_incarnations_that_finished_together() -> None:
@@ -218,9 +188,9 @@ def test_anchors_are_compared_among_the_incarnations_that_finished_together() ->
         {"learner": "l3", "key": "l3.0", "end": "killed", "ended_s": 440.0, "final": None},
         {"learner": "l4", "key": "l4.0", "end": "crashed", "ended_s": 40.0, "exit_code": 1, "final": None},
     ]
-    endings = chaos.incarnation_endings(incs)
+    endings = analysis.incarnation_endings(incs)
     finals = {i["key"]: i["final"] for i in incs if i["final"]}
-    end = chaos.end_state(finals, endings)
+    end = analysis.end_state(finals, endings)
     assert end["identical"] is True and end["together"] == ["l0.0", "l1.1"]
     assert end["excluded"] == {
         "l1.0": "killed (kill -9) at 100 s, restarted as l1.1",
@@ -228,10 +198,10 @@ def test_anchors_are_compared_among_the_incarnations_that_finished_together() ->
         "l3.0": "killed (kill -9) at 440 s, not restarted",
         "l4.0": "exited without a final summary (code 1)"}
     old = [{k: v for k, v in i.items() if k != "final_s"} for i in incs]  # records before final_s: ended_s
-    assert chaos.end_state(finals, chaos.incarnation_endings(old))["together"] == ["l0.0", "l1.1"]
+    assert analysis.end_state(finals, analysis.incarnation_endings(old))["together"] == ["l0.0", "l1.1"]
     finals["l1.1"] = {"anchor_hashes": ["a", "c"]}
-    assert chaos.end_state(finals, endings)["identical"] is False
-    assert chaos.end_state({}, [])["identical"] is None
+    assert analysis.end_state(finals, endings)["identical"] is False
+    assert analysis.end_state({}, [])["identical"] is None
 
 
 def test_time_away_counts_a_learner_gone_before_the_windows_end() -> None:
@@ -241,6 +211,6 @@ def test_time_away_counts_a_learner_gone_before_the_windows_end() -> None:
         {"learner": "l2", "key": "l2.0", "spawned_s": -20.0, "up_s": 0.0, "ended_s": 100.0, "stops": []},
         {"learner": "l2", "key": "l2.1", "spawned_s": 130.0, "up_s": 150.0, "ended_s": 640.0, "stops": []},
     ]
-    t = chaos.time_away(incs, window_s=600.0, learners=3)
+    t = goodput.time_away(incs, window_s=600.0, learners=3)
     assert t["gone_s"] == pytest.approx(60.0) and t["down_s"] == pytest.approx(30.0)
     assert t["ceiling"] == pytest.approx(1 - (60.0 + 30.0 + 20.0) / 1800.0)

@@ -15,7 +15,10 @@ from scripts_loader import load_script
 
 netns = load_script("wan/netns.py", "netns")
 dp_gloo = load_script("wan/dp_gloo.py", "dp_gloo")
-bench_wan = load_script("wan/bench_wan.py", "bench_wan")
+# scripts/wan/bench_wan.py's plan, figures and page: the sibling modules it imports
+wan_params = load_script("wan/wan_params.py", "wan_params")
+wan_metrics = load_script("wan/wan_metrics.py", "wan_metrics")
+wan_page = load_script("wan/wan_page.py", "wan_page")
 
 
 # ---------------------------------------------------------------- names and addresses
@@ -148,39 +151,39 @@ def test_dp_stop_eval_and_target() -> None:
 
 
 def test_bench_budget_is_checked_up_front() -> None:
-    p = bench_wan.BenchParams(rates_mbit=(10.0,), methods=("dp",), dp_max_time_s=60)
-    slack = bench_wan.START_SLACK_S + bench_wan.FINISH_SLACK_S
-    once = bench_wan.START_SLACK_S + 2 * p.compute_steps + slack + bench_wan.TRAJECTORY_STEP_S * p.trajectory_steps
-    assert bench_wan.worst_case_s(p) == pytest.approx(once + 60 + slack)
-    assert bench_wan.worst_case_s(dataclasses.replace(p, merge=True)) == pytest.approx(60 + slack)
+    p = wan_params.BenchParams(rates_mbit=(10.0,), methods=("dp",), dp_max_time_s=60)
+    slack = wan_params.START_SLACK_S + wan_params.FINISH_SLACK_S
+    once = wan_params.START_SLACK_S + 2 * p.compute_steps + slack + wan_params.TRAJECTORY_STEP_S * p.trajectory_steps
+    assert wan_params.worst_case_s(p) == pytest.approx(once + 60 + slack)
+    assert wan_params.worst_case_s(dataclasses.replace(p, merge=True)) == pytest.approx(60 + slack)
     with pytest.raises(ValueError, match="exceeds the budget"):
-        bench_wan.BenchParams(rates_mbit=(2.0, 10.0))  # two rates with every method
+        wan_params.BenchParams(rates_mbit=(2.0, 10.0))  # two rates with every method
     with pytest.raises(ValueError, match="methods must be"):
-        bench_wan.BenchParams(rates_mbit=(10.0,), methods=("ring",))
+        wan_params.BenchParams(rates_mbit=(10.0,), methods=("ring",))
     with pytest.raises(ValueError, match="rate_mbit"):
-        bench_wan.BenchParams(rates_mbit=(0.0,), methods=("dp",))
+        wan_params.BenchParams(rates_mbit=(0.0,), methods=("dp",))
     with pytest.raises(ValueError, match="trajectory_steps >= 1"):
-        bench_wan.BenchParams(methods=("dp",), trajectory_steps=0)
+        wan_params.BenchParams(methods=("dp",), trajectory_steps=0)
 
 
 def test_one_rate_with_every_method_fits_in_30_minutes_once_the_reference_runs_are_done() -> None:
-    assert bench_wan.worst_case_s(bench_wan.BenchParams(merge=True)) <= 30 * 60
-    assert bench_wan.worst_case_s(bench_wan.BenchParams(methods=("dp",))) <= 30 * 60
+    assert wan_params.worst_case_s(wan_params.BenchParams(merge=True)) <= 30 * 60
+    assert wan_params.worst_case_s(wan_params.BenchParams(methods=("dp",))) <= 30 * 60
 
 
 def test_trajectory_steps_and_tokens_to_target() -> None:
     pts = [(0.0, 5.0), (10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
-    t = bench_wan.trajectory_summary([{"step": s, "tokens": s * 8192, "eval_loss": loss} for s, loss in pts], 2.5)
+    t = wan_metrics.trajectory_summary([{"step": s, "tokens": s * 8192, "eval_loss": loss} for s, loss in pts], 2.5)
     assert t["steps_to_target"] == pytest.approx(15.0) and t["tokens_to_target"] == pytest.approx(15 * 8192)
-    assert bench_wan.trajectory_summary([{"step": 0, "tokens": 0, "eval_loss": 5.0}], 2.5)["steps_to_target"] is None
+    assert wan_metrics.trajectory_summary([{"step": 0, "tokens": 0, "eval_loss": 5.0}], 2.5)["steps_to_target"] is None
 
 
 def test_merge_only_comparable_runs_and_keep_rates_sorted() -> None:
-    p = bench_wan.BenchParams(rates_mbit=(2.0,), merge=True)
-    old_params = dataclasses.asdict(bench_wan.BenchParams(merge=True))
-    bench_wan.merge_check(json.loads(json.dumps(old_params)), p)  # tuples come back from JSON as lists
+    p = wan_params.BenchParams(rates_mbit=(2.0,), merge=True)
+    old_params = dataclasses.asdict(wan_params.BenchParams(merge=True))
+    wan_params.merge_check(json.loads(json.dumps(old_params)), p)  # tuples come back from JSON as lists
     with pytest.raises(ValueError, match="max_time_s differs"):
-        bench_wan.merge_check({**old_params, "max_time_s": 60.0}, p)
+        wan_params.merge_check({**old_params, "max_time_s": 60.0}, p)
     dp = {"median_step_s": 6.0, "tokens_per_s": 1.0, "time_to_target_s": 600.0, "wire_bytes_per_token": 400.0}
     ours = {"median_step_s": 1.5, "tokens_per_s": 4.0, "time_to_target_s": 200.0, "wire_bytes_per_token": 1.0}
     old = {"params": old_params, "started": "t0", "compute_only": {"median_step_s": 1.5},
@@ -188,7 +191,7 @@ def test_merge_only_comparable_runs_and_keep_rates_sorted() -> None:
                      "200": {"rate_mbit": 200.0, "methods": {}, "speedups": {}}}}
     new = {"started": "t1", "rates": {"2": {"rate_mbit": 2.0, "methods": {}, "speedups": {}},
                                       "10": {"rate_mbit": 10.0, "methods": {"decoupled": ours}, "speedups": {}}}}
-    merged = bench_wan.merge_results(old, new)
+    merged = wan_metrics.merge_results(old, new)
     assert list(merged["rates"]) == ["2", "10", "200"]
     ten = merged["rates"]["10"]
     assert set(ten["methods"]) == {"dp", "decoupled"}  # a method measured later joins the rate's others
@@ -200,12 +203,12 @@ def test_merge_only_comparable_runs_and_keep_rates_sorted() -> None:
 
 
 def test_blocking_diloco_needs_every_peer_and_no_overlap() -> None:
-    sets = dict(s.split("=") for s in bench_wan.method_overrides("blocking", 4))
+    sets = dict(s.split("=") for s in wan_params.method_overrides("blocking", 4))
     assert sets["outer.overlap"] == "0" and sets["outer.fragments"] == "1" and float(sets["outer.alpha"]) == 0.0
     assert sets["averaging.min_group_size"] == sets["averaging.target_group_size"] == "4"
-    assert bench_wan.method_overrides("decoupled", 4) == []
+    assert wan_params.method_overrides("decoupled", 4) == []
     with pytest.raises(ValueError):
-        bench_wan.method_overrides("dp", 4)
+        wan_params.method_overrides("dp", 4)
 
 
 def _rank(rank: int, step_s: float) -> dict[str, Any]:
@@ -213,13 +216,13 @@ def _rank(rank: int, step_s: float) -> dict[str, Any]:
             "final_eval_loss": 2.9, "curve": []}
 
 
-TRAJECTORY = bench_wan.trajectory_summary(
+TRAJECTORY = wan_metrics.trajectory_summary(
     [{"step": 0, "tokens": 0, "eval_loss": 5.3}, {"step": 100, "tokens": 100 * 8192, "eval_loss": 2.5},
      {"step": 200, "tokens": 200 * 8192, "eval_loss": 1.9}], target=2.2)
 
 
 def test_dp_and_learner_metrics_and_speedups() -> None:
-    dp = bench_wan.dp_metrics([_rank(0, 5.0), _rank(1, 5.5), _rank(2, 5.0)], [1000, 2000, 3000],
+    dp = wan_metrics.dp_metrics([_rank(0, 5.0), _rank(1, 5.5), _rank(2, 5.0)], [1000, 2000, 3000],
                               compute_step_s=0.5, trajectory=TRAJECTORY)
     assert dp["median_step_s"] == 5.0 and dp["utilization"] == pytest.approx(0.1)
     assert TRAJECTORY["steps_to_target"] == pytest.approx(150.0)
@@ -229,29 +232,29 @@ def test_dp_and_learner_metrics_and_speedups() -> None:
                "committed": [3, 4], "discarded": [1, 0], "anchor_hashes": ["a", "b"], "bytes_sent": 10}
               for _ in range(4)]
     evals = [{"event": "eval", "train_s": 100.0, "eval_loss": 2.6}, {"event": "eval", "train_s": 200.0, "eval_loss": 2.0}]
-    lr = bench_wan.learner_metrics(finals, [10, 20, 30, 40], evals, TRAJECTORY)
+    lr = wan_metrics.learner_metrics(finals, [10, 20, 30, 40], evals, TRAJECTORY)
     assert lr["tokens"] == 4 * 150 * 2048 and lr["median_step_s"] == pytest.approx(500 / 150)
     assert lr["time_to_target_s"] == pytest.approx(100 + 100 * 0.4 / 0.6)
     assert lr["dp_eval_loss_at_tokens"] == pytest.approx(2.2) and lr["vs_dp_at_tokens"] == pytest.approx(2.0 / 2.2 - 1)
     assert lr["anchors_identical"] and lr["committed"] == [7] * 4
     # no evaluation at or below the target, and none at the end either: unknown, not the run's length
     late = [{**f, "eval_loss_end": 2.4} for f in finals]
-    assert bench_wan.learner_metrics(late, [0] * 4, evals[:1], TRAJECTORY)["time_to_target_s"] is None
-    sp = bench_wan.speedups({"dp": dp, "decoupled": lr}, compute_step_s=0.5)
+    assert wan_metrics.learner_metrics(late, [0] * 4, evals[:1], TRAJECTORY)["time_to_target_s"] is None
+    sp = wan_metrics.speedups({"dp": dp, "decoupled": lr}, compute_step_s=0.5)
     assert sp["ideal_bound"] == pytest.approx(10.0)
     assert sp["decoupled"]["throughput"] == pytest.approx(lr["tokens_per_s"] / dp["tokens_per_s"])
     assert sp["decoupled"]["time_to_target"] == pytest.approx(750.0 / lr["time_to_target_s"])
     assert sp["decoupled"]["share_of_bound"] == pytest.approx(sp["decoupled"]["time_to_target"] / 10.0)
-    assert bench_wan.speedups({"decoupled": lr}, 0.5) == {}
+    assert wan_metrics.speedups({"decoupled": lr}, 0.5) == {}
 
 
 def test_report_states_the_missing_latency_and_the_projection() -> None:
-    dp = bench_wan.dp_metrics([_rank(0, 5.0)], [1000], compute_step_s=0.5, trajectory=TRAJECTORY)
+    dp = wan_metrics.dp_metrics([_rank(0, 5.0)], [1000], compute_step_s=0.5, trajectory=TRAJECTORY)
     result = {"params": {"hosts": 4, "config": "configs/demo.toml", "steps": 20, "max_time_s": 60.0,
                          "target_loss": 2.2, "eval_every_s": 15.0},
               "compute_only": {"median_step_s": 0.5}, "trajectory": TRAJECTORY,
-              "rates": {"10": {"rate_mbit": 10.0, "methods": {"dp": dp}, "speedups": bench_wan.speedups({"dp": dp}, 0.5)}}}
-    md = bench_wan.render_md(result)
+              "rates": {"10": {"rate_mbit": 10.0, "methods": {"dp": dp}, "speedups": wan_metrics.speedups({"dp": dp}, 0.5)}}}
+    md = wan_page.render_md(result)
     assert "no latency emulation" in md and "projected" in md
     assert "| 10 | dp | 5.000 | 0.16 | 750 (projected) |" in md
 
@@ -317,21 +320,21 @@ def test_check_flags_round_trips_far_from_the_requested_ones_only() -> None:
 
 
 def test_bench_with_latency_relays_the_learners_and_refuses_data_parallel() -> None:
-    p = bench_wan.BenchParams(methods=("blocking", "decoupled"), merge=True, rtt_ms=100, host_rtt_ms=((3, 300.0),))
+    p = wan_params.BenchParams(methods=("blocking", "decoupled"), merge=True, rtt_ms=100, host_rtt_ms=((3, 300.0),))
     assert p.plan(10.0).relayed and netns.pair_rtt_ms(p.plan(10.0), 0, 3) == 300
-    assert bench_wan.relay_endpoints(3) == [(0, bench_wan.BOOT_PORT), (0, bench_wan.LEARNER_PORT),
-                                            (1, bench_wan.LEARNER_PORT), (2, bench_wan.LEARNER_PORT)]
+    assert wan_params.relay_endpoints(3) == [(0, wan_params.BOOT_PORT), (0, wan_params.LEARNER_PORT),
+                                            (1, wan_params.LEARNER_PORT), (2, wan_params.LEARNER_PORT)]
     with pytest.raises(ValueError, match="gloo"):
-        bench_wan.BenchParams(methods=("dp", "decoupled"), merge=True, rtt_ms=100)
+        wan_params.BenchParams(methods=("dp", "decoupled"), merge=True, rtt_ms=100)
     with pytest.raises(ValueError, match="host indices"):
-        bench_wan.BenchParams(methods=("decoupled",), merge=True, host_rtt_ms=((9, 300.0),))
+        wan_params.BenchParams(methods=("decoupled",), merge=True, host_rtt_ms=((9, 300.0),))
     # results written before the round trip existed had none: they merge with a run without one, not with one
-    old = {k: v for k, v in dataclasses.asdict(bench_wan.BenchParams(merge=True)).items()
+    old = {k: v for k, v in dataclasses.asdict(wan_params.BenchParams(merge=True)).items()
            if k not in ("rtt_ms", "host_rtt_ms")}
-    bench_wan.merge_check(old, bench_wan.BenchParams(merge=True))
+    wan_params.merge_check(old, wan_params.BenchParams(merge=True))
     with pytest.raises(ValueError, match="rtt_ms differs"):
-        bench_wan.merge_check(old, p)
+        wan_params.merge_check(old, p)
     same = json.loads(json.dumps(dataclasses.asdict(p)))  # tuples of tuples come back as lists of lists
-    bench_wan.merge_check(same, p)
-    text = bench_wan.latency_text(dataclasses.asdict(p))
+    wan_params.merge_check(same, p)
+    text = wan_page.latency_text(dataclasses.asdict(p))
     assert "100 ms" in text and "host 3 at 300 ms" in text and "no latency" not in text

@@ -101,7 +101,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 return swarm.start(name, argv)
 
             learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]
-            chaos = Chaos(args.chaos, seconds or estimate_s(cfg))
+            chaos = Chaos(args.chaos, seconds or estimate_s(cfg), learners, start_learner, seconds, events)
             view = LiveView(args, cfg, peers, budget_tokens, seconds)
             try:
                 deadline = t0 + (seconds or 24 * 3600) + 120 + FINISH_SLACK_S
@@ -109,7 +109,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                     done = [c for c in swarm.learners() if not c.alive or c.final() is not None]
                     if len(done) == len(swarm.learners()):
                         break
-                    chaos.tick(swarm, learners, start_learner, seconds, events)
+                    chaos.tick()
                     view.update(time.monotonic() - t0, events)
                     stop.wait(VIEW_PERIOD_S)
             finally:
@@ -121,7 +121,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 summary = c.final()
                 if summary is not None:
                     finals[c.name] = summary
-                elif c not in chaos.killed:
+                elif c.name not in chaos.killed:
                     out(f"swarm: {c.name} ended without a final summary (exit {c.popen.poll()}); see {c.log_path}")
                 endings.append(ending(c, t0, chaos))
     finally:

@@ -6,8 +6,9 @@ the swarm live (the ``status`` table and a progress bar to the time budget, or t
 with ``--minutes 0``; plain lines when stdout is not a terminal), and at the end writes a report into
 ``--out``: ``summary.json``, the table it prints, and PNG plots (training loss per peer over time;
 group sizes and weight shares per round). ``--chaos`` kills one learner (kill -9) a third into the run
-and starts it again at half time: it leaves, the others go on, it rejoins by downloading the current
-anchors. Ctrl+C stops every process cleanly (learners leave gracefully) and still writes what there is.
+and starts it again at half time (:mod:`p2p_diloco.local.chaos`, as ``scripts/chaos.py`` does): it
+leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C stops every process
+cleanly (learners leave gracefully) and still writes what there is.
 
 With a time budget (``--minutes``, the default) every learner trains for that long whatever the
 machine's speed: there is no step limit, so no learner leaves early. The report compares the end state
@@ -27,14 +28,15 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from p2p_diloco.core.console import out
 from p2p_diloco.core.events import EvalEvent, RoundEvent, read_events
-from p2p_diloco.local.launcher import Child, LocalSwarm
+from p2p_diloco.local.chaos import Applied, ChaosAction, ChaosDriver, one_kill
+from p2p_diloco.local.launcher import Child
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +81,8 @@ def ending(c: Child, t0: float, chaos: Chaos) -> Ending:
     """How learner ``c`` ended, in seconds since the swarm started."""
     if c.final_at is not None:
         return Ending(c.name, round(c.final_at - t0, 1))
-    if c in chaos.killed:
-        return Ending(c.name, None, f"killed by --chaos (kill -9) at {chaos.killed_at - chaos.t0:.0f} s")
+    if c.name in chaos.killed:
+        return Ending(c.name, None, f"killed by --chaos (kill -9) at {chaos.killed[c.name]:.0f} s")
     return Ending(c.name, None, f"exited without a final summary (exit code {c.popen.poll()})")
 
 
@@ -142,34 +144,49 @@ def estimate_s(cfg: Any) -> float:
 
 
 class Chaos:
-    """``--chaos``: kill -9 the last learner at 1/3 of the run and start it again at 1/2."""
+    """``--chaos``: the last learner killed (kill -9 of its process group) a third into the run and started
+    again at half, as a new learner ``<name>-rejoined`` that downloads the current anchors and rejoins: the
+    schedule :func:`~p2p_diloco.local.chaos.one_kill` on the :class:`~p2p_diloco.local.chaos.ChaosDriver`
+    that ``scripts/chaos.py`` uses too. Each step goes into ``events`` (the report's ``chaos_events``)."""
 
-    def __init__(self, enabled: bool, run_s: float) -> None:
-        self.enabled, self.run_s = enabled, run_s
-        self.killed: list[Child] = []
-        self.killed_at = 0.0
-        """When (``time.monotonic()``) the victim was killed."""
+    def __init__(self, enabled: bool, run_s: float, learners: Sequence[Child], start_learner: Callable[..., Child],
+                 seconds: float | None, events: list[dict[str, Any]]) -> None:
         self.t0 = time.monotonic()
-        self.restarted = False
+        """The schedule's zero: ``run_s`` counts from here."""
+        self.learners, self.start_learner, self.seconds, self.events = list(learners), start_learner, seconds, events
+        self.killed: dict[str, float] = {}
+        """The learners killed, by name, with when (seconds since :attr:`t0`)."""
+        schedule = one_kill(run_s, self.learners[-1].name) if enabled and self.learners else []
+        self.driver = ChaosDriver(schedule, self._victim, self._restart, self._applied)
 
-    def tick(self, swarm: LocalSwarm, learners: list[Child], start_learner: Any, seconds: float | None,
-             events: list[dict[str, Any]]) -> None:
-        if not self.enabled or self.restarted:
-            return
-        elapsed = time.monotonic() - self.t0
-        victim = learners[-1]
-        if not self.killed and elapsed >= self.run_s / 3 and victim.alive:
-            victim.kill()
-            self.killed.append(victim)
-            self.killed_at = time.monotonic()
-            events.append({"t": elapsed, "event": "chaos", "what": f"kill -9 {victim.name}"})
-            out(f"chaos: kill -9 {victim.name} at {elapsed:.0f} s")
-        elif self.killed and elapsed >= self.run_s / 2:
-            left = None if seconds is None else max(10.0, seconds - elapsed)
-            child = start_learner(len(learners) - 1, wait=0, max_time_s=left, suffix="-rejoined")
-            self.restarted = True
-            events.append({"t": elapsed, "event": "chaos", "what": f"restart {child.name}"})
-            out(f"chaos: restarted {child.name} at {elapsed:.0f} s; it downloads the current anchors and rejoins")
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.t0
+
+    def tick(self) -> None:
+        """Apply what is due (called every ``VIEW_PERIOD_S``)."""
+        self.driver.tick(self.elapsed_s())
+
+    def _victim(self, name: str) -> Child:
+        return next(c for c in self.learners if c.name == name)
+
+    def _restart(self, action: ChaosAction) -> Child:
+        left = None if self.seconds is None else max(10.0, self.seconds - self.elapsed_s())
+        index = self.learners.index(self._victim(action.victim))
+        return self.start_learner(index, wait=0, max_time_s=left, suffix="-rejoined")
+
+    def _applied(self, a: Applied) -> None:
+        elapsed = self.elapsed_s()
+        if a.what == "kill":
+            self.killed[a.child.name] = elapsed
+            what = f"kill -9 {a.child.name}"
+            out(f"chaos: kill -9 {a.child.name} at {elapsed:.0f} s")
+        elif a.what == "restart":
+            what = f"restart {a.child.name}"
+            out(f"chaos: restarted {a.child.name} at {elapsed:.0f} s; it downloads the current anchors and rejoins")
+        else:  # "skip": the victim was not training when its kill was due (nothing else is scheduled)
+            what = f"skipped {a.action.kind if a.phase == 'begin' else 'restart'} of {a.action.victim}: {a.why}"
+            out(f"chaos: {what} at {elapsed:.0f} s")
+        self.events.append({"t": elapsed, "event": "chaos", "what": what})
 
 
 class LiveView:
