@@ -172,3 +172,17 @@ def write_rsa_identity() -> Callable[[Path], None]:
         os.chmod(path, 0o600)
 
     return write
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+"""The integration tier: real DHTs, averagers and processes (``pytest tests/integration``)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tiers are on disk: every test under ``tests/integration`` is marked ``integration`` (so ``-m`` selects
+    the same tests), and one marked so anywhere else is refused (it would slow the fast tier down)."""
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+        elif item.get_closest_marker("integration") is not None:
+            raise pytest.UsageError(f"{item.nodeid}: marked integration outside tests/integration (move it there)")

@@ -4,7 +4,7 @@ Shared by the simulator, the data-parallel reference and the networked learner, 
 them train exactly the same way.
 
 :class:`AdamW` does the arithmetic of ``torch.optim.AdamW`` on CPU (its single-tensor path), bit for
-bit (``tests/test_inner.py`` compares them), but without ``torch.optim``'s import of ``torch._dynamo``
+bit (``tests/unit/test_inner.py`` compares them), but without ``torch.optim``'s import of ``torch._dynamo``
 on first use: 1.7 s on an idle machine and 2-4 s on a busy one, on the path from a learner's start
 to its first contribution. On a CUDA device the inner optimizer is torch's fused AdamW instead (there the
 start-up is dominated by CUDA itself, and one fused kernel beats a loop over parameters); the forward pass

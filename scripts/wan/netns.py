@@ -25,7 +25,7 @@ exceptions so that ``finally`` runs); ``python scripts/wan/netns.py --cleanup`` 
 of a run that was killed with SIGKILL, by that prefix only.
 
 The plan (names, addresses, ``tc`` arguments, relay delays, listen arguments) is pure functions over a
-frozen :class:`WanPlan`, tested in ``tests/test_wan_plan.py``; only :class:`Wan` and :func:`cleanup`
+frozen :class:`WanPlan`, tested in ``tests/unit/test_wan_plan.py``; only :class:`Wan` and :func:`cleanup`
 run commands (as root). Only the standard library is imported here.
 
     sudo python scripts/wan/netns.py --check --rate-mbit 10 --rtt-ms 100     # build 2 hosts, measure, tear down

@@ -1,0 +1,130 @@
+"""``p2p-diloco swarm``: the one-command local swarm runs to the end and reports; Ctrl+C stops every
+process it started and still writes the report. Real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import ProcGroup
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
+
+
+def profiles(tmp: Path) -> str:
+    paths = []
+    for name, slowdown in (("quick", 1.0), ("slower", 2.0)):
+        path = tmp / f"{name}.toml"
+        path.write_text(f'name = "{name}"\nslowdown = {slowdown}\nmin_step_s = 0.05\nthreads = 1\n')
+        paths.append(str(path))
+    return ",".join(paths)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
+    """A step budget (--minutes 0); no stored data-parallel curve for tiny.toml: one is computed for the
+    run's tokens after it, cached (not under results/), and the summary has the figure."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(cache)
+        rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, "--set", "inner.total_steps=120",
+                                     "--minutes", "0", "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
+        assert rc == 0, proc.output()
+    report = json.loads((out / "summary.json").read_text())
+    print(f"\nswarm: {wall_s:.0f} s; eval {report['eval_loss_start']:.3f} -> {report['eval_loss_end']:.3f}; "
+          f"rounds {report['rounds_committed']} committed, {report['rounds_discarded']} discarded")
+    assert sorted(report["learners"]) == ["quick-0", "quick-2", "slower-1"]
+    assert report["anchors_identical"] and report["eval_loss_end"] < report["eval_loss_start"] - 0.5
+    assert report["rounds_committed"] >= 6 and report["bytes_saved_vs_dp_fp32"] > 1
+    slow, fast = report["learners"]["slower-1"], report["learners"]["quick-0"]
+    assert slow["steps"] == fast["steps"] == 120  # a step budget: the slower one takes longer
+    assert report["finished_together"] == ["quick-0", "quick-2", "slower-1"] and report["excluded"] == {}
+    ref = report["reference"]
+    assert ref["eval_loss"] is not None and ref["tokens"] == report["tokens"], ref
+    assert ref["reference_tokens"] >= report["tokens"] and ref["computed_s"] > 0, ref
+    assert [p.name for p in (cache / "reference").iterdir()] == [Path(ref["path"]).name]
+    assert "computing one for this run" in proc.output()
+    for png in ("loss.png", "rounds.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "held-out eval loss of the global model" in (out / "summary.md").read_text()
+    assert any(line.startswith("[") and "live" in line for _, line in proc.stdout), proc.output()  # plain view
+
+
+def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(tmp_path / "cache")
+        swarm = procs.cli("swarm", "--peers", "2", "--config", TINY, "--set", "inner.total_steps=100000",
+                          "--profiles", profiles(tmp_path), "--out", str(out), "--plain", name="swarm")
+        swarm.wait_for(r"^\[\s*\d+ s\] 2 live", timeout_s=120)
+        started = descendants(swarm.pid)
+        assert len(started) >= 3 * 2, started  # bootstrap + 2 learners, each with a DHT process and a p2pd
+        t0 = time.monotonic()
+        swarm.send(signal.SIGINT)
+        assert swarm.wait_exit(120) == 130, swarm.output()
+        print(f"\nCtrl+C: the swarm exited {time.monotonic() - t0:.1f} s later; it had {len(started)} processes")
+        left = [pid for pid in started if alive(pid)]
+        assert not left, f"processes left behind: {left}"
+    report = json.loads((out / "summary.json").read_text())
+    assert len(report["learners"]) == 2 and all(f["steps"] > 0 for f in report["learners"].values())
+    assert "interrupted: not computed" in report["reference"]["why"]  # Ctrl+C: no reference computed after it
+
+
+def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
+    """--chaos: kill -9 of the last learner at 1/3 of the run, a new one in its place at 1/2; the new one
+    downloads the current anchors (it is behind on every fragment) and takes part in rounds again. A time
+    budget: every learner trains until the end, far past tiny.toml's 40 steps (no step cap), and the anchors
+    are compared among those that finished together; the killed one is left out, with why."""
+    out = tmp_path / "run"
+    clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
+             "averaging.window_s=1.5")
+    with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(tmp_path / "cache")
+        rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, *clock, "--minutes", "0.75", "--chaos",
+                                     "--profiles", profiles(tmp_path), "--out", str(out), "--plain", timeout_s=300)
+        assert rc == 0, proc.output()
+    report = json.loads((out / "summary.json").read_text())
+    whats = [e["what"] for e in report["chaos_events"]]
+    print(f"\nchaos: {whats}; learners {sorted(report['learners'])}; {wall_s:.0f} s")
+    assert whats == ["kill -9 quick-2", "restart quick-2-rejoined"], whats
+    assert sorted(report["learners"]) == ["quick-0", "quick-2-rejoined", "slower-1"]  # the killed one never reported
+    back = report["learners"]["quick-2-rejoined"]
+    assert min(back["resynced"]) >= 1 and sum(back["committed"]) >= 1, back
+    assert report["anchors_identical"], {n: f["anchor_hashes"] for n, f in report["learners"].items()}
+    assert report["finished_together"] == ["quick-0", "quick-2-rejoined", "slower-1"], report["excluded"]
+    assert report["excluded"]["quick-2"].startswith("killed by --chaos (kill -9) at "), report["excluded"]
+    steps = {n: f["steps"] for n, f in report["learners"].items()}
+    assert min(steps.values()) > 40, steps  # tiny.toml's inner.total_steps no longer ends a timed run
