@@ -157,6 +157,8 @@ class DiLoCo:
         it is, is what our record shows), apply the rounds that came back at least ``outer.overlap`` steps ago,
         download fragments a peer is ahead on, and hand the due fragments off. Never waits for the network
         (unless ``blocking``)."""
+        if self.finished or self.closed:
+            raise RuntimeError("DiLoCo.step after finish() or close(): this engine has left the swarm's rounds")
         if not self.training:
             self.start()
         self.inner_step += 1

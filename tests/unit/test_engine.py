@@ -143,6 +143,8 @@ def test_blocking_options_and_an_engine_used_as_a_context_manager(cfg: Config) -
         before = list(d.versions)
         assert any(s.since_steps > 0 for s in d.slots)
     assert d.finished and d.closed
+    with pytest.raises(RuntimeError, match="after finish"):
+        d.step(tokens=1)
     assert all(s.since_steps == 0 for s in d.slots) and sum(d.versions) > sum(before)
     gen.close()
 
