@@ -11,6 +11,7 @@ import json
 import os
 import random
 import socket
+import sys
 from dataclasses import astuple, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -186,3 +187,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         elif item.get_closest_marker("integration") is not None:
             raise pytest.UsageError(f"{item.nodeid}: marked integration outside tests/integration (move it there)")
+
+
+FUTURE_LOCK_TIMEOUT_S = 30.0
+"""How long the check after a test waits for hivemind's process-wide future lock (held for microseconds)."""
+
+
+@pytest.fixture(autouse=True)
+def hivemind_future_lock_left_free() -> Iterator[None]:
+    """After each test that loaded hivemind: its futures' process-wide lock is free. It is one
+    ``multiprocessing`` lock shared by every process forked from this one; a forked DHT killed while holding
+    it leaves it held, and every later in-process DHT then hangs on its first update -- a failure that showed up
+    tests later, far from its cause. Fail the test that left it held instead."""
+    yield
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is None:
+        return
+    lock = mpfuture.MPFuture._update_lock
+    if not lock.acquire(timeout=FUTURE_LOCK_TIMEOUT_S):
+        pytest.fail("hivemind's process-wide future lock is still held: a process forked from the test process was "
+                    "killed while holding it (kill such processes in a Python of their own)")
+    lock.release()
