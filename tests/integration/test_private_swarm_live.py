@@ -8,8 +8,11 @@ import time
 from types import SimpleNamespace
 import pytest
 from test_private_swarm import CFG, Neighbours, Probe, clock_off_by
+import test_private_swarm
 
 pytestmark = pytest.mark.integration
+swarms = test_private_swarm.swarms
+"""The module-scoped fixture of the two swarms (defined beside their helpers; pytest finds it here by name)."""
 
 
 def test_outsiders_are_refused_at_every_layer_and_the_swarms_never_touch(swarms: SimpleNamespace) -> None:
