@@ -326,7 +326,8 @@ class Owner(Protocol):
     opts: LearnerOptions
     joined: Joined
     local: LocalRun
-    params: dict[str, torch.nn.Parameter]
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]: ...
     opt: InnerOptimizer
     device: torch.device
     @property

@@ -48,7 +48,6 @@ class Learner:
                                           cfg.model.block_size)
         self.device = torch.device(opts.device)  # built on the CPU under the run's seed, then moved
         self.model = build_model(cfg.model, cfg.run.seed).to(self.device)
-        self.params = dict(self.model.named_parameters())
         self.opt = build_optimizer(self.model, cfg.inner, self.device)
         t_engine = time.monotonic()
         self.diloco = DiLoCo(self.model, self.opt, swarm, opts.sync, check_model=False)  # built from the run's seed
@@ -113,6 +112,11 @@ class Learner:
     @property
     def slots(self) -> list[FragmentSlot]:
         return self.diloco.slots
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """The model's parameters by name: the engine's map of them."""
+        return self.diloco.params
 
     @property
     def step(self) -> int:
