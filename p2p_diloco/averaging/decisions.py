@@ -33,7 +33,7 @@ ANCHOR_BITS = 4
 """Group-key bits from the anchor hash: the two sides of a fork rarely (1 in 16) meet."""
 MAX_GROUP_SIZE = 4096
 MAX_DONORS_TRIED = 4
-"""A download's host-side deadline allows this many donors to each take ``state_timeout_s``."""
+"""A download tries at most this many donors (its host-side deadline allows each its derived budget)."""
 MAX_WIRE_INT = 2**63 - 1
 """Largest integer gathered metadata or a state download may carry (msgpack's int64)."""
 MAX_NORMS = 1 << 16

@@ -34,7 +34,14 @@ from p2p_diloco.averaging.decisions import (
     version_group_bits,
     vouch_key,
 )
-from p2p_diloco.averaging.linktime import RoundTimeouts, floor_timeouts
+from p2p_diloco.averaging.linktime import (
+    DownloadTimeouts,
+    LinkEstimate,
+    RoundTimeouts,
+    download_timeouts,
+    estimate_link,
+    floor_timeouts,
+)
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
@@ -144,6 +151,9 @@ class Download:
     fetched: FetchedState | None
     attempts: tuple[tuple[str, str, float], ...]
     duration_s: float
+    bytes_received: int = 0
+    """Wire bytes received from every donor tried (an aborted one's included)."""
+    timeouts: DownloadTimeouts | None = None
 
     @property
     def failures(self) -> list[str]:
@@ -167,6 +177,7 @@ class FragmentAveragerHost:
         quiet_expected_failures()  # before our averager process is forked
         a = cfg.averaging
         self.cfg, self.fragment, self.names, self.dht = cfg, fragment, tuple(names), dht
+        self.state_bytes = 2 * 4 * sum(math.prod(shapes[n]) for n in self.names)  # anchor and momentum in fp32
         self.prefix = averager_prefix(cfg.run.run_id, fragment)
         self.report_subkey = owner_subkey(private_key)  # verdicts are signed: nobody can vote for us
         if owner_peer_id(self.report_subkey) != dht.peer_id.to_base58():
@@ -355,19 +366,22 @@ class FragmentAveragerHost:
             reads += 1
 
     # -- state download
-    def fetch_state(self, ours: tuple[int, str]) -> "Future[Download]":
-        """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order`."""
-        return self._executor.submit(self._fetch, ours)
+    def fetch_state(self, ours: tuple[int, str], link: LinkEstimate | None = None) -> "Future[Download]":
+        """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order`, with deadlines
+        derived from its bytes and ``link`` (:func:`~p2p_diloco.averaging.linktime.download_timeouts`; None: the
+        prior, nothing measured yet)."""
+        return self._executor.submit(self._fetch, ours, link if link is not None else estimate_link([], []))
 
-    def _fetch(self, ours: tuple[int, str]) -> "Download":
-        """Try the donors of :func:`donor_order` in turn, each for at most ``state_timeout_s`` (silent for
-        ``next_chunk_timeout_s`` between chunks: dropped); every payload is size-capped and checked
-        (:func:`parse_state`: shapes, finite values, the anchor hash) before it is returned."""
+    def _fetch(self, ours: tuple[int, str], link: LinkEstimate) -> "Download":
+        """Try the donors of :func:`donor_order` in turn; a donor silent for the derived ``silence_s`` is dropped,
+        one that progresses is never; every payload is size-capped and checked (:func:`parse_state`: shapes,
+        finite values, the anchor hash) before it is returned."""
         a = self.cfg.averaging
         t0 = time.monotonic()
-        deadline_s = (a.state_timeout_s + VOUCH_WAIT_S) * MAX_DONORS_TRIED + a.request_timeout_s
-        fetched, attempts = self.averager.download_state(ours, a.state_timeout_s).result(timeout=deadline_s)
-        return Download(fetched, tuple(attempts), time.monotonic() - t0)
+        timeouts = download_timeouts(self.state_bytes, link, a)
+        deadline_s = timeouts.total_s(MAX_DONORS_TRIED, VOUCH_WAIT_S) + a.request_timeout_s
+        fetched, attempts, received = self.averager.download_state(ours, timeouts).result(timeout=deadline_s)
+        return Download(fetched, tuple(attempts), time.monotonic() - t0, received, timeouts)
 
     def vouch(self, version: int, anchor: str) -> None:
         """Sign, in the DHT, that we hold ``anchor`` at ``version`` (after a commit or a verified rebase): a peer

@@ -33,6 +33,13 @@ From them, ``transfer_s = bytes / throughput + LATENCY_ROUND_TRIPS x rtt`` (:fun
   ``window_min_s`` (hivemind deadlocks when it is not below the matchmaking time);
 * ``matchmaking_slack_s`` = ``JOIN_ROUND_TRIPS x rtt``, added to the host's matchmaking deadline.
 
+A **state download** (:func:`download_timeouts`) moves a fragment's anchor and momentum in fp32 from one donor at a
+time. Its deadlines come from the same estimate: a donor is dropped only when it is silent for
+``DOWNLOAD_SAFETY x`` the expected time of one streamed chunk (``STATE_CHUNK_BYTES``), so a download that progresses,
+however slowly, is never killed; the whole download (every donor tried, each vouched) is bounded by
+``DOWNLOAD_SAFETY x`` its expected transfer per donor tried. At 0.5 Mbit/s a demo fragment's 1.7 MB take 27 s:
+the fixed 15 s per donor this replaced killed every such download, and the retries filled the donors' uplinks.
+
 Today's config values are the floors (a fast link gets exactly them, :func:`floor_timeouts`), and
 ``MAX_TIMEOUT_SCALE`` x them the caps: a dead peer is still noticed within bounded time. Both keep
 ``sender < reducer < allreduce`` (checked at construction: hivemind refuses a reducer timeout that is not
@@ -77,6 +84,12 @@ BACKOFF_BASE = 2.0
 """Each failed round in a row (its group formed) divides the throughput used by this."""
 MAX_BACKOFF_STEPS = 4
 """At most this many halvings (16x): beyond, the caps bind anyway."""
+
+STATE_CHUNK_BYTES = 2**16
+"""The size of one streamed part of a state download (hivemind's ``STREAMING_CHUNK_SIZE_BYTES``)."""
+DOWNLOAD_SAFETY = 4.0
+"""A download's silence bound / the expected time of one chunk, and its budget per donor / the expected transfer: a
+donor's uplink also carries its own rounds (for seconds on a slow link), and a newcomer's estimate is the prior."""
 
 assert ALLREDUCE_SAFETY > SILENCE_SAFETY * REDUCER_OVER_SENDER, "the all-reduce must outlast a reducer's silence"
 
@@ -146,6 +159,13 @@ def expected_group_size(live_peers: int, cfg: AveragingConfig) -> int:
     return max(n, cfg.min_group_size)
 
 
+def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate) -> float:
+    """Link seconds of one round of each fragment (wire ``payloads`` in bytes) among ``group_size`` peers, one after
+    another: what a sync period must leave room for (:func:`~p2p_diloco.net.clock.derive_period`)."""
+    return sum(allreduce_bytes(p, group_size) / link.throughput_Bps + LATENCY_ROUND_TRIPS * link.rtt_s
+               for p in payloads)
+
+
 def throughput_sample(bytes_moved: float, seconds: float) -> float | None:
     """Bytes per second of one all-reduce, or None when it says nothing (no bytes, no or non-finite time)."""
     if not (math.isfinite(bytes_moved) and math.isfinite(seconds)) or bytes_moved <= 0 or seconds <= 0:
@@ -194,6 +214,42 @@ def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfi
         allreduce_timeout_s=bounded(ALLREDUCE_SAFETY * transfer_s, floor.allreduce_timeout_s),
         matchmaking_slack_s=min(JOIN_ROUND_TRIPS * link.rtt_s, cfg.window_max_s),
         bytes_to_move=bytes_to_move, throughput_Bps=link.throughput_Bps, rtt_s=link.rtt_s, transfer_s=transfer_s)
+
+
+@dataclass(frozen=True)
+class DownloadTimeouts:
+    """A state download's deadlines (seconds) and what they were derived from."""
+
+    silence_s: float
+    """A donor that sends nothing for this long is dropped (the next one is tried)."""
+    per_donor_s: float
+    """The expected transfer of the whole state from one donor, times ``DOWNLOAD_SAFETY`` (the total's share)."""
+    state_bytes: float
+    throughput_Bps: float
+    rtt_s: float
+
+    def total_s(self, donors: int, per_donor_extra_s: float) -> float:
+        """The whole download's bound: ``donors`` each taking ``per_donor_s`` plus ``per_donor_extra_s``."""
+        return donors * (self.per_donor_s + per_donor_extra_s)
+
+
+def download_timeouts(state_bytes: float, link: LinkEstimate, cfg: AveragingConfig) -> DownloadTimeouts:
+    """A state download's deadlines for ``state_bytes`` over ``link`` (see the module docstring); the config's
+    ``next_chunk_timeout_s`` and ``state_timeout_s`` are the floors, ``MAX_TIMEOUT_SCALE`` x them the caps."""
+    if not (math.isfinite(state_bytes) and state_bytes >= 0):
+        raise ValueError(f"state_bytes must be a finite number >= 0, got {state_bytes}")
+    rate, rtt = link.throughput_Bps, link.rtt_s
+    if not (math.isfinite(rate) and rate > 0 and math.isfinite(rtt) and rtt >= 0):
+        raise ValueError(f"the link estimate must be finite and positive, got {link}")
+
+    def bounded(value: float, least: float) -> float:
+        return min(max(value, least), MAX_TIMEOUT_SCALE * least)
+
+    chunk_s = min(STATE_CHUNK_BYTES, state_bytes) / rate + LATENCY_ROUND_TRIPS * rtt
+    transfer_s = state_bytes / rate + LATENCY_ROUND_TRIPS * rtt
+    return DownloadTimeouts(silence_s=bounded(DOWNLOAD_SAFETY * chunk_s, cfg.next_chunk_timeout_s),
+                            per_donor_s=bounded(DOWNLOAD_SAFETY * transfer_s, cfg.state_timeout_s),
+                            state_bytes=state_bytes, throughput_Bps=rate, rtt_s=rtt)
 
 
 @dataclass

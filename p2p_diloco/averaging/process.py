@@ -34,7 +34,7 @@ from p2p_diloco.averaging.decisions import (
     vouch_key,
     vouchers,
 )
-from p2p_diloco.averaging.linktime import RoundTimeouts
+from p2p_diloco.averaging.linktime import DownloadTimeouts, RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
 from p2p_diloco.core import faults, outer
@@ -52,6 +52,17 @@ GROUP_READ_MIN_S = 0.5
 measured on loopback, over a hundred reads a second per averager during each round's window, each answered with
 every averager declared under the key -- the largest share of a learner's control-plane bytes. An averager reads
 it at most once per this many seconds (a follower finds its leader at most this much later)."""
+
+
+def declared_priorities(found: Any) -> dict[str, float]:
+    """The state-sharing priorities declared under a fragment's ``all_averagers`` key (a DHT read), by base58 peer
+    id; a malformed declaration is skipped, not trusted."""
+    priorities: dict[str, float] = {}
+    for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+        with contextlib.suppress(Exception):
+            if isinstance(item.value, (int, float)) and not isinstance(item.value, bool):
+                priorities[PeerID(subkey).to_base58()] = float(item.value)
+    return priorities
 
 
 def throttled(read: Callable[..., Any], min_interval_s: float) -> Callable[..., Any]:
@@ -175,7 +186,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
             self.allreduce_kwargs.update(sender_timeout=timeouts.sender_timeout_s,
                                          reducer_timeout=timeouts.reducer_timeout_s)  # each runner gets them
             self._allreduce_timeout = timeouts.allreduce_timeout_s  # the bound _step puts on _aggregate_with_group
-            self.next_chunk_timeout = timeouts.sender_timeout_s  # state downloads' silence bound
+            self.next_chunk_timeout = timeouts.sender_timeout_s  # hivemind's own load_state_from_peers (unused by us)
             self._matchmaking.request_timeout = timeouts.request_timeout_s  # join requests
             keys = self._matchmaking.group_key_manager  # built in this process by hivemind's run(): wrapped once
             if not getattr(keys.get_averagers, "throttled", False):
@@ -258,32 +269,29 @@ class FragmentAveragerProcess(DecentralizedAverager):
 
     # -- state download (the newcomer's side; hivemind's load_state_from_peers has no size cap, no
     #    check before it returns, and tries every declared peer, behind us or not)
-    def download_state(self, ours: tuple[int, str], timeout_s: float) -> MPFuture:
-        """(host) Download a state ahead of ``ours`` from the donors of :func:`donor_order`, trying the
-        next on any failure; the future's result is ``(FetchedState | None, attempts)``."""
+    def download_state(self, ours: tuple[int, str], timeouts: DownloadTimeouts) -> MPFuture:
+        """(host) Download a state ahead of ``ours`` from the donors of :func:`donor_order`, trying the next on
+        any failure (a donor silent for ``timeouts.silence_s`` has failed; one that progresses is never cut off);
+        the future's result is ``(FetchedState | None, attempts, bytes received from all donors)``."""
         future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, timeout_s=timeout_s)))
+        self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, silence_s=timeouts.silence_s)))
         return future
 
-    async def _download_state(self, future: MPFuture, ours: tuple[int, str], timeout_s: float) -> None:
+    async def _download_state(self, future: MPFuture, ours: tuple[int, str], silence_s: float) -> None:
         attempts: list[tuple[str, str, float]] = []  # (donor, "ok" or why not, seconds)
+        received = [0]  # wire bytes from every donor, counted as they arrive (an aborted stream's too)
         try:
             assert self.layout is not None and self.fragment is not None, "download_state needs fragment and layout"
             names, shapes = self.layout
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-            found = await self.dht.get(key, latest=True, return_future=True)
-            priorities: dict[str, float] = {}
-            for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-                with contextlib.suppress(Exception):  # a malformed declaration is skipped, not trusted
-                    if isinstance(item.value, (int, float)) and not isinstance(item.value, bool):
-                        priorities[PeerID(subkey).to_base58()] = float(item.value)
+            priorities = declared_priorities(await self.dht.get(key, latest=True, return_future=True))
             cap = state_size_cap([shapes[n] for n in names])
             expected = [shapes[n] for n in names] * 2  # the anchor then the momentum, in names order
             for donor in donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]:
                 t0 = time.monotonic()
                 try:
-                    metadata, tensors = await asyncio.wait_for(
-                        self._download_from(PeerID.from_base58(donor), cap, expected), timeout=timeout_s)
+                    metadata, tensors = await self._download_from(PeerID.from_base58(donor), cap, expected,
+                                                                  silence_s, received)
                     fetched = await asyncio.get_event_loop().run_in_executor(
                         None, parse_state, metadata, tensors, self.fragment, names, shapes, ours)
                     if fetched is None:
@@ -294,15 +302,16 @@ class FragmentAveragerProcess(DecentralizedAverager):
                         why = f"{reason_of(e)}: {e}"
                         log_rejection(logger, f"fragment {self.fragment}'s state download", donor, e)
                     else:
-                        why = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+                        why = (f"timed out (silent for {silence_s:.1f} s)" if isinstance(e, asyncio.TimeoutError)
+                               else f"{type(e).__name__}: {e}")
                         logger.warning("fragment %s: state download from %s failed (%s); trying the next donor",
                                        self.fragment, donor, why[:200])
                     attempts.append((donor, why[:200], time.monotonic() - t0))
                     continue
                 attempts.append((donor, "ok", time.monotonic() - t0))
-                future.set_result((fetched, attempts))
+                future.set_result((fetched, attempts, received[0]))
                 return
-            future.set_result((None, attempts))
+            future.set_result((None, attempts, received[0]))
         except BaseException as e:
             if not future.done():
                 future.set_exception(e)
@@ -325,12 +334,13 @@ class FragmentAveragerProcess(DecentralizedAverager):
                                                       f"{anchor} at v{version} ({len(signed)} signed that version)")
             await asyncio.sleep(VOUCH_POLL_S)
 
-    async def _download_from(self, donor: Any, cap_bytes: int,
-                             expected: Sequence[torch.Size]) -> tuple[Any, list[torch.Tensor]]:
-        """Stream a donor's state: at most ``cap_bytes`` in all; each tensor must be an uncompressed float32
-        tensor of the ``expected`` shape (checked before it is decoded, :func:`decode_part`)."""
+    async def _download_from(self, donor: Any, cap_bytes: int, expected: Sequence[torch.Size], silence_s: float,
+                             counted: list[int]) -> tuple[Any, list[torch.Tensor]]:
+        """Stream a donor's state: at most ``cap_bytes`` in all, each part within ``silence_s`` of the last (the
+        first within ``silence_s`` of the request); each tensor must be an uncompressed float32 tensor of the
+        ``expected`` shape (checked before it is decoded, :func:`decode_part`). Adds what arrives to ``counted[0]``."""
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout=silence_s)
         metadata, received = None, 0
         tensors: list[torch.Tensor] = []
         parts: list[Any] = []
@@ -341,9 +351,11 @@ class FragmentAveragerProcess(DecentralizedAverager):
             return decode_part(combine_from_streaming(parts), expected[len(tensors)], torch.float32,
                                self.state_compression.compression_type)
 
-        async for message in faults.after_first(aiter_with_timeout(stream, timeout=self.next_chunk_timeout),
+        async for message in faults.after_first(aiter_with_timeout(stream, timeout=silence_s),
                                                 "fetching-state", self.fragment):
-            received += len(message.metadata) + message.tensor_part.ByteSize()
+            size = len(message.metadata) + message.tensor_part.ByteSize()
+            received += size
+            counted[0] += size
             if received > cap_bytes:
                 raise PeerDataError(Reason.OVERSIZE,
                                     f"the donor sent more than the {cap_bytes} bytes this fragment's state takes")

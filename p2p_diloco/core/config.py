@@ -182,7 +182,8 @@ class AveragingConfig:
     next_chunk_timeout_s: float = _f(5.0, "A sender silent this long mid-all-reduce is dropped (reducers: 2x); at least.")
     commit_timeout_s: float = _f(3.0, "After an all-reduce, how long members wait for each other's verdicts; a round "
                                  "commits only if every member reported success in time.")
-    state_timeout_s: float = _f(15.0, "Upper bound on downloading a fragment's anchor and outer state from a peer.")
+    state_timeout_s: float = _f(15.0, "Floor of a state download's budget per donor (it grows with the state's "
+                                  "bytes over the measured link).")
     shutdown_timeout_s: float = _f(5.0, "How long an averager process may take to shut down.")
     schedule: str = _f("clock", "When a fragment is due in a networked run: 'clock' (at instants of the swarm's DHT "
                        "clock, the same for everyone: learners of any speed meet) or 'steps' (every outer.sync_every "

@@ -186,6 +186,8 @@ class ResyncEvent(Event):
     """One line per donor that failed (its peer id's end and why)."""
     duration_s: float | None = _omitted()
     """Seconds the download took."""
+    bytes: int | None = _omitted()
+    """Wire bytes received from every donor tried (an aborted one's included)."""
     consensus_distance: float | None = _omitted()
     """A fork healed: relative distance between our anchor and the adopted one."""
     reason: str | None = _omitted()

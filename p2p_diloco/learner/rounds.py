@@ -41,6 +41,7 @@ from p2p_diloco.averaging.linktime import (
     expected_group_size,
     payload_bytes,
     round_timeouts,
+    sync_link_s,
 )
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core import events, faults
@@ -131,7 +132,7 @@ class AveragerLink:
         return grid_group_bits(round(boundary * 1000), self.grid_group(round_index)[0])
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
-        return self.host.fetch_state(ours)
+        return self.host.fetch_state(ours, self.rounds.link.estimate())
 
     def anchor_changed(self, version: int, anchor_hash: str) -> None:
         """Our anchor moved (a commit, a checked download, the start or a verified restore): rank ourselves as a
@@ -208,6 +209,17 @@ class Rounds:
     @property
     def slots(self) -> list[FragmentSlot]:
         return [s.slot for s in self.syncs]
+
+    def sync_link_s(self) -> float:
+        """Link seconds one sync of every fragment takes us, from what our rounds measured (0.0: nothing yet)."""
+        estimate = self.link.estimate()
+        if not estimate.throughput_samples and not self.link.failures:
+            return 0.0
+        tensors_per_name = 3 if self.grid else 1  # grid rounds average the anchor and momentum too
+        payloads = [payload_bytes(tensors_per_name * sum(s.anchor[n].numel() for n in s.names), self.cfg.outer.codec)
+                    for s in self.slots]
+        group = expected_group_size(max((len(self.peer_ranks(s)) for s in self.slots), default=0), self.cfg.averaging)
+        return sync_link_s(payloads, group, estimate)
 
     def advertise(self) -> None:
         """Advertise every fragment's anchor as donor priority and vouch for it (at the start, after a verified
@@ -374,12 +386,13 @@ class Rounds:
         versions (a fork) the distance between the two anchors is our consensus distance."""
         slot, fetched = sync.slot, download.fetched
         tried, failures, took_s = len(download.attempts), tuple(download.failures), round(download.duration_s, 3)
+        received = download.bytes_received
         for failure in download.failures:
             logger.warning("fragment %d: a donor failed: %s", slot.index, failure)
         if fetched is None or not is_ahead((fetched.version, fetched.anchor_hash), slot.rank):
             self.event(events.ResyncEvent(fragment=slot.index, outcome="failed" if failures else "nothing newer",
                                           version=slot.version, donors_tried=tried, donor_failures=failures,
-                                          duration_s=took_s))
+                                          duration_s=took_s, bytes=received))
             return
         fork = fetched.version == slot.version
         if fork:  # only this thread writes the anchor: read without the lock
@@ -388,7 +401,7 @@ class Rounds:
         how = sync.apply_fetched(fetched)
         self.event(events.ResyncEvent(fragment=slot.index, outcome=how, version=old, version_after=slot.version,
                                       anchor_hash_before=old_hash, anchor_hash=slot.anchor_hash, donors_tried=tried,
-                                      donor_failures=failures, duration_s=took_s,
+                                      donor_failures=failures, duration_s=took_s, bytes=received,
                                       consensus_distance=slot.consensus_distance if fork else None))
         logger.info("fragment %d: %s from v%d (%s) onto v%d (%s)%s", slot.index,
                     "reset (the swarm moved on since our checkpoint)" if how == "reset after resume" else "rebased",

@@ -563,7 +563,10 @@ def _donor_stream(seed: int = 0) -> list[averaging_pb2.DownloadData]:
 def _download(messages: list[averaging_pb2.DownloadData], cap: int = 1 << 16) -> Any:
     expected = [SHAPES[n] for n in NAMES] * 2
     fake: Any = _FakeDonor(messages)
-    return asyncio.run(FragmentAveragerProcess._download_from(fake, "donor", cap, expected))
+    counted = [0]
+    result = asyncio.run(FragmentAveragerProcess._download_from(fake, "donor", cap, expected, 5.0, counted))
+    assert counted[0] == sum(len(m.metadata) + m.tensor_part.ByteSize() for m in messages)
+    return result
 
 
 @st.composite

@@ -149,3 +149,28 @@ def test_failed_rounds_back_off_until_one_commits() -> None:
     assert history.failures == 0 and history.estimate().throughput_Bps == 800_000  # the low quantile of two
     longer = round_timeouts(1e7, estimate_link([1e6], [0.05], failures=2), CFG)
     assert longer.sender_timeout_s > round_timeouts(1e7, estimate_link([1e6], [0.05]), CFG).sender_timeout_s
+
+
+# ---------------------------------------------------------------- state downloads
+
+
+def test_a_state_download_gets_silence_and_budget_from_its_bytes() -> None:
+    from p2p_diloco.averaging.linktime import DOWNLOAD_SAFETY, STATE_CHUNK_BYTES, download_timeouts
+
+    half_mbit = LinkEstimate(throughput_Bps=62_500.0, rtt_s=0.1)  # 0.5 Mbit/s: a demo fragment's 1.7 MB take 27 s
+    t = download_timeouts(1_700_000, half_mbit, CFG)
+    assert t.per_donor_s == pytest.approx(DOWNLOAD_SAFETY * (1_700_000 / 62_500 + LATENCY_ROUND_TRIPS * 0.1))
+    assert t.per_donor_s > CFG.state_timeout_s  # the fixed 15 s killed every such download
+    assert t.silence_s == pytest.approx(DOWNLOAD_SAFETY * (STATE_CHUNK_BYTES / 62_500 + LATENCY_ROUND_TRIPS * 0.1))
+    assert t.total_s(4, 3.0) == pytest.approx(4 * (t.per_donor_s + 3.0))
+    # a fast link gets the config's values, a hopeless one the caps
+    fast = download_timeouts(1_700_000, FAST, CFG)
+    assert (fast.silence_s, fast.per_donor_s) == (CFG.next_chunk_timeout_s, CFG.state_timeout_s)
+    crawl = download_timeouts(1_700_000, LinkEstimate(throughput_Bps=10.0, rtt_s=1.0), CFG)
+    assert crawl.per_donor_s == MAX_TIMEOUT_SCALE * CFG.state_timeout_s
+    assert crawl.silence_s == MAX_TIMEOUT_SCALE * CFG.next_chunk_timeout_s
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="state_bytes"):
+            download_timeouts(bad, FAST, CFG)
+    with pytest.raises(ValueError, match="link estimate"):
+        download_timeouts(1.0, LinkEstimate(throughput_Bps=0.0, rtt_s=0.1), CFG)
