@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import statistics
 import threading
 import time
 from concurrent.futures import wait as wait_futures
@@ -303,6 +304,7 @@ class SwarmView:
             step_time_s = recent_step_time_s(stepped, STEP_TIME_WINDOW_S, CLOCK_WARMUP_STEPS) if me.training else 0.0
             slots = me.slots
             publisher.update(inner_step=me.inner_step, tokens=me.tokens, tokens_per_s=tokens_per_s, step_time_s=step_time_s,
+                             sync_link_s=me.rounds.sync_link_s(),
                              fragment_versions=tuple(s.version for s in slots),
                              anchor_hashes=tuple(s.anchor_hash for s in slots),
                              consensus_distance=tuple(s.consensus_distance for s in slots),
@@ -351,15 +353,18 @@ class SwarmView:
         if not leading or not times:  # a slow leader need not wait for its own step time: the others' do
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
-        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s))
+        links = [me.rounds.sync_link_s(), *(r.sync_link_s for r in training)]
+        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s),
+                               sync_link_s=links)
         now, wall = me.dht_time(), time.monotonic()
         clock = self.clock
         settled = retune_allowed(clock, wall - self._clock_retuned_at, len(times), self._clock_learners)
         if period is not None and settled and needs_retune(clock, period):
             clock = retune(clock, period, now, CLOCK_START_MARGIN_S + me.opts.view_period_s, len(me.slots))
             self._clock_retuned_at, self._clock_learners = wall, len(times)
-            logger.info("sync clock leader: period %.2f s = H %d x median step %.3f s of %d learners, from DHT time "
-                        "%.1f", period, h, period / h, len(times), clock.origin)
+            logger.info("sync clock leader: period %.2f s (H %d x median step %.3f s of %d learners; a sync's link "
+                        "time at most %.1f s), from DHT time %.1f", period, h, statistics.median(times), len(times),
+                        max(links), clock.origin)
             me.log_event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))
         elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
             return

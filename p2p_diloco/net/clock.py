@@ -43,6 +43,11 @@ RETUNE_EVERY_PERIODS = 3.0
 CLOCK_TTL_S = 600.0
 """Lifetime of a published clock in the DHT; the leader re-stores it well before."""
 MAX_PERIOD_S = 24 * 3600.0
+LINK_PERIOD_SAFETY = 1.5
+"""A derived period is at least this many times the slowest live learner's link time of one sync of every fragment
+(its published ``sync_link_s``): the fragments' rounds share the link, and a period shorter than their transfers
+piles rounds up until none finds its group (4 learners at 0.25 Mbit/s: 22 s of link per sync of the demo config
+against a 16 s period)."""
 
 
 def clock_key(run_id: str) -> str:
@@ -171,12 +176,17 @@ def min_period_s(window_max_s: float, commit_timeout_s: float) -> float:
     return window_max_s + commit_timeout_s
 
 
-def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float) -> float | None:
-    """H x the median step time of the live learners (None without any), at least ``min_period_s``."""
+def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float,
+                  sync_link_s: Iterable[float] = ()) -> float | None:
+    """H x the median step time of the live learners (None without any), at least ``min_period_s`` and at least
+    :data:`LINK_PERIOD_SAFETY` x the longest of their ``sync_link_s`` (link seconds of one sync of every fragment;
+    0 or non-finite: not measured): on a slow link the period grows to fit the rounds, not the steps."""
     times = [t for t in step_times_s if math.isfinite(t) and t > 0]
     if not times:
         return None
-    return min(MAX_PERIOD_S, max(min_period_s, sync_every * statistics.median(times)))
+    links = [t for t in sync_link_s if math.isfinite(t) and t > 0]
+    floor_s = max(min_period_s, LINK_PERIOD_SAFETY * max(links, default=0.0))
+    return min(MAX_PERIOD_S, max(floor_s, sync_every * statistics.median(times)))
 
 
 def recent_step_time_s(samples: Sequence[tuple[float, int]], window_s: float, min_steps: int) -> float:

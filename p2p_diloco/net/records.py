@@ -143,6 +143,9 @@ class PeerRecord:
     step_time_s: float = 0.0
     """Wall time per inner step since the learner started training (0 = not measured yet): what the sync
     clock's period is derived from (stable, unlike a windowed tokens/s)."""
+    sync_link_s: float = 0.0
+    """Link seconds one sync of every fragment takes this learner, from what its rounds measured (0 = not measured
+    yet): the sync clock's period is kept above it (:func:`~p2p_diloco.net.clock.derive_period`)."""
     fragment_versions: tuple[int, ...] = ()
     """Outer-step count of each fragment's anchor, by fragment index."""
     anchor_hashes: tuple[str, ...] = ()
@@ -168,7 +171,7 @@ class PeerRecord:
         d["fragment_versions"] = list(self.fragment_versions)
         d["anchor_hashes"] = list(self.anchor_hashes)
         d["consensus_distance"] = [float(x) for x in self.consensus_distance]
-        for k in ("tokens_per_s", "step_time_s", "last_sync_time", "time", "ttl_s"):
+        for k in ("tokens_per_s", "step_time_s", "sync_link_s", "last_sync_time", "time", "ttl_s"):
             d[k] = float(d[k])
         if self.loss is not None:
             d["loss"] = float(self.loss) if math.isfinite(self.loss) else None
@@ -332,6 +335,7 @@ class PeerRecordModel(BaseModel):
     tokens: _NonNegInt
     tokens_per_s: _NonNegFloat
     step_time_s: _NonNegFloat
+    sync_link_s: _NonNegFloat = 0.0  # a record without it (an older peer's) is valid: not measured
     fragment_versions: conlist(_NonNegInt, max_items=MAX_FRAGMENTS)
     anchor_hashes: conlist(constr(strict=True, regex=r"^[0-9a-f]{0,16}$"), max_items=MAX_FRAGMENTS)
     consensus_distance: conlist(_NonNegFloat, max_items=MAX_FRAGMENTS)

@@ -145,3 +145,15 @@ def test_a_retune_pauses_rounds_at_most_one_fragment_spacing_plus_the_margin(old
 def test_from_wire_is_strict(value: object, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         SyncClock.from_wire(value)
+
+
+def test_a_slow_link_grows_the_derived_period_to_fit_its_rounds() -> None:
+    from p2p_diloco.net.clock import LINK_PERIOD_SAFETY
+
+    steps = [0.5, 0.6, 0.55]  # H = 28: 15.4 s of compute per period
+    assert derive_period(steps, 28, min_period_s=5.0) == pytest.approx(28 * 0.55)
+    # the slowest learner's link needs 22 s per sync of every fragment: the period leaves room for it
+    assert derive_period(steps, 28, 5.0, sync_link_s=[0.0, 22.0, 3.0]) == pytest.approx(LINK_PERIOD_SAFETY * 22.0)
+    # a fast link, or none measured (0, NaN), changes nothing
+    assert derive_period(steps, 28, 5.0, sync_link_s=[1.0, 0.0, math.nan]) == pytest.approx(28 * 0.55)
+    assert derive_period([], 28, 5.0, sync_link_s=[22.0]) is None

@@ -39,10 +39,17 @@ def test_wire_roundtrip_and_nan_loss() -> None:
     assert all(not isinstance(k, int) for k in wire)
 
 
+def test_a_record_without_a_sync_link_time_is_valid_and_unmeasured() -> None:
+    wire = rec("a", sync_link_s=12.5).to_wire()
+    assert PeerRecord.from_wire(wire).sync_link_s == 12.5
+    del wire["sync_link_s"]  # a peer of the release before it
+    assert PeerRecord.from_wire(wire).sync_link_s == 0.0
+
+
 @pytest.mark.parametrize("change", [
     {"tokens": 1.0}, {"tokens": "1"}, {"tokens": -1}, {"tokens_per_s": 1}, {"state": "bogus"},
     {"fragment_versions": ["1"]}, {"fragment_versions": {0: 1}}, {"name": "x" * 65}, {"extra": 1},
-    {"loss": float("inf")}, {"ttl_s": 0.0}, {"anchor_hashes": ["XYZ"]}, {"anchor_hashes": ["0" * 17]},
+    {"loss": float("inf")}, {"ttl_s": 0.0}, {"sync_link_s": -1.0}, {"sync_link_s": float("nan")}, {"anchor_hashes": ["XYZ"]}, {"anchor_hashes": ["0" * 17]},
     {"consensus_distance": [-1.0]}, {"consensus_distance": [float("nan")]},
 ])
 def test_from_wire_is_strict(change: dict[str, Any]) -> None:
