@@ -156,13 +156,9 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
             (logs / f"{name}.jsonl").unlink(missing_ok=True)
         for i, name in enumerate(names):
             evals = ["--eval-every", f"{p.eval_every_s:g}", "--eval-batches", str(EVAL_ALL)] if i == 0 else []
-            procs.start(name, i, [*cli, "join", "--initial-peers", peers, *netns.listen_args(wan.plan, i, LEARNER_PORT),
-                                  "--config",
-                                  p.config, *sets, "--name", f"l{i}", "--shard", str(i), "--num-shards", str(p.hosts),
-                                  "--wait-peers", str(p.hosts), "--steps", str(p.steps or NO_STEP_LIMIT), "--max-time",
-                                  str(p.max_time_s), "--lr-schedule", "steps", "--linger", str(LINGER_S), "--events",
-                                  str(logs / f"{name}.jsonl"), *evals,
-                                  *(["--blocking"] if method == "blocking" else [])])
+            procs.start(name, i, learner_command(wan.plan, i, peers, p.config, sets, logs / f"{name}.jsonl",
+                                                 steps=p.steps, max_time_s=p.max_time_s,
+                                                 extra=[*evals, *(["--blocking"] if method == "blocking" else [])]))
         finals = procs.wait_finals(names, timeout_s=START_SLACK_S + p.max_time_s + FINISH_SLACK_S)
     after = wan.all_counters()
     wire = [netns.byte_delta(b, a)["tx_bytes"] for b, a in zip(before, after)]
@@ -170,6 +166,17 @@ def run_learners(p: BenchParams, wan: netns.Wan, logs: Path, tag: str,
     evals_l0 = [e for e in map(json.loads, events.read_text().splitlines() if events.exists() else [])
                 if e.get("event") == "eval"]
     return [finals[n] for n in names], wire, evals_l0
+
+
+def learner_command(plan: netns.WanPlan, i: int, peers: str, config: str, sets: Sequence[str], events: Path, *,
+                    steps: int, max_time_s: float, extra: Sequence[str] = ()) -> list[str]:
+    """Host i's ``p2p-diloco join``: learner ``l<i>`` on data shard i of ``plan.hosts``, waiting for them all, for
+    ``max_time_s`` of training (and at most ``steps``, 0: no cap), its events into ``events``."""
+    return [sys.executable, "-m", "p2p_diloco.cli.main", "join", "--initial-peers", peers,
+            *netns.listen_args(plan, i, LEARNER_PORT), "--config", config, *sets, "--name", f"l{i}", "--shard", str(i),
+            "--num-shards", str(plan.hosts), "--wait-peers", str(plan.hosts), "--steps", str(steps or NO_STEP_LIMIT),
+            "--max-time", str(max_time_s), "--lr-schedule", "steps", "--linger", str(LINGER_S), "--events", str(events),
+            *extra]
 
 
 def discard_reasons(logs: Path, tag: str, hosts: int) -> dict[str, int]:
