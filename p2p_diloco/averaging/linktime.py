@@ -28,9 +28,14 @@ From them, ``transfer_s = bytes / throughput + LATENCY_ROUND_TRIPS x rtt`` (:fun
 * ``reducer_timeout_s`` = ``REDUCER_OVER_SENDER x`` the sender timeout (hivemind's own ratio: a reducer
   answers a part only once every sender's part is in);
 * ``allreduce_timeout_s`` = ``ALLREDUCE_SAFETY x transfer_s``;
-* ``request_timeout_s`` (a join request waiting on the leader) = ``JOIN_ROUND_TRIPS x rtt`` (a first
-  round connects: TCP, Noise, yamux, then the request), at most ``REQUEST_WINDOW_SHARE`` of
-  ``window_min_s`` (hivemind deadlocks when it is not below the matchmaking time);
+* ``request_timeout_s`` (a join request waiting on the leader) = :func:`join_s`: ``JOIN_ROUND_TRIPS x rtt``
+  (a first round connects: TCP, Noise, yamux, then the request) plus the time one ``STATE_CHUNK_BYTES`` chunk
+  takes at the throughput (on a slow link with a deep queue -- a home router's 1 s -- a control message waits
+  behind the bulk data of a concurrent transfer: measured, join requests with the fixed timeout failed nearly
+  every round at 0.5 Mbit/s), at most ``REQUEST_WINDOW_SHARE`` of the round's window (hivemind deadlocks when it
+  is not below the matchmaking time);
+* the **matchmaking window** is at least :func:`link_window_s` = ``join_s / REQUEST_WINDOW_SHARE`` (within
+  ``[window_min_s, window_max_s]``), so that the request timeout the link needs fits in it;
 * ``matchmaking_slack_s`` = ``JOIN_ROUND_TRIPS x rtt``, added to the host's matchmaking deadline.
 
 A **state download** (:func:`download_timeouts`) moves a fragment's anchor and momentum in fp32 from one donor at a
@@ -159,10 +164,12 @@ def expected_group_size(live_peers: int, cfg: AveragingConfig) -> int:
     return max(n, cfg.min_group_size)
 
 
-def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate) -> float:
-    """Link seconds of one round of each fragment (wire ``payloads`` in bytes) among ``group_size`` peers, one after
-    another: what a sync period must leave room for (:func:`~p2p_diloco.net.clock.derive_period`)."""
-    return sum(allreduce_bytes(p, group_size) / link.throughput_Bps + LATENCY_ROUND_TRIPS * link.rtt_s
+def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate, window_s: float = 0.0) -> float:
+    """Seconds of one round of each fragment (wire ``payloads`` in bytes) among ``group_size`` peers, one after
+    another: each one's matchmaking ``window_s`` (while it matches, its control messages must not queue behind
+    another round's data) and its link time. What a sync period must leave room for
+    (:func:`~p2p_diloco.net.clock.derive_period`): the fragments' rounds are staggered over it."""
+    return sum(window_s + allreduce_bytes(p, group_size) / link.throughput_Bps + LATENCY_ROUND_TRIPS * link.rtt_s
                for p in payloads)
 
 
@@ -192,8 +199,22 @@ def floor_timeouts(cfg: AveragingConfig) -> RoundTimeouts:
                          allreduce_timeout_s=cfg.allreduce_timeout_s)
 
 
-def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfig) -> RoundTimeouts:
-    """A round's timeouts for moving ``bytes_to_move`` (each way) over ``link``; see the module docstring."""
+def join_s(link: LinkEstimate) -> float:
+    """How long a join request may take on ``link``: its round trips, and one streamed chunk of a concurrent
+    transfer ahead of it in a queue (see the module docstring)."""
+    return JOIN_ROUND_TRIPS * link.rtt_s + STATE_CHUNK_BYTES / link.throughput_Bps
+
+
+def link_window_s(link: LinkEstimate, cfg: AveragingConfig) -> float:
+    """The shortest matchmaking window ``link`` allows: one whose request timeout share holds :func:`join_s`
+    (within ``[window_min_s, window_max_s]``)."""
+    return min(cfg.window_max_s, max(cfg.window_min_s, join_s(link) / REQUEST_WINDOW_SHARE))
+
+
+def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfig,
+                   window_s: float = 0.0) -> RoundTimeouts:
+    """A round's timeouts for moving ``bytes_to_move`` (each way) over ``link`` in a round whose matchmaking
+    window is ``window_s`` (the request timeout stays within its share of it); see the module docstring."""
     if not (math.isfinite(bytes_to_move) and bytes_to_move >= 0):
         raise ValueError(f"bytes_to_move must be a finite number >= 0, got {bytes_to_move}")
     if not (math.isfinite(link.throughput_Bps) and link.throughput_Bps > 0 and math.isfinite(link.rtt_s)
@@ -206,9 +227,9 @@ def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfi
         return min(max(value, least), MAX_TIMEOUT_SCALE * least)
 
     sender_s = bounded(SILENCE_SAFETY * transfer_s, floor.sender_timeout_s)
-    request_cap_s = max(floor.request_timeout_s, REQUEST_WINDOW_SHARE * cfg.window_min_s)
+    request_cap_s = max(floor.request_timeout_s, REQUEST_WINDOW_SHARE * max(cfg.window_min_s, window_s))
     return RoundTimeouts(
-        request_timeout_s=min(max(JOIN_ROUND_TRIPS * link.rtt_s, floor.request_timeout_s), request_cap_s),
+        request_timeout_s=min(max(join_s(link), floor.request_timeout_s), request_cap_s),
         sender_timeout_s=sender_s,
         reducer_timeout_s=REDUCER_OVER_SENDER * sender_s,
         allreduce_timeout_s=bounded(ALLREDUCE_SAFETY * transfer_s, floor.allreduce_timeout_s),
@@ -276,4 +297,10 @@ class LinkHistory:
             self.failures += 1
 
     def estimate(self) -> LinkEstimate:
+        """The link for a round's deadlines: backed off by the failures in a row."""
         return estimate_link(self.throughputs, self.rtts, self.failures)
+
+    def measured(self) -> LinkEstimate:
+        """The link for planning (the window, the period): the back-off only until a round committed -- a period
+        or window stretched by lost rounds would stretch further with every round they lose."""
+        return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures)

@@ -39,6 +39,7 @@ from p2p_diloco.averaging.linktime import (
     LinkHistory,
     allreduce_bytes,
     expected_group_size,
+    link_window_s,
     payload_bytes,
     round_timeouts,
     sync_link_s,
@@ -116,7 +117,7 @@ class AveragerLink:
         slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
         payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
-        timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging)
+        timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, r.window_s)
         doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
         return self.host.start_round(Contribution(meta, tensors, scheduled, r.window_s, doomed=doomed,
                                                   timeouts=timeouts, group_bits=bits))
@@ -196,7 +197,8 @@ class Rounds:
         self.links = [AveragerLink(h, self) for h in hosts]
         self.syncs = [FragmentSync(s, replica, cfg.outer, link, hash_anchor=anchor_hash)
                       for s, link in zip(slots, self.links)]
-        self.window_s = cfg.averaging.window_s
+        self.spread_window_s = cfg.averaging.window_s
+        """The matchmaking window the members' arrival spreads call for (:func:`adapt_window`)."""
         self.grid = cfg.averaging.groups == "grid"
         self.spreads: list[float] = []
         self.link = LinkHistory()
@@ -210,16 +212,24 @@ class Rounds:
     def slots(self) -> list[FragmentSlot]:
         return [s.slot for s in self.syncs]
 
+    @property
+    def window_s(self) -> float:
+        """The next round's matchmaking window: what the arrival spreads call for, and at least what the link
+        needs for a join request (:func:`link_window_s`)."""
+        return max(self.spread_window_s, link_window_s(self.link.measured(), self.cfg.averaging))
+
     def sync_link_s(self) -> float:
-        """Link seconds one sync of every fragment takes us, from what our rounds measured (0.0: nothing yet)."""
-        estimate = self.link.estimate()
-        if not estimate.throughput_samples and not self.link.failures:
+        """Seconds one sync of every fragment takes us (each one's window and link time), from what our rounds
+        measured (0.0: nothing yet; :meth:`LinkHistory.measured`: a link too slow for any round to commit still
+        gets a longer period)."""
+        if not self.link.throughputs and not self.link.failures:
             return 0.0
+        estimate = self.link.measured()
         tensors_per_name = 3 if self.grid else 1  # grid rounds average the anchor and momentum too
         payloads = [payload_bytes(tensors_per_name * sum(s.anchor[n].numel() for n in s.names), self.cfg.outer.codec)
                     for s in self.slots]
         group = expected_group_size(max((len(self.peer_ranks(s)) for s in self.slots), default=0), self.cfg.averaging)
-        return sync_link_s(payloads, group, estimate)
+        return sync_link_s(payloads, group, estimate, self.window_s)
 
     def advertise(self) -> None:
         """Advertise every fragment's anchor as donor priority and vouch for it (at the start, after a verified
@@ -331,7 +341,7 @@ class Rounds:
                             slot.index, self.first_contribution_s)
             if math.isfinite(outcome.arrival_spread_s):
                 self.spreads.append(outcome.arrival_spread_s)
-                self.window_s = adapt_window(self.spreads, self.cfg.averaging)
+                self.spread_window_s = adapt_window(self.spreads, self.cfg.averaging)
         self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
                           allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s)
         self.event(_round_event(outcome, slot, sent_tokens, sent_steps))

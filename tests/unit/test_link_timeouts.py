@@ -19,6 +19,7 @@ from p2p_diloco.averaging.linktime import (
     REDUCER_OVER_SENDER,
     REQUEST_WINDOW_SHARE,
     SILENCE_SAFETY,
+    STATE_CHUNK_BYTES,
     LinkEstimate,
     LinkHistory,
     RoundTimeouts,
@@ -26,8 +27,11 @@ from p2p_diloco.averaging.linktime import (
     estimate_link,
     expected_group_size,
     floor_timeouts,
+    join_s,
+    link_window_s,
     payload_bytes,
     round_timeouts,
+    sync_link_s,
     throughput_sample,
 )
 from p2p_diloco.core.config import AveragingConfig
@@ -56,8 +60,11 @@ def test_a_slow_link_gets_timeouts_proportional_to_bytes_over_throughput_plus_rt
     # a longer round trip lengthens the same round, and the join requests (up to their cap)
     far = round_timeouts(moved, LinkEstimate(SLOW.throughput_Bps, 0.18), CFG)
     assert far.sender_timeout_s == pytest.approx(t.sender_timeout_s + SILENCE_SAFETY * LATENCY_ROUND_TRIPS * 0.08)
-    assert t.request_timeout_s == CFG.request_timeout_s  # 4 x 0.1 s is below the floor
-    assert far.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.18)
+    chunk_s = STATE_CHUNK_BYTES / SLOW.throughput_Bps  # a join request may queue behind one chunk of data
+    assert t.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.1 + chunk_s) == pytest.approx(join_s(SLOW))
+    assert far.request_timeout_s == REQUEST_WINDOW_SHARE * CFG.window_min_s  # 0.98 s: capped by the 1 s window
+    wide = round_timeouts(moved, LinkEstimate(SLOW.throughput_Bps, 0.18), CFG, window_s=2.0)
+    assert wide.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.18 + chunk_s)  # a 2 s window holds it
     assert far.matchmaking_slack_s == pytest.approx(JOIN_ROUND_TRIPS * 0.18)
     assert t.bytes_to_move == moved and t.throughput_Bps == SLOW.throughput_Bps and t.rtt_s == SLOW.rtt_s
 
@@ -174,3 +181,34 @@ def test_a_state_download_gets_silence_and_budget_from_its_bytes() -> None:
             download_timeouts(bad, FAST, CFG)
     with pytest.raises(ValueError, match="link estimate"):
         download_timeouts(1.0, LinkEstimate(throughput_Bps=0.0, rtt_s=0.1), CFG)
+
+
+def test_the_window_grows_to_hold_a_join_request_on_a_slow_deep_queued_link() -> None:
+    half_mbit = LinkEstimate(throughput_Bps=31_000.0, rtt_s=0.3)  # what 4 hosts measured at 0.5 Mbit/s, 1 s queue
+    window = link_window_s(half_mbit, CFG)
+    assert window == pytest.approx((JOIN_ROUND_TRIPS * 0.3 + STATE_CHUNK_BYTES / 31_000.0) / REQUEST_WINDOW_SHARE)
+    assert CFG.window_min_s < window < CFG.window_max_s
+    t = round_timeouts(1e5, half_mbit, CFG, window_s=window)
+    assert t.request_timeout_s == pytest.approx(join_s(half_mbit))
+    assert t.request_timeout_s < window  # hivemind needs it below the window
+    assert link_window_s(FAST, CFG) == CFG.window_min_s  # a fast link: the adaptive window alone decides
+    assert link_window_s(LinkEstimate(100.0, 5.0), CFG) == CFG.window_max_s  # capped
+
+
+def test_one_sync_takes_every_fragments_window_and_link_time() -> None:
+    payloads = [100_000.0, 50_000.0]
+    bare = sync_link_s(payloads, 4, SLOW)
+    assert bare == pytest.approx(sum(allreduce_bytes(p, 4) / SLOW.throughput_Bps + LATENCY_ROUND_TRIPS * SLOW.rtt_s
+                                     for p in payloads))
+    assert sync_link_s(payloads, 4, SLOW, window_s=3.0) == pytest.approx(bare + 2 * 3.0)
+
+
+def test_planning_ignores_the_back_off_once_a_round_committed() -> None:
+    h = LinkHistory()
+    h.observe(committed=False, bytes_moved=1e5, allreduce_s=5.0, rtt_s=0.2)
+    assert h.measured() == h.estimate()  # nothing committed yet: the backed-off prior plans too
+    assert h.measured().throughput_Bps == PRIOR_THROUGHPUT_BPS / BACKOFF_BASE
+    h.observe(committed=True, bytes_moved=1e5, allreduce_s=2.0, rtt_s=0.2)
+    h.observe(committed=False, bytes_moved=1e5, allreduce_s=5.0, rtt_s=0.2)
+    assert h.estimate().throughput_Bps == 5e4 / BACKOFF_BASE  # deadlines back off
+    assert h.measured().throughput_Bps == 5e4  # the window and the period do not
