@@ -313,6 +313,21 @@ def check_group(own: RoundMeta, members: Sequence[RoundMeta], radial_names: Sequ
     return Decision(True)
 
 
+def quorum_problem(group_size: int, at_rank: int, target_group_size: int = 0) -> str | None:
+    """Why a sound group of ``group_size`` members must still not commit, or None. ``at_rank``: the live learners,
+    us included, whose records show them at our (version, anchor hash) of the fragment (0: not checked).
+
+    Two disjoint groups cannot both hold more than half of those, so a group that does not is refused: another
+    group could commit the same version with another average -- a fork, which only a full fp32 state download
+    heals (measured: at 0.5 Mbit/s with 1 s queues, four peers matched as two pairs, again and again). Not applied
+    when groups are capped below the peers at the rank (``target_group_size``: several groups a round by design).
+    A member's records may lag; the verdicts make the group's decision one: if any member refuses, none commits."""
+    if at_rank <= 0 or (target_group_size and at_rank > target_group_size) or 2 * group_size > at_rank:
+        return None
+    return (f"a minority group: {group_size} of the {at_rank} live peers at this version (another group "
+            f"could commit it too)")
+
+
 def adapt_window(spreads_s: Sequence[float], cfg: AveragingConfig, history: int = 8) -> float:
     """Matchmaking window from the arrival spreads (last due - first due, s) of recent rounds.
 

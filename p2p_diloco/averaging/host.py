@@ -25,6 +25,7 @@ from p2p_diloco.averaging.decisions import (
     RoundMeta,
     averager_prefix,
     check_group,
+    quorum_problem,
     commit_decision,
     commit_key,
     grid_version,
@@ -86,6 +87,9 @@ class Contribution:
     None: the config's fixed values (:func:`~p2p_diloco.averaging.linktime.floor_timeouts`)."""
     group_bits: str = ""
     """Grid groups: the group key (:func:`~p2p_diloco.averaging.decisions.grid_group_bits`); empty: the version's."""
+    at_rank: int = 0
+    """The live learners, us included, at our (version, anchor hash) of the fragment when the round started (0:
+    not checked): a group of at most half of them does not commit (:func:`~p2p_diloco.averaging.decisions.quorum_problem`)."""
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,9 @@ class FragmentAveragerHost:
         extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
         decision = check_group(c.meta, metas, self.radial_names, min_group_size=a.min_group_size,
                                weighting=self.cfg.outer.weighting, grid=self.grid)
+        quorum = quorum_problem(len(peers), c.at_rank, a.target_group_size) if decision.ok else None
+        if quorum is not None:
+            decision = Decision(False, quorum)
         averaged: dict[str, torch.Tensor] = {}
         if decision.ok:
             with self.averager.get_tensors() as buffers:

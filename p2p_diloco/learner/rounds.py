@@ -119,8 +119,9 @@ class AveragerLink:
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
         timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, r.window_s)
         doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
+        at_rank = 0 if r.grid else 1 + sum(1 for rank in r.peer_ranks(slot) if tuple(rank) == ours)
         return self.host.start_round(Contribution(meta, tensors, scheduled, r.window_s, doomed=doomed,
-                                                  timeouts=timeouts, group_bits=bits))
+                                                  timeouts=timeouts, group_bits=bits, at_rank=at_rank))
 
     def grid_group(self, round_index: int) -> tuple[str, ...]:
         """Grid groups: our group of this round among the live learners we know of
@@ -220,10 +221,10 @@ class Rounds:
 
     def sync_link_s(self) -> float:
         """Seconds one sync of every fragment takes us (each one's window and link time), from what our rounds
-        measured (0.0: nothing yet; :meth:`LinkHistory.measured`: a link too slow for any round to commit still
-        gets a longer period)."""
-        if not self.link.throughputs and not self.link.failures:
-            return 0.0
+        measured (:meth:`LinkHistory.measured`: a link too slow for any round to commit still gets a longer
+        period); before any round, from the prior link (a run's first period is derived before anything was
+        measured: at the steps' period, 4 s apart, the first rounds of the four fragments overlapped on a
+        0.25 Mbit/s link and none committed)."""
         estimate = self.link.measured()
         tensors_per_name = 3 if self.grid else 1  # grid rounds average the anchor and momentum too
         payloads = [payload_bytes(tensors_per_name * sum(s.anchor[n].numel() for n in s.names), self.cfg.outer.codec)

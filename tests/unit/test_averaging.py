@@ -14,7 +14,7 @@ import torch
 
 from p2p_diloco.averaging.decisions import (
     GRID_KEY_BITS, RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem,
-    grid_group_bits, grid_version, version_group_bits,
+    grid_group_bits, grid_version, quorum_problem, version_group_bits,
 )
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -308,3 +308,19 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
     outcome = host._round(Contribution(meta(weight=10.0), {}, get_dht_time() + 1.0, 1.0))
     assert len(steps) == 1, "the fault did not fire"
     assert not outcome.committed and outcome.reason == "CancelledError: the averager cancelled the step", outcome
+
+
+def test_a_group_of_at_most_half_the_peers_at_its_version_does_not_commit() -> None:
+    # four at the version: two disjoint pairs could both commit it (a fork); three of them cannot be matched twice
+    assert "minority group: 2 of the 4" in (quorum_problem(2, 4) or "")
+    assert quorum_problem(3, 4) is None and quorum_problem(4, 4) is None
+    assert quorum_problem(2, 3) is None and quorum_problem(2, 2) is None  # a pair in a swarm of 2 or 3
+    assert quorum_problem(5, 4) is None  # a member our records did not show yet
+    assert quorum_problem(2, 0) is None  # not checked (grid groups)
+    # groups capped below the peers at the version: several groups a round are the design
+    assert quorum_problem(2, 8, target_group_size=4) is None
+    assert quorum_problem(2, 4, target_group_size=4) is not None
+    # no two disjoint groups can both pass, whatever the sizes
+    for at_rank in range(1, 12):
+        passing = [g for g in range(1, at_rank + 1) if quorum_problem(g, at_rank) is None]
+        assert all(a + b > at_rank for a in passing for b in passing)
