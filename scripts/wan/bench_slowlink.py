@@ -74,12 +74,14 @@ def run_case(case: Case, args: Any, logs: Path, pause: Pause | None) -> dict[str
                                                      steps=0, max_time_s=args.max_time))
             if pause is not None:
                 paused = _pause(procs, names[pause.host], pause, logs / f"{names[pause.host]}.jsonl")
-            finals = procs.wait_finals(names, timeout_s=START_SLACK_S + args.max_time + FINISH_SLACK_S)
+            finals, stopped = procs.finals_or_stop(names, START_SLACK_S + args.max_time + FINISH_SLACK_S,
+                                                   grace_s=FINISH_SLACK_S)
         after = wan.all_counters()
     wire = [netns.byte_delta(b, a)["tx_bytes"] for b, a in zip(before, after)]
     events = [[json.loads(line) for line in (logs / f"{n}.jsonl").read_text().splitlines()] for n in names]
     row = case_metrics(case, args.config, args.overrides, [finals[n] for n in names], events, wire, pause, paused)
-    row.update(qdisc=qdisc, started=started, discard_reasons=discard_reasons(logs, tag, args.hosts))
+    row.update(qdisc=qdisc, started=started, discard_reasons=discard_reasons(logs, tag, args.hosts),
+               stopped_late=[n.removeprefix(f"{tag}-") for n in stopped])
     return row
 
 

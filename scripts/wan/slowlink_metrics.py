@@ -156,6 +156,9 @@ def _f(v: Any, spec: str) -> str:
     return "—" if v is None or v != v else format(v, spec)
 
 
+FINAL_WAIT_NOTE = "by the end of the run's time and its finishing slack"
+
+
 def table(payload: dict[str, Any]) -> str:
     lines = ["| link | committed | anchors | downloads (timed out) | replayed | comm/compute | period s | "
              "median all-reduce s | first contribution s | wire MB/host |",
@@ -178,6 +181,9 @@ def table(payload: dict[str, Any]) -> str:
                          f"{p['replayed_rounds']} rounds ({p['replay_bytes'] / 1e3:.0f} kB) and made "
                          f"{p['downloads']} downloads ({p['download_bytes'] / 1e3:.0f} kB), against "
                          f"{p['full_state_bytes'] / 1e6:.2f} MB for a full download of every fragment.")
+        if r.get("stopped_late"):
+            notes.append(f"- {r['case']}: {', '.join(r['stopped_late'])} had no final line {FINAL_WAIT_NOTE} and "
+                         f"got SIGTERM (a round or download still in flight)")
         if r["discard_reasons"]:
             top = "; ".join(f"{n} × {k}" for k, n in list(r["discard_reasons"].items())[:3])
             notes.append(f"- {r['case']} discarded: {top}")

@@ -96,6 +96,21 @@ class Procs:
                 raise RuntimeError(f"{what}; see the logs in {self.logs}")
             time.sleep(POLL_S)
 
+    def finals_or_stop(self, names: Sequence[str], timeout_s: float, grace_s: float) -> tuple[dict[str, Any], list[str]]:
+        """:meth:`wait_finals`, but a learner still without its final line after ``timeout_s`` gets SIGTERM (it
+        cancels what is in flight and leaves) and ``grace_s`` more; returns the finals and the names stopped so."""
+        try:
+            return self.wait_finals(names, timeout_s), []
+        except RuntimeError:
+            late = [n for n in names if not FINAL_RE.search(self.output(n))]
+            if any(p.poll() is not None for n, p, _, _ in self.procs if n in late):
+                raise  # one exited without a final line: nothing to stop
+        for n, p, _, _ in self.procs:
+            if n in late:
+                log.warning("%s: no final line %.0f s after start; SIGTERM", n, timeout_s)
+                p.send_signal(signal.SIGTERM)
+        return self.wait_finals(names, grace_s), late
+
     def close(self) -> None:
         for _, p, _out, _err in self.procs:
             if p.poll() is None:
