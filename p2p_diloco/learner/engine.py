@@ -200,7 +200,8 @@ class DiLoCo:
     # -------------------------------------------------------------- the end
 
     def finish(self) -> None:
-        """Final rounds for every fragment with unsynced progress, then linger until the live peers agree (at
+        """Final rounds for every fragment with unsynced progress (one after another where together they would
+        not fit the link, :meth:`Rounds.final_rounds_in_turn`), then linger until the live peers agree (at
         most ``linger_s``), then serve newcomers ``serve_s``. After a stop signal: rounds in flight are
         cancelled and nobody is waited for."""
         if self.finished:
@@ -212,9 +213,12 @@ class DiLoCo:
             self.rounds.cancel()
         self.rounds.drain(self.inner_step)
         if not stop.is_set():
+            in_turn = self.rounds.final_rounds_in_turn()
             for sync in self.rounds.syncs:
                 if sync.slot.since_steps > 0:
                     self.rounds.hand_off(sync, self.inner_step)
+                    if in_turn:
+                        self.rounds.drain(self.inner_step)
             self.rounds.drain(self.inner_step)
         self.joined.publisher.update(state="leaving")
         logger.info("lingering up to %.0f s until the live peers agree on the fragment versions %s",

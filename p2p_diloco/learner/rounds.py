@@ -226,11 +226,24 @@ class Rounds:
         measured: at the steps' period, 4 s apart, the first rounds of the four fragments overlapped on a
         0.25 Mbit/s link and none committed)."""
         estimate = self.link.measured()
+        return sync_link_s(*self._one_sync(), estimate, self.window_s)
+
+    def final_rounds_in_turn(self) -> bool:
+        """Should the final rounds (every fragment's, at once at the end) go one after another? Yes where our
+        measured link would take longer than a sender may be silent (``averaging.next_chunk_timeout_s``) to move
+        all of them: each round's deadlines assume the link to itself (at 0.5 Mbit/s the four final rounds at
+        once ended as partial all-reduces). Not before a round was measured."""
+        if not self.link.throughputs:
+            return False
+        return sync_link_s(*self._one_sync(), self.link.measured()) > self.cfg.averaging.next_chunk_timeout_s
+
+    def _one_sync(self) -> tuple[list[float], int]:
+        """One sync of every fragment: each round's wire payload (bytes) and the group it will likely have."""
         tensors_per_name = 3 if self.grid else 1  # grid rounds average the anchor and momentum too
         payloads = [payload_bytes(tensors_per_name * sum(s.anchor[n].numel() for n in s.names), self.cfg.outer.codec)
                     for s in self.slots]
         group = expected_group_size(max((len(self.peer_ranks(s)) for s in self.slots), default=0), self.cfg.averaging)
-        return sync_link_s(payloads, group, estimate, self.window_s)
+        return payloads, group
 
     def advertise(self) -> None:
         """Advertise every fragment's anchor as donor priority and vouch for it (at the start, after a verified
