@@ -313,6 +313,14 @@ def check_group(own: RoundMeta, members: Sequence[RoundMeta], radial_names: Sequ
     return Decision(True)
 
 
+def peers_at_rank(ours: tuple[int, str], peers: Sequence[tuple[int, str]]) -> int:
+    """The live learners at our (version, anchor hash) of a fragment, us included, for :func:`quorum_problem`: the
+    peers whose records show it, and those whose records show the version before it (a record is republished only
+    every heartbeat: just after a round, the peers that committed it still show the version it started from --
+    measured, two pairs each counted only themselves and both committed)."""
+    return 1 + sum(1 for version, anchor in peers if (version, anchor) == ours or version == ours[0] - 1)
+
+
 def quorum_problem(group_size: int, at_rank: int, target_group_size: int = 0) -> str | None:
     """Why a sound group of ``group_size`` members must still not commit, or None. ``at_rank``: the live learners,
     us included, whose records show them at our (version, anchor hash) of the fragment (0: not checked).

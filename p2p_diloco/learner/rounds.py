@@ -31,6 +31,7 @@ from p2p_diloco.averaging.decisions import (
     anchor_order,
     grid_group_bits,
     is_ahead,
+    peers_at_rank,
     relative_distance,
     round_is_doomed,
 )
@@ -119,7 +120,7 @@ class AveragerLink:
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
         timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, r.window_s)
         doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
-        at_rank = 0 if r.grid else 1 + sum(1 for rank in r.peer_ranks(slot) if tuple(rank) == ours)
+        at_rank = 0 if r.grid else peers_at_rank(ours, r.peer_ranks(slot))
         return self.host.start_round(Contribution(meta, tensors, scheduled, r.window_s, doomed=doomed,
                                                   timeouts=timeouts, group_bits=bits, at_rank=at_rank))
 

@@ -14,7 +14,7 @@ import torch
 
 from p2p_diloco.averaging.decisions import (
     GRID_KEY_BITS, RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem,
-    grid_group_bits, grid_version, quorum_problem, version_group_bits,
+    grid_group_bits, grid_version, peers_at_rank, quorum_problem, version_group_bits,
 )
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -324,3 +324,13 @@ def test_a_group_of_at_most_half_the_peers_at_its_version_does_not_commit() -> N
     for at_rank in range(1, 12):
         passing = [g for g in range(1, at_rank + 1) if quorum_problem(g, at_rank) is None]
         assert all(a + b > at_rank for a in passing for b in passing)
+
+
+def test_peers_at_the_version_count_the_ones_whose_records_lag_one_round() -> None:
+    ours = (3, "aa")
+    assert peers_at_rank(ours, []) == 1
+    # two at our rank, two whose records still show v2 (they committed v3 with us, or are one behind): all count
+    assert peers_at_rank(ours, [(3, "aa"), (3, "aa"), (2, "xx"), (2, "yy")]) == 5
+    # another anchor at our version (a fork), further behind, ahead: not at our rank
+    assert peers_at_rank(ours, [(3, "bb"), (1, "aa"), (4, "cc")]) == 1
+    assert quorum_problem(2, peers_at_rank(ours, [(3, "aa"), (2, "zz"), (2, "zz")])) is not None
