@@ -199,16 +199,17 @@ def floor_timeouts(cfg: AveragingConfig) -> RoundTimeouts:
                          allreduce_timeout_s=cfg.allreduce_timeout_s)
 
 
-def join_s(link: LinkEstimate) -> float:
+def join_s(link: LinkEstimate, bytes_to_move: float) -> float:
     """How long a join request may take on ``link``: its round trips, and one streamed chunk of a concurrent
-    transfer ahead of it in a queue (see the module docstring)."""
-    return JOIN_ROUND_TRIPS * link.rtt_s + STATE_CHUNK_BYTES / link.throughput_Bps
+    transfer ahead of it in a queue (see the module docstring) -- no more than the round's own ``bytes_to_move``:
+    the concurrent transfers are rounds like it, and on small payloads the throughput measured is mostly latency."""
+    return JOIN_ROUND_TRIPS * link.rtt_s + min(STATE_CHUNK_BYTES, bytes_to_move) / link.throughput_Bps
 
 
-def link_window_s(link: LinkEstimate, cfg: AveragingConfig) -> float:
-    """The shortest matchmaking window ``link`` allows: one whose request timeout share holds :func:`join_s`
-    (within ``[window_min_s, window_max_s]``)."""
-    return min(cfg.window_max_s, max(cfg.window_min_s, join_s(link) / REQUEST_WINDOW_SHARE))
+def link_window_s(link: LinkEstimate, cfg: AveragingConfig, bytes_to_move: float) -> float:
+    """The shortest matchmaking window ``link`` allows for rounds moving ``bytes_to_move``: one whose request
+    timeout share holds :func:`join_s` (within ``[window_min_s, window_max_s]``)."""
+    return min(cfg.window_max_s, max(cfg.window_min_s, join_s(link, bytes_to_move) / REQUEST_WINDOW_SHARE))
 
 
 def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfig,
@@ -229,7 +230,7 @@ def round_timeouts(bytes_to_move: float, link: LinkEstimate, cfg: AveragingConfi
     sender_s = bounded(SILENCE_SAFETY * transfer_s, floor.sender_timeout_s)
     request_cap_s = max(floor.request_timeout_s, REQUEST_WINDOW_SHARE * max(cfg.window_min_s, window_s))
     return RoundTimeouts(
-        request_timeout_s=min(max(join_s(link), floor.request_timeout_s), request_cap_s),
+        request_timeout_s=min(max(join_s(link, bytes_to_move), floor.request_timeout_s), request_cap_s),
         sender_timeout_s=sender_s,
         reducer_timeout_s=REDUCER_OVER_SENDER * sender_s,
         allreduce_timeout_s=bounded(ALLREDUCE_SAFETY * transfer_s, floor.allreduce_timeout_s),

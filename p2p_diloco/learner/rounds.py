@@ -218,7 +218,9 @@ class Rounds:
     def window_s(self) -> float:
         """The next round's matchmaking window: what the arrival spreads call for, and at least what the link
         needs for a join request (:func:`link_window_s`)."""
-        return max(self.spread_window_s, link_window_s(self.link.measured(), self.cfg.averaging))
+        payloads, group = self._one_sync()
+        moved = max((allreduce_bytes(p, group) for p in payloads), default=0.0)
+        return max(self.spread_window_s, link_window_s(self.link.measured(), self.cfg.averaging, moved))
 
     def sync_link_s(self) -> float:
         """Seconds one sync of every fragment takes us (each one's window and link time), from what our rounds

@@ -87,7 +87,8 @@ def test_a_learner_without_v_after_a_kill_9_and_a_sigterm(tmp_path: Path) -> Non
     failed = [line for line in err["quiet"] if "averaging round failed" in line]
     assert failed and all(" [WARN] " in line for line in failed), err["quiet"]
     assert not [line for line in err["quiet"] if " INFO " in line or re.search(r"round f\d", line)], err["quiet"]
-    assert not [line for line in err["quiet"] if "ERROR" in line or "Traceback" in line
+    # the ERROR level, not the word: a failed round's warning may quote a peer's INTERNAL_ERROR answer
+    assert not [line for line in err["quiet"] if re.search(r"\[ERROR\]| ERROR ", line) or "Traceback" in line
                 or re.search(r"received [\d.]+%", line)], err["quiet"]
     assert all(line.startswith("p2p-diloco: SIGTERM") or " [WARN] " in line or " WARNING " in line
                for line in err["quiet"]), err["quiet"]

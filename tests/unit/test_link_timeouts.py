@@ -61,7 +61,7 @@ def test_a_slow_link_gets_timeouts_proportional_to_bytes_over_throughput_plus_rt
     far = round_timeouts(moved, LinkEstimate(SLOW.throughput_Bps, 0.18), CFG)
     assert far.sender_timeout_s == pytest.approx(t.sender_timeout_s + SILENCE_SAFETY * LATENCY_ROUND_TRIPS * 0.08)
     chunk_s = STATE_CHUNK_BYTES / SLOW.throughput_Bps  # a join request may queue behind one chunk of data
-    assert t.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.1 + chunk_s) == pytest.approx(join_s(SLOW))
+    assert t.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.1 + chunk_s) == pytest.approx(join_s(SLOW, moved))
     assert far.request_timeout_s == REQUEST_WINDOW_SHARE * CFG.window_min_s  # 0.98 s: capped by the 1 s window
     wide = round_timeouts(moved, LinkEstimate(SLOW.throughput_Bps, 0.18), CFG, window_s=2.0)
     assert wide.request_timeout_s == pytest.approx(JOIN_ROUND_TRIPS * 0.18 + chunk_s)  # a 2 s window holds it
@@ -185,14 +185,16 @@ def test_a_state_download_gets_silence_and_budget_from_its_bytes() -> None:
 
 def test_the_window_grows_to_hold_a_join_request_on_a_slow_deep_queued_link() -> None:
     half_mbit = LinkEstimate(throughput_Bps=31_000.0, rtt_s=0.3)  # what 4 hosts measured at 0.5 Mbit/s, 1 s queue
-    window = link_window_s(half_mbit, CFG)
+    window = link_window_s(half_mbit, CFG, 1e5)
     assert window == pytest.approx((JOIN_ROUND_TRIPS * 0.3 + STATE_CHUNK_BYTES / 31_000.0) / REQUEST_WINDOW_SHARE)
     assert CFG.window_min_s < window < CFG.window_max_s
     t = round_timeouts(1e5, half_mbit, CFG, window_s=window)
-    assert t.request_timeout_s == pytest.approx(join_s(half_mbit))
+    assert t.request_timeout_s == pytest.approx(join_s(half_mbit, 1e5))
     assert t.request_timeout_s < window  # hivemind needs it below the window
-    assert link_window_s(FAST, CFG) == CFG.window_min_s  # a fast link: the adaptive window alone decides
-    assert link_window_s(LinkEstimate(100.0, 5.0), CFG) == CFG.window_max_s  # capped
+    assert link_window_s(FAST, CFG, 1e5) == CFG.window_min_s  # a fast link: the adaptive window alone decides
+    assert link_window_s(LinkEstimate(100.0, 5.0), CFG, 1e5) == CFG.window_max_s  # capped
+    # a small payload queues behind no more than its own bytes
+    assert join_s(half_mbit, 1e4) == pytest.approx(JOIN_ROUND_TRIPS * 0.3 + 1e4 / 31_000.0)
 
 
 def test_one_sync_takes_every_fragments_window_and_link_time() -> None:
