@@ -106,11 +106,12 @@ class AveragerLink:
                 tensors = {**offer.tensors, **{ANCHOR_TENSOR + n: slot.anchor[n].clone() for n in slot.names},
                            **{MOMENTUM_TENSOR + n: slot.state.momentum[n].clone() if n in slot.state.momentum
                               else torch.zeros_like(slot.anchor[n]) for n in slot.names}}
+        window_s = r.window_s  # derived from the link and the fragments' sizes: once per round
         if boundary is not None:
-            scheduled = max((boundary if boundary <= now else now) + r.window_s,
+            scheduled = max((boundary if boundary <= now else now) + window_s,
                             now + r.cfg.averaging.request_timeout_s)
         else:
-            scheduled = now + r.window_s
+            scheduled = now + window_s
         meta = RoundMeta(fragment=offer.fragment, version=offer.version, anchor=offer.anchor_hash,
                          config=r.config_hash, tokens=offer.tokens, steps=offer.steps, weight=offer.weight,
                          due=now, norms=offer.norms)
@@ -118,10 +119,10 @@ class AveragerLink:
         slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
         payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
-        timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, r.window_s)
+        timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, window_s)
         doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
         at_rank = 0 if r.grid else peers_at_rank(ours, r.peer_ranks(slot))
-        return self.host.start_round(Contribution(meta, tensors, scheduled, r.window_s, doomed=doomed,
+        return self.host.start_round(Contribution(meta, tensors, scheduled, window_s, doomed=doomed,
                                                   timeouts=timeouts, group_bits=bits, at_rank=at_rank))
 
     def grid_group(self, round_index: int) -> tuple[str, ...]:
@@ -218,7 +219,9 @@ class Rounds:
     def window_s(self) -> float:
         """The next round's matchmaking window: what the arrival spreads call for, and at least what the link
         needs for a join request (:func:`link_window_s`)."""
-        payloads, group = self._one_sync()
+        return self._window_for(*self._one_sync())
+
+    def _window_for(self, payloads: list[float], group: int) -> float:
         moved = max((allreduce_bytes(p, group) for p in payloads), default=0.0)
         return max(self.spread_window_s, link_window_s(self.link.measured(), self.cfg.averaging, moved))
 
@@ -230,8 +233,8 @@ class Rounds:
         while on a 0.25 Mbit/s link the first rounds overlap either way."""
         if not self.link.throughputs and not self.link.failures:
             return 0.0
-        estimate = self.link.measured()
-        return sync_link_s(*self._one_sync(), estimate, self.window_s)
+        payloads, group = self._one_sync()
+        return sync_link_s(payloads, group, self.link.measured(), self._window_for(payloads, group))
 
     def final_rounds_in_turn(self) -> bool:
         """Should the final rounds (every fragment's, at once at the end) go one after another? Yes where our
