@@ -192,6 +192,14 @@ class RoundMeta:
         d["norms"] = {str(k): float(v) for k, v in self.norms.items()}
         return d
 
+    def check_outgoing(self) -> None:
+        """Raise ``ValueError`` unless our own metadata passes the rule every peer applies to it
+        (:meth:`from_wire`): nothing a peer would refuse as malformed is ever sent."""
+        try:
+            RoundMeta.from_wire(self.to_wire())
+        except PeerDataError as e:
+            raise ValueError(f"our round metadata would be refused by every peer: {e}") from e
+
     @classmethod
     def from_wire(cls, value: Any) -> "RoundMeta":
         """Strict parse of a peer's gathered metadata; raises :class:`~p2p_diloco.core.rejects.PeerDataError`

@@ -28,6 +28,7 @@ from p2p_diloco.core import data, events, fragments, outer
 from p2p_diloco.core.devices import to_host
 from p2p_diloco.core.model import build_model as model_of
 from p2p_diloco.core.model import unwrapped
+from p2p_diloco.learner import checks
 from p2p_diloco.learner.metrics import open_event_log
 from p2p_diloco.learner.options import SyncOptions, check_supported
 from p2p_diloco.learner.rounds import Rounds, start_averagers
@@ -64,12 +65,15 @@ def training_batches(config: Config, seed: int) -> Iterator[tuple[torch.Tensor, 
     return splits.train_batches(None, config.inner.batch_size, config.model.block_size, seed)
 
 
-def check_start(model: torch.nn.Module, cfg: Config) -> None:
+def check_start(model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
     """Raise ``ValueError`` (one line) unless ``model``'s parameters are the run's seeded start: the names,
-    shapes and values :func:`~p2p_diloco.core.model.build_model` gives every peer. Peers must share the first
-    anchor; a model built some other way would average its progress into anchors that are not its own."""
+    shapes and values :func:`~p2p_diloco.core.model.build_model` gives every peer, compared in the model's own
+    precision and on the host (a bf16 model is the start when it holds the start rounded to bf16). Peers must share
+    the first anchor; a model built some other way would average its progress into anchors that are not its own.
+    Returns the start's parameters (fp32, on the CPU): the first anchors, the same on every peer whatever the
+    model's dtype."""
     ours = dict(unwrapped(model).named_parameters())
-    start = dict(build_model(cfg).named_parameters())
+    start = {n: p.detach() for n, p in build_model(cfg).named_parameters()}
     if ours.keys() != start.keys():
         odd = sorted(ours.keys() ^ start.keys())
         raise ValueError(f"model: its parameters are not the run's model ({len(ours)} vs {len(start)}; e.g. "
@@ -78,9 +82,12 @@ def check_start(model: torch.nn.Module, cfg: Config) -> None:
         if p.shape != start[name].shape:
             raise ValueError(f"model: parameter {name} has shape {tuple(p.shape)}, the run's model "
                              f"{tuple(start[name].shape)}: build it with p2p_diloco.build_model(config)")
-        if not torch.equal(p.detach().to("cpu", torch.float32), start[name].detach()):
+        if not p.is_floating_point():
+            raise ValueError(f"model: parameter {name} is {p.dtype}, not a floating-point tensor")
+        if not torch.equal(p.detach().to("cpu"), start[name].to(p.dtype)):
             raise ValueError(f"model: parameter {name} is not the run's seeded start (every peer begins from the same "
                              f"weights): build the model with p2p_diloco.build_model(config), before any step")
+    return start
 
 
 class DiLoCo:
@@ -94,18 +101,19 @@ class DiLoCo:
                  options: SyncOptions | None = None, *, check_model: bool = True) -> None:
         cfg = swarm.config
         check_supported(cfg)
-        if check_model:
-            check_start(model, cfg)
+        params = dict(unwrapped(model).named_parameters())
+        checks.check_optimizer(params, optimizer)
+        start = check_start(model, cfg) if check_model else params
         self.cfg, self.opts, self.swarm = cfg, options or SyncOptions(), swarm
         self.joined, self.local = swarm.joined, swarm.local
         self.model, self.opt = model, optimizer
-        self.params = dict(unwrapped(model).named_parameters())
+        self.params = params
         o = cfg.outer
         self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
         self.slots: list[FragmentSlot] = []
         for frag in fragments.make_fragments({n: p.numel() for n, p in self.params.items()}, o.fragments,
                                              fragments.block_map(unwrapped(model))):
-            anchor = to_host(self.params, frag.names)
+            anchor = to_host(start, frag.names)  # the run's fp32 start, also for a bf16 model that holds it rounded
             self.slots.append(FragmentSlot(frag.index, frag.names, anchor, anchor_hash=anchor_hash(anchor)))
         hosts = start_averagers(cfg, self.slots, {n: p.shape for n, p in self.params.items()}, self.joined.dht,
                                 self.joined.private_key, swarm.membership)
@@ -159,6 +167,8 @@ class DiLoCo:
         (unless ``blocking``)."""
         if self.finished or self.closed:
             raise RuntimeError("DiLoCo.step after finish() or close(): this engine has left the swarm's rounds")
+        tokens = checks.check_count(tokens, "tokens")  # before anything counts it: peers refuse a round of any other
+        loss = checks.check_loss(loss)
         if not self.training:
             self.start()
         self.inner_step += 1
@@ -272,23 +282,19 @@ class DiLoCo:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (of this run: the config hash must match), then advertise the anchors and
-        vouch for them. Load the model's weights and the optimizer's state too: the engine does not."""
-        if state.get("config_hash") != self.local.config_hash:
-            raise ValueError(f"state_dict: of config hash {state.get('config_hash')}, not this run's "
-                             f"{self.local.config_hash}")
-        if len(state["fragments"]) != len(self.slots):
-            raise ValueError(f"state_dict: {len(state['fragments'])} fragments, this run has {len(self.slots)}")
-        for slot, frag in zip(self.slots, state["fragments"]):
-            if set(frag["anchor"]) != set(slot.names):
-                raise ValueError(f"state_dict: fragment {slot.index} holds other tensors than this model's")
+        vouch for them. The whole state is checked first (keys, shapes, fp32, finite values, non-negative counts:
+        :func:`~p2p_diloco.learner.checks.check_state`), then every fragment is replaced, or none. Load the model's
+        weights and the optimizer's state too: the engine does not."""
+        checked = checks.check_state(state, self.local.config_hash, [s.names for s in self.slots],
+                                     {n: p.shape for n, p in self.params.items()})
+        for slot, frag in zip(self.slots, checked.fragments):
             with slot.lock:
-                slot.anchor = {n: frag["anchor"][n].clone() for n in slot.names}
-                slot.state = outer.OuterState(momentum={n: t.clone() for n, t in frag["momentum"].items()},
-                                              version=int(frag["version"]))
+                slot.anchor = frag.anchor
+                slot.state = outer.OuterState(momentum=frag.momentum, version=frag.version)
                 slot.anchor_hash = anchor_hash(slot.anchor)
-                slot.since_tokens, slot.since_steps = int(frag["since_tokens"]), int(frag["since_steps"])
+                slot.since_tokens, slot.since_steps = frag.since_tokens, frag.since_steps
                 slot.restored = True
-        self.inner_step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.inner_step, self.tokens = checked.step, checked.tokens
         self.rounds.advertise()
 
     @property

@@ -115,6 +115,7 @@ class AveragerLink:
         meta = RoundMeta(fragment=offer.fragment, version=offer.version, anchor=offer.anchor_hash,
                          config=r.config_hash, tokens=offer.tokens, steps=offer.steps, weight=offer.weight,
                          due=now, norms=offer.norms)
+        meta.check_outgoing()  # raised on the training thread: nothing malformed reaches the wire
         faults.hit("before-send", offer.fragment)
         slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
         payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
