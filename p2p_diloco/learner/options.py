@@ -28,6 +28,7 @@ JSON line (anchor hashes, eval loss of the anchors before and after, rounds, blo
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -157,6 +158,31 @@ class SyncOptions:
     our learner stops training when it runs out (the wait and the start-up count too)."""
     started_at: float = field(default_factory=time.monotonic)
     """When the unit started (monotonic): time to first contribution is measured from here."""
+
+    def __post_init__(self) -> None:
+        """One line naming the first field that is not of its type and range (``TypeError`` / ``ValueError``)."""
+        if self.events_path is not None and not isinstance(self.events_path, Path):
+            if not isinstance(self.events_path, str):
+                raise TypeError(f"SyncOptions.events_path must be a path or None, got {type(self.events_path).__name__}")
+            object.__setattr__(self, "events_path", Path(self.events_path))
+        if not isinstance(self.metrics, (tuple, list)) or not all(isinstance(m, MetricsSpec) for m in self.metrics):
+            raise TypeError("SyncOptions.metrics must be a tuple of MetricsSpec (p2p_diloco.learner.metrics)")
+        object.__setattr__(self, "metrics", tuple(self.metrics))
+        if not isinstance(self.wait_peers, int) or isinstance(self.wait_peers, bool):
+            raise TypeError(f"SyncOptions.wait_peers must be an int, got {type(self.wait_peers).__name__}")
+        if self.wait_peers < 0:
+            raise ValueError(f"SyncOptions.wait_peers must be >= 0, got {self.wait_peers}")
+        if not isinstance(self.blocking, bool):
+            raise TypeError(f"SyncOptions.blocking must be a bool, got {type(self.blocking).__name__}")
+        for name, positive in (("wait_peers_timeout_s", True), ("wait_peers_report_s", True), ("linger_s", False),
+                               ("status_period_s", True), ("view_period_s", True), ("serve_s", False),
+                               ("max_time_s", False), ("started_at", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"SyncOptions.{name} must be a number of seconds, got {type(value).__name__}")
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"SyncOptions.{name} must be a finite number of seconds "
+                                 f"{'> 0' if positive else '>= 0'}, got {value}")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ the fragments, our counts or the wire; a restore that fails applies nothing. On 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -205,3 +206,24 @@ def test_check_count_and_check_loss_are_pure() -> None:
     assert checks.check_loss(None) is None and checks.check_loss(2) == 2.0
     with pytest.raises(TypeError, match="n must be a non-negative int, got NoneType"):
         checks.check_count(None, "n")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "expected"), [
+    ({"linger_s": -5}, ValueError, r"SyncOptions.linger_s must be a finite number of seconds >= 0, got -5"),
+    ({"status_period_s": 0}, ValueError, r"status_period_s must be a finite number of seconds > 0"),
+    ({"view_period_s": float("inf")}, ValueError, "view_period_s must be a finite"),
+    ({"serve_s": "10"}, TypeError, "serve_s must be a number of seconds, got str"),
+    ({"wait_peers": 1.5}, TypeError, "wait_peers must be an int, got float"),
+    ({"wait_peers": -1}, ValueError, "wait_peers must be >= 0"),
+    ({"blocking": 1}, TypeError, "blocking must be a bool"),
+    ({"events_path": 3}, TypeError, "events_path must be a path or None"),
+    ({"metrics": ["tensorboard:x"]}, TypeError, "metrics must be a tuple of MetricsSpec"),
+])
+def test_sync_options_refuse_what_is_out_of_type_or_range(kwargs: dict[str, Any], error: type[Exception],
+                                                          expected: str) -> None:
+    from p2p_diloco import SyncOptions
+
+    with pytest.raises(error, match=expected) as e:
+        SyncOptions(**kwargs)
+    one_line(e)
+    assert SyncOptions(events_path="e.jsonl").events_path == Path("e.jsonl")  # type: ignore[arg-type]
