@@ -87,6 +87,11 @@ class Swarm:
                 from p2p_diloco.net.membership import Membership
 
                 membership = Membership(joined.dht, local)
+            # our record stays alive from here to close(), however long the model and the data take to build: a
+            # record not refreshed for 2/3 of its TTL lets another peer take our name; DiLoCo's status thread takes
+            # the heartbeat over while it runs (RecordPublisher.hand_over)
+            joined.publisher.start()
+            stack.callback(joined.publisher.stop)
         except BaseException:
             stack.close()
             raise

@@ -166,6 +166,8 @@ class SwarmView:
         return list(self._anchors)
 
     def start(self) -> None:
+        """Start the status thread; the swarm's record keep-alive leaves the heartbeat to it while it runs."""
+        self.learner.joined.publisher.hand_over(self._thread)
         self._thread.start()
 
     def stop(self) -> None:

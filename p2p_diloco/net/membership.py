@@ -19,6 +19,7 @@ writing this module are marked "verified here".
 from __future__ import annotations
 
 import logging
+import math
 import re
 import socket
 import threading
@@ -417,11 +418,18 @@ def index_due(now: float, sent: tuple[float, IndexEntry] | None, entry: IndexEnt
     return sent is None or replace(entry, time=0.0) != sent[1] or now - sent[0] >= ttl_s
 
 
+KEEP_ALIVE_POLL_S = 1.0
+"""Seconds between two looks of the record keep-alive at the thread it handed the heartbeat over to (is it still
+running?)."""
+
+
 class RecordPublisher:
-    """Publishes this peer's record every ``ttl_s / 3`` s in a thread; a tombstone on :meth:`leave`.
+    """Publishes this peer's record every ``ttl_s / 3`` s in a thread (:meth:`start`); a tombstone on :meth:`leave`.
 
     A record that is not refreshed disappears ``ttl_s`` after its last publication (crash, kill -9,
     lost network). The tombstone outlives it by ``tombstone_ttl_s`` so ``status`` can say who left.
+    The thread is a keep-alive: it publishes only when nobody has for ``ttl_s / 3`` s, and not at all while the
+    thread given to :meth:`hand_over` runs (the learner's status thread, which publishes on its own schedule).
     """
 
     def __init__(self, dht: DHT, private_key: SigningKey, record: PeerRecord,
@@ -438,6 +446,10 @@ class RecordPublisher:
         self.failures = 0
         self._index_sent: tuple[float, IndexEntry] | None = None
         """(DHT time, entry without its time) of the last index entry stored."""
+        self._published_at = -math.inf
+        """Monotonic time of the last publish begun, by any thread (the keep-alive counts from it)."""
+        self._owner: threading.Thread | None = None
+        """The thread that publishes the heartbeat while it runs (:meth:`hand_over`)."""
 
     @property
     def record(self) -> PeerRecord:
@@ -452,6 +464,7 @@ class RecordPublisher:
     def publish(self, record: PeerRecord | None = None, ttl_s: float | None = None) -> bool:
         """Store the record now, and its index entry when :func:`index_due`; True if some DHT node accepted
         each store."""
+        self._published_at = time.monotonic()
         now = get_dht_time()
         record = replace(record or self.record, time=now)
         index_ttl_s = ttl_s if ttl_s is not None else INDEX_TTL_FACTOR * self.ttl_s  # a tombstone's: its own
@@ -491,8 +504,21 @@ class RecordPublisher:
             retry_interval_s = min(2 * retry_interval_s, 8.0)
 
     def start(self) -> None:
+        """Start the keep-alive thread (a joined :class:`~p2p_diloco.learner.swarm.Swarm`'s, from join to leave)."""
         self._thread = threading.Thread(target=self._loop, name="record-publisher", daemon=True)
         self._thread.start()
+
+    def hand_over(self, owner: threading.Thread) -> None:
+        """The heartbeat is ``owner``'s while it runs: the keep-alive thread publishes nothing then (two threads
+        would each store the record every period). When ``owner`` ends (stopped, or died on an error), the
+        keep-alive takes the heartbeat back, a period after the last publish."""
+        self._owner = owner
+
+    def stop(self) -> None:
+        """Stop the keep-alive thread without a tombstone (:meth:`leave` publishes one). Idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.store_timeout_s)
 
     @property
     def period_s(self) -> float:
@@ -507,15 +533,18 @@ class RecordPublisher:
             log_handled(logger, "heartbeat failed; retrying in %.1f s", self.period_s)
             return False
 
+    def _owned(self) -> bool:
+        return self._owner is not None and self._owner.is_alive()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.beat()
+        while not self._stop.wait(KEEP_ALIVE_POLL_S if self._owned() else
+                                  max(0.0, self._published_at + self.period_s - time.monotonic())):
+            if not self._owned() and time.monotonic() - self._published_at >= self.period_s:
+                self.beat()
 
     def leave(self) -> bool:
         """Stop the heartbeat and publish a tombstone (state ``left``)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.store_timeout_s)
+        self.stop()
         return self.publish_within(self.store_timeout_s, record=tombstone(self.record, get_dht_time()),
                                    ttl_s=self.tombstone_ttl_s)
 

@@ -228,3 +228,49 @@ def test_publish_within_gives_up_at_its_deadline(tmp_path: Path) -> None:
     pub = _publisher(dht, tmp_path)
     assert not pub.publish_within(deadline_s=0.2, retry_interval_s=0.05)
     assert 1 <= pub.failures <= 5
+
+
+
+class _RecordDHT(_FlakyDHT):
+    """A DHT that accepts every store and counts those of peer records (``records``), index entries aside."""
+
+    def __init__(self) -> None:
+        super().__init__(refusals=0)
+        self.records = 0
+
+    def store(self, *args: object, **kwargs: object) -> Future[bool]:
+        from p2p_diloco.net.records import INDEX_KEYS
+
+        self.records += args[0] not in INDEX_KEYS
+        return super().store(*args, **kwargs)
+
+
+def test_the_keep_alive_refreshes_the_record_until_it_hands_over_and_again_after(tmp_path: Path) -> None:
+    """A joined Swarm's record keep-alive (issue 49: a Swarm alone let its record lapse until DiLoCo.start): it
+    publishes every ttl/3 s, nothing while the status thread it handed over to runs, and again once that ends."""
+    import threading
+    import time
+
+    dht = _RecordDHT()
+    pub = _publisher(dht, tmp_path)  # ttl 3 s: a heartbeat every 1 s
+    pub.start()
+    try:
+        time.sleep(2.5)
+        assert 2 <= dht.records <= 3, dht.records  # at 0, 1 and 2 s (a busy machine may be late)
+        done = threading.Event()
+        status = threading.Thread(target=done.wait)
+        pub.hand_over(status)
+        status.start()
+        pub.publish()  # the status thread's own heartbeat
+        during = dht.records
+        time.sleep(2.5)
+        assert dht.records == during  # two periods: the keep-alive stored nothing beside it
+        done.set()
+        status.join()
+        time.sleep(1.6)  # a period after the last publish, and the keep-alive's look at the thread
+        assert dht.records > during
+    finally:
+        pub.stop()
+    stopped = dht.calls
+    time.sleep(1.2)
+    assert dht.calls == stopped
