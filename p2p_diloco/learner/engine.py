@@ -145,6 +145,8 @@ class DiLoCo:
         """Look at the swarm (download what a peer is ahead on), start the status thread, wait for
         ``wait_peers`` and align our schedule; :meth:`step` calls it if the loop did not. ``stop``, set (a
         signal), ends the waits and makes :meth:`finish` cancel the rounds in flight."""
+        if self.finished or self.closed:
+            raise RuntimeError("DiLoCo.start after finish() or close(): this engine has left the swarm's rounds")
         if stop is not None:
             self._stop = stop
         if self.opts.wait_peers <= 1:
