@@ -46,8 +46,12 @@ class Swarm:
         for :func:`~p2p_diloco.core.config.load_config`); None fetches the config of the run in the DHT (``run_id``
         picks one when several are there) and verifies it against the hash its peers announce. ``swarm_key``:
         a private swarm's secret (its bytes, or the file ``p2p-diloco keygen`` wrote); ``identity``: a key file
-        for a stable peer id (created if missing; default a fresh key). Raises ``ValueError`` (one line) for bad
-        input, a run that refuses us (another config hash, a name taken) or peers that cannot be reached."""
+        for a stable peer id (created if missing; default a fresh key). Raises ``TypeError`` (one line, naming the
+        argument) for an argument of the wrong type, and ``ValueError`` (one line) for a bad value, a run that
+        refuses us (another config hash, a name taken) or peers that cannot be reached."""
+        _check_types(config=config, run_id=run_id, name=name, swarm_key=swarm_key, identity=identity, host=host,
+                     port=port, join_timeout_s=join_timeout_s, profile=profile)
+        initial_peers, announce = _multiaddrs("initial_peers", initial_peers), _multiaddrs("announce", announce)
         opts = _swarm_options(initial_peers, swarm_key, identity, host, port, announce, join_timeout_s)
         return cls._join(opts, config, run_id, name, profile)
 
@@ -142,6 +146,44 @@ class Swarm:
             return
         self.closed = True
         self._stack.__exit__(kind, error, tb)
+
+
+_ARGUMENT_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "config": ((str, Path), "a Config, a TOML file's path, a bundled config's name, or None"),
+    "run_id": ((str,), "a str or None"),
+    "name": ((str,), "a str"),
+    "swarm_key": ((bytes, str, Path), "bytes (the secret), the path of a key file, or None"),
+    "identity": ((str, Path), "the path of a key file, or None"),
+    "host": ((str,), "a str (an IP address or a host name)"),
+    "port": ((int,), "an int (0: any free port)"),
+    "join_timeout_s": ((int, float), "a number of seconds"),
+    "profile": ((str,), "a str"),
+}
+"""What each of :meth:`Swarm.join`'s arguments may be (None too where the words say so; a ``config`` may also be a
+:class:`~p2p_diloco.core.config.Config`), and the words a ``TypeError`` says it with."""
+
+
+def _check_types(**arguments: Any) -> None:
+    """Raise ``TypeError`` (one line, naming the argument and what it must be) for an argument of
+    :meth:`Swarm.join` of the wrong type: ``config=42`` is a wrong type, not a bad config (bools are no numbers)."""
+    from p2p_diloco.core.config import Config
+
+    for name, value in arguments.items():
+        types, what = _ARGUMENT_TYPES[name]
+        if value is None and "None" in what or name == "config" and isinstance(value, Config):
+            continue
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise TypeError(f"{name}: must be {what}, got {type(value).__name__} {value!r:.60}")
+
+
+def _multiaddrs(name: str, value: Any) -> list[str]:
+    """``value`` (one multiaddr, or an iterable of them) as a list; ``TypeError`` (one line) for anything else."""
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, Iterable) and not isinstance(
+        value, (bytes, dict)) else None
+    if items is None or not all(isinstance(i, str) for i in items):
+        raise TypeError(f"{name}: must be multiaddrs (a list of str, or one str), got {type(value).__name__} "
+                        f"{value!r:.60}")
+    return items
 
 
 def _swarm_options(initial_peers: Iterable[str], swarm_key: bytes | str | Path | None, identity: str | Path | None,

@@ -3,10 +3,12 @@ clear line, before it touches shared state."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from p2p_diloco import build_model
+from p2p_diloco import Swarm, build_model
 from p2p_diloco.core.config import Config
 from test_engine import cfg, engine  # noqa: F401  (cfg: a fixture)
 
@@ -19,3 +21,32 @@ def test_start_after_close_is_a_clear_error(cfg: Config) -> None:  # noqa: F811
         with pytest.raises(RuntimeError, match=r"^DiLoCo.start after finish\(\) or close\(\)"):
             d.start()
         assert not d.view._thread.is_alive()  # nothing was started
+
+
+PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWG2rGRLwZHVBC2UGmDu2NUmW4JmQtR8jn7vaiURxKPUVK"
+
+
+@pytest.mark.parametrize(("peers", "kwargs", "expected"), [
+    ([PEER], {"config": 42}, "config: must be a Config, a TOML file's path, a bundled config's name, or None, got int 42"),
+    ([PEER], {"swarm_key": 12345}, "swarm_key: must be bytes (the secret), the path of a key file, or None, got int"),
+    ([PEER], {"identity": 7}, "identity: must be the path of a key file, or None, got int"),
+    ([PEER], {"name": 5}, "name: must be a str, got int"),
+    ([PEER], {"port": "31337"}, "port: must be an int"),
+    ([PEER], {"port": True}, "port: must be an int (0: any free port), got bool"),
+    ([PEER], {"join_timeout_s": "10"}, "join_timeout_s: must be a number of seconds, got str"),
+    (42, {}, "initial_peers: must be multiaddrs (a list of str, or one str), got int"),
+    ([PEER, 1], {}, "initial_peers: must be multiaddrs"),
+    ([PEER], {"announce": b"/ip4/10.0.0.1/tcp/4000"}, "announce: must be multiaddrs"),
+])
+def test_swarm_join_refuses_a_wrong_type_with_a_type_error_naming_the_argument(
+        cfg: Config, peers: Any, kwargs: dict[str, Any], expected: str) -> None:  # noqa: F811
+    kwargs = {"config": cfg, **kwargs}
+    with pytest.raises(TypeError) as e:
+        Swarm.join(peers, **kwargs)
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), e.value
+
+
+def test_swarm_join_takes_any_iterable_of_multiaddrs(cfg: Config) -> None:  # noqa: F811
+    """A generator of multiaddrs is read once: the type check does not use it up before its values are parsed."""
+    with pytest.raises(ValueError, match="^initial_peers 'not': not a multiaddr"):
+        Swarm.join((p for p in ["not an address"]), cfg, join_timeout_s=0)
