@@ -133,13 +133,27 @@ def owner_peer_id(subkey: bytes) -> str | None:
         return None
 
 
-def tcp_probe(addr: PeerAddress, timeout_s: float = 2.0) -> str | None:
-    """None if a TCP connection to the address opens, else the OS error (for messages)."""
+PROBE_TIMEOUT_S = 2.0
+"""How long a TCP probe of a peer's address waits for the connection to open."""
+
+
+def tcp_probe(addr: PeerAddress, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None if a TCP connection to the address opens, else why not, in words a user can act on."""
     try:
         with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
             return None
+    except TimeoutError:
+        return (f"no answer within {timeout_s:g} s: the host is unreachable from here, or a firewall drops the "
+                f"connection")
+    except ConnectionRefusedError:
+        return "connection refused: the host is up but nothing listens on that port"
     except OSError as e:
         return e.strerror or type(e).__name__
+
+
+HANDSHAKE_FAILED = ("a TCP connection opened, but no libp2p peer of that id answered on it: is the /p2p/ peer id "
+                    "current, and is it a p2p-diloco peer's port (not another program's, or a proxy's)?")
+"""Why a join failed when the address's TCP port opens (:func:`tcp_probe` found nothing wrong)."""
 
 
 def _tried(opts: SwarmOptions) -> str:
@@ -172,7 +186,7 @@ def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
         parts = []
         for addr in opts.initial_peers:
             why = tcp_probe(addr)
-            parts.append(f"{addr.text} ({'port open, but the libp2p handshake failed: is the /p2p/ peer id current?' if why is None else why})")
+            parts.append(f"{addr.text} ({HANDSHAKE_FAILED if why is None else why})")
         return JoinError(f"could not join: no initial peer reachable; tried {'; '.join(parts)}. "
                          f"Check that a peer runs at that address (p2p-diloco bootstrap prints it), the port and firewall.")
     if "none of the initial_peers responded" in text:
