@@ -84,6 +84,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise ValueError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
     if args.train_nice > 19:
         raise ValueError(f"--train-nice: must be at most 19 (the lowest CPU priority), got {args.train_nice}")
+    from p2p_diloco.net.records import check_label
+
+    check_label("--name", args.name)  # a name no record can hold: refused by every DHT node, after a long wait
     from p2p_diloco.core import faults
 
     armed = [faults.parse_fault(spec) for spec in args.faults]  # a bad spec fails before we join

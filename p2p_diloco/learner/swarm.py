@@ -71,8 +71,10 @@ class Swarm:
               profile: str) -> Swarm:
         from p2p_diloco.core.config import Config, load_config
         from p2p_diloco.net.joined import joined_run
-        from p2p_diloco.net.records import LocalRun
+        from p2p_diloco.net.records import LocalRun, check_label
 
+        check_label("name", name)
+        check_label("profile", profile)
         if config is None:
             from p2p_diloco.net.runconfig import lookup_config
 

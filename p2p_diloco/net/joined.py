@@ -54,8 +54,10 @@ def joined_run(opts: "SwarmOptions", name: str | None, local: "LocalRun", num_fr
         start_dht,
         visible_addresses,
     )
-    from p2p_diloco.net.records import PeerRecord, check_join
+    from p2p_diloco.net.records import PeerRecord, check_join, check_label
 
+    check_label("name", name or "")
+    check_label("profile", profile)
     ephemeral = opts.identity is None
     if ephemeral:  # no --identity: a fresh key, written to a private temp file so libp2p uses it too
         opts = ephemeral_identity(opts)

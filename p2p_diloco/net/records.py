@@ -80,6 +80,7 @@ OWNER_MARKER_RE = re.compile(rb"^(?:\[owner:(.+?)\]|" + ED25519_OWNER_PATTERN + 
 what the schemas accept as a peer's subkey."""
 
 MAX_NAME_CHARS = 64
+"""Longest run id, peer name or profile label a record may hold (:func:`check_label`)."""
 MAX_ADDRESSES = 16
 MAX_ADDRESS_CHARS = 256
 MAX_FRAGMENTS = 1024
@@ -87,6 +88,14 @@ MAX_INT = 2**63 - 1
 """Largest integer a record may hold (msgpack's int64; larger ones are refused as oversize)."""
 MAX_CONFIG_CHARS = 16384
 """Largest config text a config record may hold (a resolved config is about 1,100 characters)."""
+
+
+def check_label(what: str, value: str) -> None:
+    """Raise ``ValueError`` (one line) if ``value`` (a peer's ``name`` or ``profile``) is longer than a record may
+    hold: checked before joining, since a record the schema refuses is refused by every DHT node, and the publisher
+    retries it for ``3 x join_timeout_s`` with warnings about our clock."""
+    if len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"{what}: at most {MAX_NAME_CHARS} characters (a peer record's limit), got {len(value):,}")
 
 
 def run_key_prefix(run_id: str) -> str:
