@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from p2p_diloco.core.config import override_arg  # standard library only: --help stays fast
 from p2p_diloco.core.console import out
 from p2p_diloco.core.resources import bundled_names  # importlib.resources only: --help stays fast
 from p2p_diloco.net.arguments import swarm_options
@@ -44,7 +45,7 @@ MIN_WATCH_INTERVAL_S = 0.5
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="run config: a TOML file, or the name of a bundled one ("
                    f"{', '.join(bundled_names('configs'))}); its run id and hash identify the run")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[], type=override_arg,
                    help="override one config value, e.g. --set run.run_id=myrun (repeatable)")
 
 

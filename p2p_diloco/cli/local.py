@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.core import resources
+from p2p_diloco.core.config import override_arg  # standard library only: --help stays fast
 from p2p_diloco.core.console import out
 from p2p_diloco.core.tokenizer import loss_unit  # standard library only: --help stays fast
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, Child, LocalSwarm, unlimited_steps
@@ -165,7 +166,7 @@ def add_parsers(subparsers: Any) -> None:
                         f"default: {','.join(DEFAULT_PROFILES)}")
     p.add_argument("--config", metavar="FILE",
                    help=f"run config: a file, or the name of a bundled one (e.g. tiny); default: {DEFAULT_CONFIG}")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[], type=override_arg,
                    help="override one config value (repeatable)")
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
                    help=f"training time of every learner, in minutes, however fast the machine (no step limit "

@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from p2p_diloco.core.version import VERSION as __version__
-from p2p_diloco.core.config import ConfigError, load_config, render
+from p2p_diloco.core.config import ConfigError, load_config, override_arg, render
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext.lazyimports import defer_unused_imports
 
@@ -23,7 +23,7 @@ Handler = Callable[[argparse.Namespace], int]
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="run config (TOML): a file, or a bundled config by name from any "
                    "directory (configs/demo.toml, demo, tiny, ...); default: built-in defaults")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[], type=override_arg,
                    help="override one config value, e.g. --set outer.sync_every=50 (repeatable)")
 
 

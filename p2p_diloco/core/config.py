@@ -9,6 +9,7 @@ This module imports nothing heavy (no torch, no hivemind) so that the CLI stays 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -286,18 +287,37 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``a.b=value``; the value is read as a TOML value, or as a bare string if that fails."""
+    """Parse ``a.b=value``; the value is read as a TOML value, or as a bare string if that fails. Its errors name
+    no flag (:func:`load_config` is a library call too; the CLI's ``--set`` checks with :func:`override_arg`)."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. outer.sync_every=50")
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. outer.sync_every=50")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {text!r}: malformed key {key!r}")
+        raise ConfigError(f"override {text!r}: malformed key {key!r}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
     return key.split("."), value
+
+
+def override_arg(text: str) -> str:
+    """The argparse ``type`` of the CLI's ``--set``: a malformed override is the flag's own error (argparse names
+    ``--set``), before anything loads."""
+    try:
+        parse_override(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def check_overrides(overrides: Any) -> None:
+    """Raise ``TypeError`` (one line) unless ``overrides`` is a list (or tuple) of ``"key=value"`` strings: a str
+    alone would be read one character at a time."""
+    if not isinstance(overrides, (list, tuple)) or not all(isinstance(o, str) for o in overrides):
+        raise TypeError(f'overrides: must be a list of "key=value" strings (e.g. ["inner.lr=3e-4"]), got '
+                        f"{type(overrides).__name__} {overrides!r:.60}")
 
 
 def _merge_override(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
@@ -311,9 +331,11 @@ def _merge_override(data: dict[str, Any], path: Sequence[str], value: Any) -> No
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Load ``path`` (or the defaults), apply ``--set`` overrides, validate, and return the frozen config.
+    """Load ``path`` (or the defaults), apply the overrides (the CLI's ``--set``), validate, return the frozen config.
     A ``path`` that does not exist names a bundled config (``configs/tiny.toml``, ``tiny``:
-    :func:`resources.find`), so the shipped configs load from any directory."""
+    :func:`resources.find`), so the shipped configs load from any directory. ``overrides``: a list of ``"key=value"``
+    strings (``TypeError`` otherwise; a malformed one is a ``ConfigError``)."""
+    check_overrides(overrides)
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -330,9 +352,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def load_config_data(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
     """Like :func:`load_config`, from already-parsed data (e.g. a config fetched from the DHT): apply
-    ``--set`` overrides, validate exactly as a file is, and return the frozen config. ``data`` is not changed."""
+    overrides, validate exactly as a file is, and return the frozen config. ``data`` is not changed."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config must be a table of sections, got {type(data).__name__}")
+    check_overrides(overrides)
     copied: dict[str, Any] = copy.deepcopy(dict(data))
     for text in overrides:
         key_path, value = parse_override(text)

@@ -70,3 +70,29 @@ def test_the_learner_cli_refuses_a_long_name_before_joining(refused: Callable[..
     check_label("name", "x" * 64)  # the longest a record holds
     refused(["join", "--initial-peers", PEER, "--config", "llama-tiny", "--name", "x" * 65],
             "--name: at most 64 characters (a peer record's limit), got 65")
+
+
+@pytest.mark.parametrize("overrides", ["inner.lr=inf", None, [1], ("inner.lr=1e-3", b"outer.lr=0.5")])
+def test_load_config_refuses_overrides_that_are_not_a_list_of_strings(overrides: Any) -> None:
+    """A str was read one character at a time ("--set 'i': expected KEY=VALUE")."""
+    from p2p_diloco import load_config
+
+    with pytest.raises(TypeError) as e:
+        load_config("llama-tiny", overrides)
+    assert str(e.value).startswith('overrides: must be a list of "key=value" strings (e.g. ["inner.lr=3e-4"]), got ')
+    assert "--set" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_malformed_override_names_no_cli_flag_from_the_library_and_names_set_on_the_cli(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from p2p_diloco import load_config
+    from p2p_diloco.cli import main as cli
+    from p2p_diloco.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^override 'inner.lr': expected KEY=VALUE, e.g. outer.sync_every=50$"):
+        load_config("llama-tiny", ["inner.lr"])
+    assert load_config("llama-tiny", ("inner.lr=0.001",)).inner.lr == 0.001  # a tuple is a list of overrides too
+    with pytest.raises(SystemExit) as e:
+        cli.main(["config", "--config", "llama-tiny", "--set", "inner.lr"])
+    assert e.value.code == 2
+    assert "error: argument --set: override 'inner.lr': expected KEY=VALUE" in capsys.readouterr().err
