@@ -46,9 +46,10 @@ class Swarm:
         for :func:`~p2p_diloco.core.config.load_config`); None fetches the config of the run in the DHT (``run_id``
         picks one when several are there) and verifies it against the hash its peers announce. ``swarm_key``:
         a private swarm's secret (its bytes, or the file ``p2p-diloco keygen`` wrote); ``identity``: a key file
-        for a stable peer id (created if missing; default a fresh key). Raises ``TypeError`` (one line, naming the
-        argument) for an argument of the wrong type, and ``ValueError`` (one line) for a bad value, a run that
-        refuses us (another config hash, a name taken) or peers that cannot be reached."""
+        for a stable peer id (created if missing, in a folder that exists; default a fresh key). Raises
+        ``TypeError`` (one line, naming the argument) for an argument of the wrong type, and ``ValueError`` (one
+        line) for a bad value, a run that refuses us (another config hash, a name taken) or peers that cannot be
+        reached."""
         _check_types(config=config, run_id=run_id, name=name, swarm_key=swarm_key, identity=identity, host=host,
                      port=port, join_timeout_s=join_timeout_s, profile=profile)
         initial_peers, announce = _multiaddrs("initial_peers", initial_peers), _multiaddrs("announce", announce)
@@ -208,6 +209,9 @@ def _swarm_options(initial_peers: Iterable[str], swarm_key: bytes | str | Path |
     from p2p_diloco.net.membership import SwarmOptions
 
     key = swarm_key if isinstance(swarm_key, bytes) or swarm_key is None else read_swarm_key(swarm_key)
+    if identity is not None and not Path(identity).expanduser().parent.is_dir():  # a typo'd folder: not made silently
+        raise ValueError(f"identity {identity}: folder {Path(identity).expanduser().parent} does not exist (the key "
+                         "file is created if missing, its folder is not)")
     return SwarmOptions(initial_peers=initial, host=host, port=port, announce=ann,
                         identity=load_or_create_identity(identity) if identity is not None else None,
                         swarm_key=key, join_timeout_s=join_timeout_s)

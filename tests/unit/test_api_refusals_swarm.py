@@ -4,6 +4,7 @@ clear line, before it touches shared state."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -96,3 +97,12 @@ def test_a_malformed_override_names_no_cli_flag_from_the_library_and_names_set_o
         cli.main(["config", "--config", "llama-tiny", "--set", "inner.lr"])
     assert e.value.code == 2
     assert "error: argument --set: override 'inner.lr': expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_an_identity_in_a_missing_folder_is_refused_and_nothing_is_created(cfg: Config, tmp_path: Path) -> None:  # noqa: F811
+    path = tmp_path / "no-such-folder" / "peer.key"
+    with pytest.raises(ValueError) as e:
+        Swarm.join([PEER], cfg, identity=path)
+    assert str(e.value) == (f"identity {path}: folder {path.parent} does not exist (the key file is created if missing, "
+                            "its folder is not)")
+    assert not path.parent.exists()
