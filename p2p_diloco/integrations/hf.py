@@ -4,7 +4,8 @@
 callback wraps the Trainer's model and optimizer in a :class:`~p2p_diloco.learner.engine.DiLoCo`; after every
 optimizer step it calls ``diloco.step``; at the end of training it runs the final rounds and the linger and
 closes the engine (the swarm stays the caller's to close). Needs ``accelerate`` (``pip install
-p2p-diloco[hf]``), as the Trainer does.
+p2p-diloco[hf]``), as the Trainer does: without it, importing this module fails (a script imports it before it
+joins a swarm; the Trainer would only fail after).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
+from transformers.utils import is_accelerate_available
+from transformers.utils.import_utils import ACCELERATE_MIN_VERSION
 
 from p2p_diloco.learner.engine import DiLoCo
 from p2p_diloco.learner.options import SyncOptions
@@ -20,6 +23,17 @@ if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from p2p_diloco.learner.swarm import Swarm
+
+
+def check_trainer_ready() -> None:
+    """Raise ``ImportError`` (one line) if transformers' ``Trainer`` cannot run here: it needs ``accelerate`` (its
+    own check, with its own minimum version), and says so only when its ``TrainingArguments`` are built."""
+    if not is_accelerate_available():
+        raise ImportError(f"p2p_diloco.integrations.hf: transformers' Trainer needs accelerate>={ACCELERATE_MIN_VERSION}"
+                          ", which is not installed: pip install 'p2p-diloco[hf]'")
+
+
+check_trainer_ready()  # at import: a script imports us before it joins a swarm
 
 
 class DiLoCoCallback(TrainerCallback):

@@ -106,3 +106,19 @@ def test_an_identity_in_a_missing_folder_is_refused_and_nothing_is_created(cfg: 
     assert str(e.value) == (f"identity {path}: folder {path.parent} does not exist (the key file is created if missing, "
                             "its folder is not)")
     assert not path.parent.exists()
+
+
+def test_the_hf_callback_without_accelerate_fails_at_import_before_any_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It failed in the Trainer's TrainingArguments, after the script had joined the swarm."""
+    import importlib
+    import sys
+
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda *_a, **_kw: False)
+    monkeypatch.delitem(sys.modules, "p2p_diloco.integrations.hf", raising=False)
+    with pytest.raises(ImportError, match=r"^p2p_diloco.integrations.hf: transformers' Trainer needs accelerate>=\S+, "
+                                          r"which is not installed: pip install 'p2p-diloco\[hf\]'$"):
+        importlib.import_module("p2p_diloco.integrations.hf")
+    monkeypatch.undo()
+    assert importlib.import_module("p2p_diloco.integrations.hf").DiLoCoCallback  # with accelerate: imports
