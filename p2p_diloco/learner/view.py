@@ -161,12 +161,10 @@ class SwarmView:
         return list(self._anchors.values())
 
     @property
-    def peer_ids(self) -> list[str]:
-        """The other live learners' peer ids."""
+    def peer_ids(self) -> list[str]:  # the other live learners'
         return list(self._anchors)
 
-    def start(self) -> None:
-        """Start the status thread; the swarm's record keep-alive leaves the heartbeat to it while it runs."""
+    def start(self) -> None:  # the swarm's record keep-alive leaves the heartbeat to the status thread while it runs
         self.learner.joined.publisher.hand_over(self._thread)
         self._thread.start()
 
