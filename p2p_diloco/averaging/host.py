@@ -66,6 +66,12 @@ re-reading 20 times a second (the control-plane bench counted the verdicts at 28
 SET_TIMEOUTS_DEADLINE_S = 10.0
 """How long a round waits for its averager process to take its timeouts (a control-pipe message: milliseconds
 when healthy; generous for a loaded machine)."""
+LEAVING = "cancelled: this peer is leaving"
+"""The reason of a round ended by :meth:`FragmentAveragerHost.cancel`."""
+
+
+class Leaving(Exception):
+    """A wait of the averaging worker ended because the learner is leaving (:meth:`FragmentAveragerHost.cancel`)."""
 
 
 @dataclass(frozen=True)
@@ -223,8 +229,23 @@ class FragmentAveragerHost:
         self.averager.wait_until_ready(timeout=timeout_s)
 
     def cancel(self) -> None:
-        """Leaving: end the round in flight at once (discarded) and start no new one."""
+        """Leaving: end the round or download in flight within ``CANCEL_POLL_S`` (a round is discarded, a download
+        raises :class:`Leaving`) and start no new one. Does not wait for it."""
         self._cancelled.set()
+
+    def _wait(self, future: Any, timeout_s: float | None) -> Any:
+        """``future.result(timeout_s)`` (None: no bound), looking every ``CANCEL_POLL_S`` whether we are leaving
+        (:class:`Leaving` then). The futures of the averager and DHT processes are never resolved once those
+        processes are stopped: a worker blocked on one outlived :meth:`shutdown` and held the interpreter's exit,
+        which joins every worker thread (Ctrl+C with a round in flight took 31-37 s to exit)."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        while not self._cancelled.is_set():
+            try:
+                return future.result(timeout=max(0.0, min(CANCEL_POLL_S, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        raise Leaving(LEAVING)
 
     # -- rounds
     def start_round(self, contribution: Contribution) -> "Future[RoundOutcome]":
@@ -248,10 +269,12 @@ class FragmentAveragerHost:
         if c.meta.weight <= 0:
             return failed("no progress since the last sync (weight 0): not joining")
         if self._cancelled.is_set():
-            return failed("cancelled: this peer is leaving")
+            return failed(LEAVING)
         logger.debug("fragment %d v%d: round timeouts %s", self.fragment, c.meta.version, limits.event())
         try:
-            self.averager.set_round_timeouts(limits).result(timeout=SET_TIMEOUTS_DEADLINE_S)
+            self._wait(self.averager.set_round_timeouts(limits), SET_TIMEOUTS_DEADLINE_S)
+        except Leaving:
+            return failed(LEAVING)
         except Exception as e:  # the averager process is gone or stuck: this round cannot run; say why
             return failed(f"the averager did not take the round's timeouts: {type(e).__name__}: {e}"[:300])
         self.averager.set_group_bits(c.group_bits or version_group_bits(c.meta.version, c.meta.anchor))
@@ -271,7 +294,7 @@ class FragmentAveragerHost:
             except TimeoutError:
                 if self._cancelled.is_set():  # we are leaving: do not make the others wait for us
                     control.cancel()
-                    return failed("cancelled: this peer is leaving")
+                    return failed(LEAVING)
                 if c.doomed is not None and not control.began_allreduce and c.doomed():
                     control.cancel()  # still matching: nobody is waiting on our tensors yet
                     return failed(f"abandoned while matching: a live peer is past v{c.meta.version}")
@@ -307,7 +330,10 @@ class FragmentAveragerHost:
                 decision = Decision(False, "averaged tensors are not finite")
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         key = commit_key(self.prefix, dict(zip(peers, metas)))
-        verdict, rtt_s, withdrawn = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        try:
+            verdict, rtt_s, withdrawn = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        except Leaving:  # our verdict, if posted, stays: members that read every "ok" commit without us
+            return failed(LEAVING, **extra)
         extra["rtt_s"] = rtt_s
         if not decision.ok:
             return failed(decision.reason, **extra)
@@ -339,20 +365,21 @@ class FragmentAveragerHost:
         swapped): if it then reads every "ok", ours included, it commits alone. So at the deadline we replace our
         "ok" with a veto (a newer value under our subkey wins), and a member that reads late discards as we do. One
         that read our "ok" just before may still have committed: the caller keeps the round's result for that
-        case (``RoundOutcome.pending``)."""
+        case (``RoundOutcome.pending``). Raises :class:`Leaving` when we leave meanwhile."""
         from p2p_diloco.net.membership import owned_values
 
         timeout_s = self.cfg.averaging.commit_timeout_s
         deadline = time.monotonic() + timeout_s
         keep_s = 10 * timeout_s + 60  # verdicts outlive every member's read of them
         posted_until = get_dht_time() + keep_s
-        self.dht.store(key, own_verdict[:300], posted_until, subkey=self.report_subkey)
+        self._wait(self.dht.store(key, own_verdict[:300], posted_until, subkey=self.report_subkey, return_future=True),
+                   None)
         reports: dict[str, str] = {}
         rtt_s = math.inf
         reads = 0
         while True:
             asked = time.monotonic()
-            found = self.dht.get(key, latest=True)
+            found = self._wait(self.dht.get(key, latest=True, return_future=True), None)
             rtt_s = min(rtt_s, time.monotonic() - asked)
             if faults.hit("reading-verdicts", self.fragment):
                 found = None
@@ -365,11 +392,14 @@ class FragmentAveragerHost:
                     decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
                     if own_verdict == "ok":
                         # a later expiration than our "ok" replaces it under the same subkey
-                        self.dht.store(key, f"withdrawn: {decision.reason}"[:300],
-                                       max(posted_until + 1, get_dht_time() + keep_s), subkey=self.report_subkey)
+                        self._wait(self.dht.store(key, f"withdrawn: {decision.reason}"[:300],
+                                                  max(posted_until + 1, get_dht_time() + keep_s),
+                                                  subkey=self.report_subkey, return_future=True), None)
                         withdrawn = True
                 return decision, rtt_s, withdrawn
-            time.sleep(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)], max(0.0, deadline - time.monotonic())))
+            if self._cancelled.wait(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)],
+                                        max(0.0, deadline - time.monotonic()))):
+                raise Leaving(LEAVING)
             reads += 1
 
     # -- state download
@@ -382,12 +412,12 @@ class FragmentAveragerHost:
     def _fetch(self, ours: tuple[int, str], link: LinkEstimate) -> "Download":
         """Try the donors of :func:`donor_order` in turn; a donor silent for the derived ``silence_s`` is dropped,
         one that progresses is never; every payload is size-capped and checked (:func:`parse_state`: shapes,
-        finite values, the anchor hash) before it is returned."""
+        finite values, the anchor hash) before it is returned. Raises :class:`Leaving` when we leave meanwhile."""
         a = self.cfg.averaging
         t0 = time.monotonic()
         timeouts = download_timeouts(self.state_bytes, link, a)
         deadline_s = timeouts.total_s(MAX_DONORS_TRIED, VOUCH_WAIT_S) + a.request_timeout_s
-        fetched, attempts, received = self.averager.download_state(ours, timeouts).result(timeout=deadline_s)
+        fetched, attempts, received = self._wait(self.averager.download_state(ours, timeouts), deadline_s)
         return Download(fetched, tuple(attempts), time.monotonic() - t0, received, timeouts)
 
     def vouch(self, version: int, anchor: str) -> None:
@@ -416,6 +446,8 @@ class FragmentAveragerHost:
         return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)
 
     def shutdown(self) -> None:
+        """Cancel what is in flight (:meth:`cancel`: not waited for) and stop the averager process."""
+        self.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         procguard.stop_process(self.averager, f"averager of fragment {self.fragment}")
 

@@ -248,10 +248,12 @@ class DiLoCo:
         time.sleep(min(LAST_SERVE_S, self.opts.status_period_s))  # let peers still fetching from us finish
 
     def close(self) -> None:
-        """Stop the status thread and the averagers, close the event sinks (the swarm stays joined). Idempotent."""
+        """Cancel the rounds and downloads still in flight (none after :meth:`finish`; not waited for), stop the
+        status thread and the averagers, close the event sinks (the swarm stays joined). Idempotent."""
         if self.closed:
             return
         self.closed, self.training = True, False
+        self.rounds.cancel()  # first: they end while the status thread stops
         self.view.stop()
         self.rounds.shutdown()
         if self._events is not None:
@@ -261,7 +263,8 @@ class DiLoCo:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        """Leaving the block normally finishes (final rounds, the linger); on an error it only closes."""
+        """Leaving the block normally finishes (final rounds, the linger); on an error (Ctrl+C included) it only
+        closes: the rounds in flight are cancelled, and the process can exit at once."""
         try:
             if kind is None:
                 self.finish()

@@ -465,6 +465,13 @@ class Rounds:
     # ------------------------------------------------------------ the averagers
 
     def cancel(self) -> None:
+        """Leaving: every round and download in flight ends at once, discarded (each one's worker looks every
+        ``CANCEL_POLL_S``), and none starts; the log names each one. Waits for none of them."""
+        for slot in self.slots:
+            if slot.inflight is not None and not slot.inflight.done():
+                what = "round" if slot.inflight_kind == ROUND else "state download"
+                logger.info("leaving: cancelled the %s in flight of fragment %d (v%d): discarded",
+                            what, slot.index, slot.version)
         for h in self.hosts:
             h.cancel()
 
@@ -474,5 +481,8 @@ class Rounds:
         return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
     def shutdown(self) -> None:
+        """Stop every averager; what is still in flight is cancelled first (:meth:`FragmentAveragerHost.shutdown`)."""
+        for h in self.hosts:
+            h.cancel()  # all at once: each averager's stop takes a while
         for h in self.hosts:
             h.shutdown()
