@@ -18,8 +18,10 @@ folders and verify the manifest and the sha256 of the tensors file, so a checkpo
 exists raises ``ValueError``: POSIX has no atomic replace of a non-empty directory, and a swap
 through a second rename would leave a window with no checkpoint of that step at all.
 
-A running learner's side (the end of this module): what goes into one (:func:`checkpoint_state`), resuming from
-one (:func:`restore`), and the periodic and final saves (:class:`Checkpointer`).
+A running unit's side (the end of this module): what goes into one (:func:`checkpoint_state`: the weights, the inner
+optimizer's state and :meth:`DiLoCo.state_dict`), resuming from one (:func:`restore`, through
+:meth:`DiLoCo.load_state_dict`), the periodic and final saves of ``p2p-diloco join`` (:class:`Checkpointer`), and a
+library loop's :func:`save` and :func:`resume`: one format, one path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -40,16 +42,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
-from p2p_diloco.core import events, outer
+from p2p_diloco.core import events
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.devices import load_into, state_to_device, state_to_host, to_host
 
 if TYPE_CHECKING:
-    from p2p_diloco.core.inner import InnerOptimizer
+    from p2p_diloco.learner.engine import DiLoCo
     from p2p_diloco.learner.options import LearnerOptions
-    from p2p_diloco.net.joined import Joined
-    from p2p_diloco.net.records import LocalRun
-    from p2p_diloco.sync.slot import FragmentSlot
 
 log = logging.getLogger(__name__)
 
@@ -318,55 +317,73 @@ def _fsync_path(path: Path) -> None:
 
 
 class Owner(Protocol):
-    """What a checkpoint holds of its learner, and what the checkpointer asks of it
-    (:class:`~p2p_diloco.learner.loop.Learner` is one; a protocol, because the learner builds its checkpointer:
-    it imports this module, not the other way round)."""
+    """What the checkpointer asks of its unit (:class:`~p2p_diloco.learner.loop.Learner` is one; a protocol, because
+    the learner builds its checkpointer: it imports this module, not the other way round)."""
 
-    cfg: Config
     opts: LearnerOptions
-    joined: Joined
-    local: LocalRun
-    @property
-    def params(self) -> dict[str, torch.nn.Parameter]: ...
-    opt: InnerOptimizer
-    device: torch.device
-    @property
-    def slots(self) -> list[FragmentSlot]: ...
-    step: int
-    tokens: int
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
     def log_event(self, event: events.Event) -> None: ...
 
 
-def checkpoint_state(learner: Owner) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Everything a resumed learner needs, as flat tensors (copies) and JSON metadata: the weights,
-    AdamW's state, every fragment's anchor and outer momentum, versions, progress and step."""
+ENGINE_KEYS = ("config_hash", "inner_step", "tokens", "versions", "since_tokens", "since_steps")
+"""The manifest fields that hold a :meth:`DiLoCo.state_dict`'s counts (its tensors: ``anchor/``, ``momentum/``)."""
+
+
+def engine_files(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict` as a checkpoint lays it out: ``anchor/<name>`` and
+    ``momentum/<name>`` tensors, and the manifest's :data:`ENGINE_KEYS` (one list entry per fragment)."""
+    frags = state["fragments"]
     tensors: dict[str, torch.Tensor] = {}
-    params, slots = learner.params, learner.slots
+    for frag in frags:
+        tensors.update({f"anchor/{n}": t for n, t in frag["anchor"].items()})
+        tensors.update({f"momentum/{n}": t for n, t in frag["momentum"].items()})
+    meta = {"config_hash": state["config_hash"], "inner_step": state["step"], "tokens": state["tokens"],
+            "versions": [f["version"] for f in frags], "since_tokens": [f["since_tokens"] for f in frags],
+            "since_steps": [f["since_steps"] for f in frags]}
+    return tensors, meta
+
+
+def engine_state(ckpt: Checkpoint, layout: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """The :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict` a checkpoint holds, its fragments laid out as
+    ``layout`` (each fragment's tensor names: the engine's), for :meth:`DiLoCo.load_state_dict`, which checks it.
+    Raises ``ValueError`` (one line) for a checkpoint that lacks a field, a fragment or an anchor."""
+    m, t = ckpt.manifest, ckpt.tensors
+    absent = [k for k in ENGINE_KEYS if k not in m]
+    if absent:
+        raise ValueError(f"checkpoint {ckpt.path}: its manifest lacks {', '.join(absent)}")
+    if any(not isinstance(m[k], list) or len(m[k]) != len(layout) for k in ENGINE_KEYS[3:]):
+        raise ValueError(f"checkpoint {ckpt.path}: not this model's ({len(m['versions'])} fragments, this run has "
+                         f"{len(layout)})")
+    missing = [n for names in layout for n in names if f"anchor/{n}" not in t]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt.path}: not this model's (no anchor of {missing[:3]})")
+    return {"config_hash": m["config_hash"], "step": m["inner_step"], "tokens": m["tokens"],
+            "fragments": [{"version": m["versions"][i], "anchor": {n: t[f"anchor/{n}"] for n in names},
+                           "momentum": {n: t[f"momentum/{n}"] for n in names if f"momentum/{n}" in t},
+                           "since_tokens": m["since_tokens"][i], "since_steps": m["since_steps"][i]}
+                          for i, names in enumerate(layout)]}
+
+
+def checkpoint_state(diloco: DiLoCo, optimizer: Any, meta: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor],
+                                                                                         dict[str, Any]]:
+    """Everything a resumed unit needs, as flat host tensors (copies) and JSON metadata: the weights
+    (``model/<name>``), the inner optimizer's state by parameter name (``adam/<name>/<key>``) and the engine's
+    :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict` (:func:`engine_files`); ``meta`` adds the unit's own fields
+    (``p2p-diloco join``'s name and shard). One format for ``join`` and a library loop (:func:`save`)."""
+    params = diloco.params
+    tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():  # host copies: a checkpoint is the same file whatever device wrote it
         for n, theta in to_host(params).items():
             tensors[f"model/{n}"] = theta
-            for k, v in state_to_host(learner.opt.state.get(params[n], {})).items():
+            for k, v in state_to_host(optimizer.state.get(params[n], {})).items():
                 if isinstance(v, torch.Tensor):
                     tensors[f"adam/{n}/{k}"] = v
-        for slot in slots:
-            with slot.lock:
-                for n in slot.names:
-                    tensors[f"anchor/{n}"] = slot.anchor[n].clone()
-                    if n in slot.state.momentum:
-                        tensors[f"momentum/{n}"] = slot.state.momentum[n].clone()
-    opts = learner.opts
-    meta = {
-        "config_hash": learner.local.config_hash, "run_id": learner.local.run_id, "name": opts.name,
-        "peer_id": learner.joined.peer_id, "shard": opts.shard, "num_shards": opts.num_shards,
-        "inner_step": learner.step, "tokens": learner.tokens, "versions": [s.version for s in slots],
-        "anchor_hashes": [s.anchor_hash for s in slots],
-        "since_tokens": [s.since_tokens for s in slots], "since_steps": [s.since_steps for s in slots],
-        "model_digest": model_digest(learner.params),
-        "config": portable_config(learner.cfg),  # what `p2p-diloco export` rebuilds the model from
-    }
-    return tensors, meta
+    engine, engine_meta = engine_files(diloco.state_dict())
+    tensors.update(engine)
+    return tensors, {**meta, **engine_meta, "run_id": diloco.local.run_id, "peer_id": diloco.joined.peer_id,
+                     "anchor_hashes": diloco.anchor_hashes, "model_digest": model_digest(params),
+                     "config": portable_config(diloco.cfg)}  # what `p2p-diloco export` rebuilds the model from
 
 
 def model_digest(params: Mapping[str, torch.Tensor]) -> str:
@@ -374,40 +391,50 @@ def model_digest(params: Mapping[str, torch.Tensor]) -> str:
     return tensors_digest({f"model/{n}": theta for n, theta in to_host(params).items()})
 
 
-def restore(learner: Owner, ckpt: Any, hash_anchor: Callable[[Mapping[str, torch.Tensor]], str]) -> str:
-    """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpoint.load_checkpoint`, already checked
-    against our config hash): weights, AdamW state, anchors, momenta, versions, progress, step. The
-    restored weights and anchors are hashed again and must match the manifest; returns the weights' digest.
-    The caller advertises the anchors and restarts the data stream."""
-    m, t = ckpt.manifest, ckpt.tensors
-    params, slots = learner.params, learner.slots
-    missing = [n for n in params if f"model/{n}" not in t or f"anchor/{n}" not in t]
-    if missing or len(m.get("versions", ())) != len(slots):
-        raise ValueError(f"checkpoint {ckpt.path}: not this model's (missing {missing[:3]}, "
-                         f"{len(m.get('versions', ()))} fragments vs {len(slots)})")
+def restore(diloco: DiLoCo, optimizer: Any, ckpt: Checkpoint) -> str:
+    """Resume a unit from a verified checkpoint of this run (:func:`load_checkpoint`): the engine's state through
+    :meth:`~p2p_diloco.learner.engine.DiLoCo.load_state_dict` (checked whole, then applied to every fragment or none,
+    then advertised), the weights, and the inner optimizer's state by parameter name. The anchors must hash to the
+    manifest's before anything is applied (nothing unverified is advertised), and the restored weights after; returns
+    the weights' digest."""
+    from p2p_diloco.averaging.decisions import anchor_hash
+
+    params, t = diloco.params, ckpt.tensors
+    missing = [n for n in params if f"model/{n}" not in t]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt.path}: not this model's (no weights of {missing[:3]})")
+    state = engine_state(ckpt, [s.names for s in diloco.slots])
+    if [anchor_hash(f["anchor"]) for f in state["fragments"]] != list(ckpt.manifest.get("anchor_hashes", ())):
+        raise ValueError(f"checkpoint {ckpt.path}: its anchors do not hash to its manifest's anchor_hashes")
+    diloco.load_state_dict(state)
     with torch.no_grad():
         load_into(params, {n: t[f"model/{n}"] for n in params})
         for n, p in params.items():
             adam = {k.rsplit("/", 1)[1]: v for k, v in t.items() if k.startswith(f"adam/{n}/")}
             if adam:
-                learner.opt.state[p] = state_to_device(adam, learner.device)
-        for slot in slots:
-            with slot.lock:
-                slot.anchor = {n: t[f"anchor/{n}"].clone() for n in slot.names}
-                momentum = {n: t[f"momentum/{n}"].clone() for n in slot.names if f"momentum/{n}" in t}
-                slot.state = outer.OuterState(momentum=momentum, version=int(m["versions"][slot.index]))
-                slot.anchor_hash = hash_anchor(slot.anchor)
-                slot.since_tokens = int(m["since_tokens"][slot.index])
-                slot.since_steps = int(m["since_steps"][slot.index])
-                slot.restored = True
+                optimizer.state[p] = state_to_device(adam, p.device)
     digest = model_digest(params)
-    if digest != m["model_digest"]:
+    if digest != ckpt.manifest.get("model_digest"):
         raise ValueError(f"checkpoint {ckpt.path}: the restored weights hash to {digest}, its manifest says "
-                         f"{m['model_digest']}")
-    if [s.anchor_hash for s in slots] != list(m["anchor_hashes"]):
-        raise ValueError(f"checkpoint {ckpt.path}: its anchors do not hash to its manifest's anchor_hashes")
-    learner.step, learner.tokens = int(m["inner_step"]), int(m["tokens"])
+                         f"{ckpt.manifest.get('model_digest')}")
     return digest
+
+
+def save(diloco: DiLoCo, optimizer: Any, root: str | Path, keep: int = 2) -> Path:
+    """A library loop's checkpoint of its unit under ``root`` (``root/ckpt-<step>``, atomic; the ``keep`` newest
+    kept): the format ``p2p-diloco join --checkpoint-dir`` writes, so either resumes from the other's
+    (``join --resume``, :func:`resume`). Returns the checkpoint's folder."""
+    tensors, meta = checkpoint_state(diloco, optimizer, {"name": diloco.joined.name, "shard": None, "num_shards": 1})
+    return save_checkpoint(Path(root), diloco.inner_step, tensors, meta, keep)
+
+
+def resume(diloco: DiLoCo, optimizer: Any, path: str | Path) -> Checkpoint:
+    """Resume a library loop's unit from the newest verified checkpoint under ``path`` (or that ``ckpt-*``
+    folder), written by :func:`save` or by ``p2p-diloco join``: it must be of this run (config hash, run id).
+    Restores the engine, the model's weights and ``optimizer``'s state (:func:`restore`); returns the checkpoint."""
+    ckpt = load_checkpoint(Path(path), expect={"config_hash": diloco.local.config_hash, "run_id": diloco.local.run_id})
+    restore(diloco, optimizer, ckpt)
+    return ckpt
 
 
 class Checkpointer:

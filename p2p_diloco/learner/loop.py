@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.averaging.decisions import anchor_hash
 from p2p_diloco.core import data, events, faults
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.inner import build_optimizer, schedule_step, train_step
@@ -122,34 +121,26 @@ class Learner:
     def step(self) -> int:
         return self.diloco.inner_step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        self.diloco.inner_step = value
-
     @property
     def tokens(self) -> int:
         return self.diloco.tokens
-
-    @tokens.setter
-    def tokens(self, value: int) -> None:
-        self.diloco.tokens = value
 
     def log_event(self, event: events.Event) -> None:
         self.diloco.log_event(event)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """:func:`~p2p_diloco.learner.checkpoint.checkpoint_state` of this learner."""
-        return checkpoint.checkpoint_state(self)
+        """:func:`~p2p_diloco.learner.checkpoint.checkpoint_state` of this learner (with its name and shard)."""
+        return checkpoint.checkpoint_state(self.diloco, self.opt, {"name": self.opts.name, "shard": self.opts.shard,
+                                                                   "num_shards": self.opts.num_shards})
 
     def _model_digest(self) -> str:
         return checkpoint.model_digest(self.params)
 
     def restore(self, ckpt: Any) -> str:
-        """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpoint.restore`); the anchors
-        are advertised to downloaders only once verified, and the data stream goes on with fresh batches,
-        not the ones the first run already saw. Returns the restored weights' digest."""
-        digest = checkpoint.restore(self, ckpt, anchor_hash)
-        self.diloco.rounds.advertise()
+        """Resume from a verified checkpoint (:func:`~p2p_diloco.learner.checkpoint.restore`: through
+        :meth:`DiLoCo.load_state_dict`); the data stream goes on with fresh batches, not the ones the first run
+        already saw. Returns the restored weights' digest."""
+        digest = checkpoint.restore(self.diloco, self.opt, ckpt)
         self.resumed_from_step = self.step
         self._stream_seed = self._data_seed(self.step)
         self.batches = self._data.train_batches(self.opts.shard, self.cfg.inner.batch_size, self.cfg.model.block_size,
