@@ -63,6 +63,9 @@ VERDICT_POLL_S = (0.05, 0.1, 0.2, 0.4)
 """Seconds between two reads of a round's verdicts, the last one repeated: each read is a DHT search that the
 nodes nearest the key answer with every verdict posted so far, so a member waiting on a slow one stops
 re-reading 20 times a second (the control-plane bench counted the verdicts at 28% of the control plane)."""
+WITHDRAW_TIMEOUT_S = 0.5
+"""How long leaving waits for the DHT to take our withdrawn state declaration (:meth:`FragmentAveragerHost.
+withdraw_state`)."""
 SET_TIMEOUTS_DEADLINE_S = 10.0
 """How long a round waits for its averager process to take its timeouts (a control-pipe message: milliseconds
 when healthy; generous for a loaded machine)."""
@@ -445,9 +448,28 @@ class FragmentAveragerHost:
     def bytes_total(self) -> tuple[int, int]:
         return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)
 
+    def withdraw_state(self) -> None:
+        """Leaving: replace our state-sharing declaration with none, so that newcomers do not try a donor that has
+        gone (they dialled it first and waited out a dial back-off, until the declaration expired). The averager
+        stops declaring, and we store the withdrawal ourselves (a newer expiration under our subkey wins), waiting
+        at most :data:`WITHDRAW_TIMEOUT_S`; a failure is logged, not raised: we leave anyway."""
+        if not self.averager.is_alive() or not self.averager.allow_state_sharing:
+            return
+        self.averager.allow_state_sharing = False
+        stored = self.dht.store(f"{self.prefix}.all_averagers", None, get_dht_time() + DECLARE_STATE_PERIOD_S,
+                                subkey=self.dht.peer_id.to_bytes(), return_future=True)
+        try:
+            if not stored.result(timeout=WITHDRAW_TIMEOUT_S):
+                logger.info("fragment %d: no DHT node took our withdrawn state declaration", self.fragment)
+        except Exception as e:  # a timeout or a DHT already stopping: newcomers skip us once it expires
+            logger.info("fragment %d: withdrawing our state declaration failed (%s: %s)", self.fragment,
+                        type(e).__name__, e)
+
     def shutdown(self) -> None:
-        """Cancel what is in flight (:meth:`cancel`: not waited for) and stop the averager process."""
+        """Cancel what is in flight (:meth:`cancel`: not waited for), withdraw our state declaration and stop the
+        averager process."""
         self.cancel()
+        self.withdraw_state()
         self._executor.shutdown(wait=False, cancel_futures=True)
         procguard.stop_process(self.averager, f"averager of fragment {self.fragment}")
 
