@@ -136,9 +136,9 @@ def check_name_free(dht: Any, local: "LocalRun", name: str, peer_id: str, snapsh
         if holder is None:  # it left (tombstone) or its record expired
             return
         if holder.time > first.time:
-            raise ValueError(f"--name {name}: already taken by live peer {holder.peer_id[-8:]} (pick another name, "
-                             f"or leave --name out for a generated one)")
-    out(f"note: --name {name}: the record of peer {first.peer_id[-8:]} that holds it was not refreshed for "
+            raise ValueError(f"name {name!r}: already taken by live peer {holder.peer_id[-8:]} (pick another name, "
+                             f"or give none for a generated one)")
+    out(f"note: name {name!r}: the record of peer {first.peer_id[-8:]} that holds it was not refreshed for "
         f"{get_dht_time() - first.time:.0f} s (a stopped peer's); taking the name")
 
 

@@ -17,7 +17,7 @@ def test_a_second_member_with_a_taken_name_exits_2_with_one_line(tmp_path: Path,
     rc, second, _ = procs.run("heartbeat", "--initial-peers", peers, "--name", "dup", "--ttl", "3")
     errors = [line for _, line in second.stderr if line.startswith("p2p-diloco: error:")]
     assert rc == 2, second.output()
-    assert errors == [f"p2p-diloco: error: --name dup: already taken by live peer {holder[-8:]} (pick another name, "
-                      f"or leave --name out for a generated one)"], second.output()
+    assert errors == [f"p2p-diloco: error: name 'dup': already taken by live peer {holder[-8:]} (pick another name, "
+                      f"or give none for a generated one)"], second.output()
     assert not any(line.startswith("joined run") for _, line in second.stdout), second.output()
 

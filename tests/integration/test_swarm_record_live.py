@@ -50,4 +50,4 @@ def test_a_swarm_left_idle_keeps_its_record_fresh_and_its_name(tmp_path: Path) -
     print(seen)
     assert "idle" in seen["ages"], seen  # still live as another peer reads the run after two TTLs
     assert seen["ages"]["idle"] <= seen["ttl_s"] / 3 + 5, seen  # refreshed about every ttl/3 s
-    assert seen["refusal"] is not None and "--name idle: already taken by live peer" in seen["refusal"], seen
+    assert seen["refusal"] is not None and "name 'idle': already taken by live peer" in seen["refusal"], seen

@@ -73,11 +73,11 @@ def test_the_holder_must_refresh_its_record_to_keep_the_name(monkeypatch: pytest
     if refreshed:
         with pytest.raises(ValueError) as info:
             check_name_free(None, LOCAL, "dup", "QmMe", snapshot)
-        assert str(info.value) == ("--name dup: already taken by live peer 12345678 (pick another name, or leave "
-                                   "--name out for a generated one)")
+        assert str(info.value) == ("name 'dup': already taken by live peer 12345678 (pick another name, or give "
+                                   "none for a generated one)")
         assert clock.now - NOW < 1.0  # found at its next heartbeat
     else:
         check_name_free(None, LOCAL, "dup", "QmMe", snapshot)
-        assert "note: --name dup: the record of peer 12345678 that holds it was not refreshed" in capsys.readouterr().out
+        assert "note: name 'dup': the record of peer 12345678 that holds it was not refreshed" in capsys.readouterr().out
         assert clock.now >= first.time + 2.0  # two heartbeat periods waited, then the name is ours
     check_name_free(None, LOCAL, "free", "QmMe", snapshot)  # nobody holds it: no wait, no note
