@@ -104,7 +104,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     for spec in metrics_specs:
         if spec.kind == "tensorboard":
             check_writable_dir(spec.path, f"--metrics {spec.kind}:")
-        else:
+        elif spec.kind == "jsonl":
             check_writable_file(spec.path, f"--metrics {spec.kind}:")
     if args.lr_schedule == "time" and not args.max_time_s:
         raise ValueError("--lr-schedule time: needs --max-time SECONDS")
@@ -233,7 +233,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--metrics", action="append", default=[], metavar="KIND:PATH",
                    help="also send the --events records to a metrics sink (repeatable): tensorboard:DIR writes "
                         "scalars (inner loss, eval loss, tokens/s, round outcomes, group sizes, bytes; x-axis: "
-                        "inner step) for `tensorboard --logdir DIR`; jsonl:FILE is like --events")
+                        "inner step) for `tensorboard --logdir DIR`; jsonl:FILE is like --events; "
+                        "prometheus:[HOST:]PORT serves their latest values at http://HOST:PORT/metrics for a "
+                        "Prometheus scraper (HOST: 127.0.0.1, or 0.0.0.0 to be reachable from the network)")
     p.add_argument("--wait-peers", dest="wait_peers", type=int, metavar="N",
                    help="wait until N learners (us included) are live before the first step")
     p.add_argument("--serve", dest="serve_s", type=float, default=0.0, metavar="SECONDS",

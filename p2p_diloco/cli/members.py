@@ -235,7 +235,11 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per read")
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl+C")
     p.add_argument("--interval", dest="interval_s", type=float, default=2.0, metavar="SECONDS",
-                   help=f"refresh period with --watch, at least {MIN_WATCH_INTERVAL_S:g} (default: 2)")
+                   help=f"refresh period with --watch or --serve, at least {MIN_WATCH_INTERVAL_S:g} (default: 2)")
+    p.add_argument("--serve", metavar="[HOST:]PORT",
+                   help="serve a page of the run that refreshes itself (peers, fragment versions, loss and rounds "
+                        "charts), /api/status (= --json) and /metrics (Prometheus) until Ctrl+C; HOST: 127.0.0.1 "
+                        "(default) or 0.0.0.0 to be reachable from the network")
     p.epilog = (f"{CONSENSUS} Departed peers (their tombstones) are listed as left, "
                 "whatever config they had. Records live under the DHT keys p2p-diloco.run.<run_id>_peers_<0-15> (16 "
                 "shards by peer id; configs under ..._config); the keys p2p-diloco_runs_<0-15> index every peer of every "

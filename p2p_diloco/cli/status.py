@@ -17,10 +17,12 @@ from p2p_diloco.cli.common import (
 )
 from p2p_diloco.core.console import out
 from p2p_diloco.hivemind_ext.procguard import stop_process
+from p2p_diloco.net.dashboard import parse_serve_address
 from p2p_diloco.net.arguments import swarm_options
 from p2p_diloco.net.report import render_plain, render_rich, snapshot_json
 
 if TYPE_CHECKING:
+    from p2p_diloco.net.dashboard import ServeAddress
     from p2p_diloco.net.membership import SwarmSnapshot
     from p2p_diloco.net.records import LocalRun
 
@@ -32,6 +34,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.interval_s >= MIN_WATCH_INTERVAL_S:
         raise ValueError(f"--interval {args.interval_s:g}: must be at least {MIN_WATCH_INTERVAL_S:g} s (each refresh "
                          "is a DHT read answered by every peer)")
+    serve = parse_serve_address(args.serve, "--serve") if args.serve else None  # before anything starts
     t0 = time.monotonic()
     # --config (or --run-id alone): that run, as today; --set alone: the run's fetched config with the overrides;
     # nothing: every run of the DHT, the primary one (most live peers) in full
@@ -40,12 +43,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     from p2p_diloco.net.membership import read_swarm, start_dht
 
     timings = {"import": time.monotonic() - t0}
-    use_rich = sys.stdout.isatty() and not args.json
+    use_rich = sys.stdout.isatty() and not args.json and serve is None
+    server = None
+    if serve is not None:  # bound before the DHT starts: a taken port fails at once, with one line
+        from p2p_diloco.cli.serve import StatusServer
+
+        server = StatusServer(serve, refresh_s=args.interval_s)
     with StopOnSignal() as stop:
         t1 = time.monotonic()
-        dht = start_dht(opts, fixed.run_id if fixed is not None else None)
+        try:
+            dht = start_dht(opts, fixed.run_id if fixed is not None else None)
+        except BaseException:
+            if server is not None:
+                server.close()
+            raise
         timings["join"] = time.monotonic() - t1
         try:
+            if server is not None:
+                server.start()
+                out(serving_line(server.address))
             snapshot = None
             while True:
                 t2 = time.monotonic()
@@ -55,7 +71,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 snapshot = read_swarm(dht, local) if local is not None else empty_snapshot(dht)
                 timings["read"] = time.monotonic() - t2
                 data = snapshot_json(snapshot, timings)
-                if args.json:
+                if server is not None:
+                    server.update(data)
+                elif args.json:
                     out(json.dumps(data))
                 elif use_rich:
                     from rich.console import Console
@@ -66,11 +84,20 @@ def cmd_status(args: argparse.Namespace) -> int:
                     console.print(render_rich(data))
                 else:
                     out(render_plain(data) + ("\n" if args.watch else ""))
-                if not args.watch or stop.event.wait(args.interval_s):
+                if not (args.watch or server is not None) or stop.event.wait(args.interval_s):
                     break
         finally:
+            if server is not None:
+                server.close()
             stop_process(dht, "DHT process")
     return 0
+
+
+def serving_line(address: "ServeAddress") -> str:
+    """What ``status --serve`` (and ``swarm --serve``) prints once the page is up: where, and who can reach it."""
+    reach = ("listening on every interface: reachable from the network" if address.public
+             else "this machine only")
+    return f"serving the swarm's page at {address.url()} (/api/status, /metrics); {reach}"
 
 
 def _fetched_local_run(args: argparse.Namespace, dht: Any) -> "LocalRun":

@@ -10,12 +10,15 @@ same run:
   (:func:`~p2p_diloco.core.events.read_events` reads them back).
 - ``tensorboard:DIR`` (:class:`TensorBoardSink`): scalars for ``tensorboard --logdir DIR``, the inner step as
   the x-axis and the event's time as the wall time (:class:`ScalarTracker` says which).
+- ``prometheus:[HOST:]PORT`` (:class:`PrometheusSink`): the same figures' latest values on
+  ``http://HOST:PORT/metrics`` in Prometheus's text format (prometheus_client's server; HOST 127.0.0.1 unless
+  ``0.0.0.0`` is said explicitly), for the scraper an operator already runs.
 
 wandb is not offered: it is not installed beside torch here, and its offline mode writes a folder that only
 ``wandb sync`` to a server makes viewable, which TensorBoard's local files already give without an account.
 
 Only the standard library is imported at module level; tensorboard (through torch) only when a
-``tensorboard`` sink is opened.
+``tensorboard`` sink is opened, prometheus_client only when a ``prometheus`` one is.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, TypeGuard
 
-from p2p_diloco.core.events import Event, EvalEvent, RoundEvent
+from p2p_diloco.core.events import Event, EvalEvent, ResyncEvent, RoundEvent
+from p2p_diloco.net.dashboard import ServeAddress, parse_serve_address
 
 log = logging.getLogger(__name__)
 
-METRICS_KINDS = ("tensorboard", "jsonl")
+METRICS_KINDS = ("tensorboard", "jsonl", "prometheus")
 RATE_MIN_S = 1.0
 """Shortest span of DHT time (seconds) over which ``train/tokens_per_s`` is measured: events closer together
 than this would give a noisy rate."""
@@ -47,20 +51,31 @@ class MetricsSpec:
 
     kind: str
     path: Path
+    """A file or folder (``jsonl``, ``tensorboard``); unused (``Path()``) for ``prometheus``."""
+    address: ServeAddress | None = None
+    """``prometheus``: where its ``/metrics`` listens."""
 
     @property
     def text(self) -> str:
+        if self.address is not None:
+            return f"{self.kind}:{self.address.host}:{self.address.port}"
         return f"{self.kind}:{self.path}"
 
 
 def parse_metrics_spec(text: str) -> MetricsSpec:
-    """``tensorboard:DIR`` or ``jsonl:FILE``; ``ValueError`` naming the spec otherwise (an unknown kind, no
-    path, a path of the wrong sort: a file for a folder or the reverse)."""
+    """``tensorboard:DIR``, ``jsonl:FILE`` or ``prometheus:[HOST:]PORT``; ``ValueError`` naming the spec otherwise
+    (an unknown kind, no path, a path of the wrong sort: a file for a folder or the reverse; a port that is no
+    port, or a host other than this machine's loopback or an explicit 0.0.0.0)."""
     kind, sep, path = text.partition(":")
     if kind not in METRICS_KINDS:
         extra = " (wandb is not supported: use tensorboard)" if kind == "wandb" else ""
         raise ValueError(f"--metrics {text!r}: unknown kind {kind!r}, expected one of "
-                         f"{', '.join(f'{k}:PATH' for k in METRICS_KINDS)}{extra}")
+                         f"{', '.join(f'{k}:PATH' for k in METRICS_KINDS[:2])}, prometheus:[HOST:]PORT{extra}")
+    if kind == "prometheus":
+        if not sep or not path.strip():
+            raise ValueError(f"--metrics {text!r}: needs a port: prometheus:PORT (or prometheus:0.0.0.0:PORT to "
+                             f"be reachable from the network)")
+        return MetricsSpec(kind, Path(), parse_serve_address(path, "--metrics prometheus:", sep=""))
     if not sep or not path.strip():
         what = "DIR" if kind == "tensorboard" else "FILE"
         raise ValueError(f"--metrics {text!r}: needs a {'folder' if what == 'DIR' else 'file'}: {kind}:{what}")
@@ -188,18 +203,121 @@ class TensorBoardSink:
         self._writer.close()
 
 
+PROMETHEUS_PREFIX = "p2p_diloco_learner_"
+_GAUGES = {
+    "train/loss": ("loss", "latest training loss (the run's loss unit)"),
+    "train/tokens_per_s": ("tokens_per_second", "training tokens per second, over the last span of at least "
+                           f"{RATE_MIN_S:g} s"),
+    "eval/loss": ("eval_loss", "the global model's (the anchors') loss on held-out batches"),
+    "rounds/group_size": ("round_group_size", "learners in the last round's group, us included"),
+    "rounds/duration_s": ("round_duration_seconds", "seconds the last round took"),
+}
+"""ScalarTracker tags shown as gauges: ``p2p_diloco_learner_<name>`` and its help text."""
+
+
+class PrometheusSink:
+    """The learner's figures for a Prometheus scraper: the latest value of :class:`ScalarTracker`'s scalars,
+    served by prometheus_client on ``http://HOST:PORT/metrics`` from a thread of its own.
+
+    Every family has the label ``peer`` (the learner's name): tokens (``_tokens_total``), tokens/s, training
+    and eval loss, rounds by ``outcome`` (``_rounds_total``), bytes by ``purpose`` (``averaging``: the rounds;
+    ``state_download``: resyncs) and ``direction`` (``_bytes_total``), other events by ``kind``
+    (``_events_total``) and the last round's group size and duration."""
+
+    def __init__(self, address: ServeAddress) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.address = address
+        self.tracker = ScalarTracker()
+        self.name = ""
+        self.values: dict[str, float] = {}
+        self.download_bytes = 0
+        self._lock = threading.Lock()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)  # prometheus_client duck-types collectors (collect())
+        try:
+            self._server, self._thread = start_http_server(address.port, address.host, registry)
+        except OSError as e:
+            raise ValueError(f"--metrics prometheus:{address.host}:{address.port}: cannot listen there "
+                             f"({e.strerror or e})") from None
+        log.info("serving the learner's metrics at %s", address.url("/metrics"))
+
+    def write(self, event: Event) -> None:
+        with self._lock:
+            self.name = event.name or self.name
+            for tag, value, _step in self.tracker.scalars(event):
+                self.values[tag] = value
+            if isinstance(event, ResyncEvent) and _number(event.bytes):
+                self.download_bytes += int(event.bytes)
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            values, counts, name = dict(self.values), dict(self.tracker.counts), self.name
+            sent, received, download = self.tracker.bytes_sent, self.tracker.bytes_received, self.download_bytes
+        for tag, (metric, doc) in _GAUGES.items():
+            if tag in values:
+                gauge = GaugeMetricFamily(PROMETHEUS_PREFIX + metric, doc, labels=["peer"])
+                gauge.add_metric([name], values[tag])
+                yield gauge
+        tokens = CounterMetricFamily(PROMETHEUS_PREFIX + "tokens", "training tokens consumed", labels=["peer"])
+        tokens.add_metric([name], values.get("train/tokens", 0.0))
+        rounds = CounterMetricFamily(PROMETHEUS_PREFIX + "rounds", "rounds that ended, by outcome",
+                                     labels=["peer", "outcome"])
+        for outcome in ("committed", "discarded"):
+            rounds.add_metric([name, outcome], counts.get(outcome, 0))
+        traffic = CounterMetricFamily(PROMETHEUS_PREFIX + "bytes", "bytes on the wire, by purpose and direction",
+                                      labels=["peer", "purpose", "direction"])
+        traffic.add_metric([name, "averaging", "sent"], sent)
+        traffic.add_metric([name, "averaging", "received"], received)
+        traffic.add_metric([name, "state_download", "received"], download)
+        others = CounterMetricFamily(PROMETHEUS_PREFIX + "events", "other events, by kind", labels=["peer", "kind"])
+        for kind, n in sorted(counts.items()):
+            if kind not in ("committed", "discarded"):
+                others.add_metric([name, kind], n)
+        yield from (tokens, rounds, traffic, others)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 def open_sink(spec: MetricsSpec) -> Sink:
     if spec.kind == "tensorboard":
         return TensorBoardSink(spec.path)
     if spec.kind == "jsonl":
         return JsonlSink(spec.path)
+    if spec.kind == "prometheus" and spec.address is not None:
+        return PrometheusSink(spec.address)
     raise ValueError(f"--metrics {spec.text!r}: unknown kind {spec.kind!r}")
 
 
 def check_available(specs: Sequence[MetricsSpec]) -> None:
-    """Fail now (``ValueError``), not once training started, if a sink's package is missing."""
+    """Fail now (``ValueError``), not once training started, if a sink's package is missing or a
+    ``prometheus`` port is taken (tried by binding it and letting it go: one that something takes in between is
+    refused when the sink opens, after joining)."""
     if any(s.kind == "tensorboard" for s in specs):
         _summary_writer()
+    for spec in specs:
+        if spec.address is not None:
+            check_listen(spec.address, f"--metrics {spec.text}")
+
+
+def check_listen(address: ServeAddress, flag: str) -> None:
+    """``ValueError`` (one line naming ``flag``) if nothing could listen on ``address`` now."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP servers bind
+        try:
+            probe.bind((address.host, address.port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"{flag}: port {address.port} is already in use; pick another port") from None
+            raise ValueError(f"{flag}: cannot listen on {address.host}:{address.port} ({e.strerror or e})") from None
 
 
 class EventLog:

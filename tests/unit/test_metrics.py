@@ -56,7 +56,8 @@ def test_parse_metrics_spec(tmp_path: Path) -> None:
     assert parse_metrics_spec("jsonl:ev.jsonl") == MetricsSpec("jsonl", Path("ev.jsonl"))
     (tmp_path / "file").write_text("x")
     for text, expected in [
-        ("prometheus:x", "--metrics 'prometheus:x': unknown kind 'prometheus', expected one of tensorboard:PATH"),
+        ("statsd:x", "--metrics 'statsd:x': unknown kind 'statsd', expected one of tensorboard:PATH"),
+        ("prometheus:x", "--metrics prometheus:x: expected [HOST:]PORT"),
         ("wandb:x", "wandb is not supported"),
         ("tensorboard", "--metrics 'tensorboard': needs a folder: tensorboard:DIR"),
         ("tensorboard: ", "needs a folder"),
