@@ -14,7 +14,9 @@ from p2p_diloco.core import resources
 from p2p_diloco.core.config import override_arg  # standard library only: --help stays fast
 from p2p_diloco.core.console import out
 from p2p_diloco.core.tokenizer import loss_unit  # standard library only: --help stays fast
+from p2p_diloco.learner.metrics import check_listen  # standard library only: --help stays fast
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, Child, LocalSwarm, unlimited_steps
+from p2p_diloco.net.dashboard import parse_serve_address  # standard library only: --help stays fast
 from p2p_diloco.local.run import (
     DEFAULT_CONFIG,
     DEFAULT_MINUTES,
@@ -53,6 +55,9 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     seconds = args.minutes * 60 if args.minutes > 0 else None
     # a time budget alone ends the training, whatever the machine's speed: no step cap, and the LR's
     # warm-up + cosine runs over the time (an explicit --set inner.total_steps=N still caps it)
+    serve = parse_serve_address(args.serve, "--serve") if args.serve else None
+    if serve is not None:  # a taken port fails here, before anything starts
+        check_listen(serve, f"--serve {serve.host}:{serve.port}")
     overrides = unlimited_steps(args.overrides) if seconds else list(args.overrides)
     cfg = load_config(config_path, overrides)
     from p2p_diloco.core.devices import machine_device
@@ -96,6 +101,8 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 argv = ["join", "--initial-peers", peers, *common, *network, "--host", args.host, "--name", name,
                         "--profile", str(profiles[i % len(profiles)]), "--shard", str(i), "--num-shards",
                         str(args.peers), "--wait-peers", str(wait), "--linger", str(LINGER_S),
+            if serve is not None:  # `status --serve` beside the learners: the page of this run
+                out(f"swarm: {swarm.start_page(serve.host, serve.port, *network)}")
                         "--events", str(out_dir / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
                 if max_time_s is not None:
                     argv += ["--max-time", f"{max_time_s:.1f}"]
@@ -182,3 +189,7 @@ def add_parsers(subparsers: Any) -> None:
                    help="when no stored data-parallel curve covers the run's tokens, do not compute one (computing "
                         "takes about a third of the training time on an idle 2-core machine; computed curves are cached in "
                         "~/.cache/p2p-diloco)")
+    p.add_argument("--serve", metavar="[HOST:]PORT",
+                   help="serve the run's page while it trains (p2p-diloco status --serve: peers, fragment versions, "
+                        "loss and rounds charts, /api/status, /metrics); HOST: 127.0.0.1 (default) or 0.0.0.0 to be "
+                        "reachable from the network")

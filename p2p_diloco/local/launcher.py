@@ -52,6 +52,8 @@ NO_STEP_LIMIT = 1_000_000_000
 (a time-budgeted benchmark must not end early on a fast machine because the step cap came first). Used as
 ``join --steps`` (the LR schedule keeps ``inner.total_steps``) or as ``inner.total_steps`` itself (then the
 warm-up + cosine of a ``--max-time`` learner runs over its time only: :func:`p2p_diloco.core.inner.schedule_step`)."""
+PAGE_CHILD = "page"
+"""The child of a :class:`LocalSwarm` that serves its page (``swarm --serve``): not a learner."""
 
 
 def unlimited_steps(overrides: Sequence[str]) -> list[str]:
@@ -307,8 +309,15 @@ class LocalSwarm:
         self.initial_peers = boot.wait_for(r"^initial peers: (\S+)", START_TIMEOUT_S).group(1)
         return self.initial_peers
 
+    def start_page(self, host: str, port: int, *extra: str) -> str:
+        """Start ``status --serve HOST:PORT`` on the run (after :meth:`start_bootstrap`); returns the line it printed
+        once serving (where the page is, and who can reach it)."""
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        page = self.start(PAGE_CHILD, ["status", "--initial-peers", self.initial_peers, "--serve", where, *extra])
+        return page.wait_for(r"^(serving the swarm's page at .*)$", START_TIMEOUT_S).group(1)
+
     def learners(self) -> list[Child]:
-        return [c for c in self.children if c.name != "boot"]
+        return [c for c in self.children if c.name not in ("boot", PAGE_CHILD)]
 
     def wait_finals(self, timeout_s: float, what: str, progress: Callable[[float], None] | None = None,
                     period_s: float = 30.0, poll_s: float = 1.0) -> dict[str, dict[str, Any]]:

@@ -68,6 +68,12 @@ def test_join_metrics_prometheus_refusals(refused: Callable[..., str], held_port
     refused([*join, "prometheus:abc"], "expected [HOST:]PORT")
 
 
+def test_swarm_serve_refusals(refused: Callable[..., str], held_port: socket.socket) -> None:
+    refused(["swarm", "--config", "tiny", "--serve", "10.1.2.3:8080"], "0.0.0.0:8080")
+    port = held_port.getsockname()[1]
+    refused(["swarm", "--config", "tiny", "--serve", str(port)], f"port {port} is already in use")
+
+
 # ---------------------------------------------------------------- a real server over a real read
 
 
