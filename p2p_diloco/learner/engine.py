@@ -31,14 +31,15 @@ from p2p_diloco.core.model import unwrapped
 from p2p_diloco.learner import checks
 from p2p_diloco.learner.metrics import open_event_log
 from p2p_diloco.learner.options import SyncOptions, check_supported
-from p2p_diloco.learner.rounds import Rounds, start_averagers
-from p2p_diloco.learner.view import SwarmView
+from p2p_diloco.learner.network import HivemindNetwork
+from p2p_diloco.learner.rounds import Rounds
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
     from p2p_diloco.core.config import Config
     from p2p_diloco.learner.swarm import Swarm
     from p2p_diloco.net.clock import SyncClock
+    from p2p_diloco.transport.network import Network
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class DiLoCo:
     ``check_model`` the model must be the run's seeded start (:func:`check_start`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Any, swarm: Swarm,
-                 options: SyncOptions | None = None, *, check_model: bool = True) -> None:
+                 options: SyncOptions | None = None, *, check_model: bool = True,
+                 network: Network | None = None) -> None:
         cfg = swarm.config
         check_supported(cfg)
         params = dict(unwrapped(model).named_parameters())
@@ -115,8 +117,8 @@ class DiLoCo:
                                              fragments.block_map(unwrapped(model))):
             anchor = to_host(start, frag.names)  # the run's fp32 start, also for a bf16 model that holds it rounded
             self.slots.append(FragmentSlot(frag.index, frag.names, anchor, anchor_hash=anchor_hash(anchor)))
-        hosts = start_averagers(cfg, self.slots, {n: p.shape for n, p in self.params.items()}, self.joined.dht,
-                                self.joined.private_key, swarm.membership)
+        self.network: Network = network if network is not None else HivemindNetwork(swarm)
+        hosts = self.network.hosts(cfg, self.slots, {n: p.shape for n, p in self.params.items()})
         self.inner_step = self.tokens = 0
         """Inner steps and tokens counted by :meth:`step` (restored by :meth:`load_state_dict`)."""
         self.start_step = self.start_tokens = 0
@@ -134,7 +136,7 @@ class DiLoCo:
         self._events_lock = threading.Lock()  # the status and checkpoint threads log events too
         self._subscribers: list[Callable[[events.Event], None]] = []
         self._recent: collections.deque[events.Event] = collections.deque(maxlen=RECENT_EVENTS)
-        self.view = SwarmView(self)
+        self.view = self.network.view(self)
         self.rounds = Rounds(cfg, self.slots, self, hosts, self.view, self.local.config_hash, self.opts.started_at,
                              self.log_event, self.dht_time, self.joined.peer_id)
         self._last_clock = self.dht_time()

@@ -55,6 +55,7 @@ from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
     from p2p_diloco.net.clock import SyncClock
+    from p2p_diloco.transport.network import Host
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class AveragerLink:
     boundary (everyone due at it starts at the same instant) or one matchmaking window from now, with timeouts
     derived from what it must move and what the link did in earlier rounds (:mod:`~p2p_diloco.averaging.linktime`)."""
 
-    def __init__(self, host: FragmentAveragerHost, rounds: Rounds) -> None:
+    def __init__(self, host: Host, rounds: Rounds) -> None:
         self.host, self.rounds = host, rounds
 
     def start_round(self, offer: Offer) -> Future[Any]:
@@ -190,7 +191,7 @@ def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, st
 class Rounds:
     """Every fragment's rounds and downloads on a networked learner (called from the training thread)."""
 
-    def __init__(self, cfg: Config, slots: Sequence[FragmentSlot], replica: Replica, hosts: Sequence[FragmentAveragerHost],
+    def __init__(self, cfg: Config, slots: Sequence[FragmentSlot], replica: Replica, hosts: Sequence[Host],
                  view: SwarmReads, config_hash: str, started_at: float, event: Event,
                  dht_time: Callable[[], float], own_id: str) -> None:
         self.cfg, self.view, self.config_hash, self.started_at = cfg, view, config_hash, started_at

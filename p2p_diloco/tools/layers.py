@@ -35,12 +35,14 @@ ALLOWED: dict[str, frozenset[str]] = {
     "hivemind_ext": frozenset({"core"}),
     "net": frozenset({"core", "hivemind_ext"}),
     "averaging": frozenset({"core", "net", "hivemind_ext"}),
+    "transport": frozenset({"core", "sync", "net", "averaging", "hivemind_ext"}),
     "sim": frozenset({"core", "sync", "hivemind_ext"}),
-    "learner": frozenset({"core", "sync", "net", "averaging", "hivemind_ext"}),
+    "learner": frozenset({"core", "sync", "net", "averaging", "transport", "hivemind_ext"}),
     "integrations": frozenset({"core", "learner"}),
     "local": frozenset({"core", "net", "learner", "sim", "hivemind_ext"}),
-    "tools": frozenset({"core", "sync", "net", "averaging", "learner", "sim", "local", "hivemind_ext"}),
-    "cli": frozenset({"core", "sync", "net", "averaging", "learner", "sim", "local", "hivemind_ext", "tools"}),
+    "tools": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "sim", "local", "hivemind_ext"}),
+    "cli": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "sim", "local", "hivemind_ext",
+                      "tools"}),
 }
 """Which subpackages each subpackage may import (besides itself and the top-level ``p2p_diloco``)."""
 

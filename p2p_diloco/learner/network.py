@@ -1,0 +1,34 @@
+"""The hivemind network of an engine (:class:`~p2p_diloco.transport.network.Network`): one averager process per
+fragment on the swarm's DHT (:func:`~p2p_diloco.learner.rounds.start_averagers`) and the status thread that reads
+the records and tends the clock (:class:`~p2p_diloco.learner.view.SwarmView`). What :class:`DiLoCo` uses unless it
+is given another network."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from p2p_diloco.learner.rounds import start_averagers
+from p2p_diloco.learner.view import SwarmView
+
+if TYPE_CHECKING:
+    import torch
+
+    from p2p_diloco.core.config import Config
+    from p2p_diloco.learner.swarm import Swarm
+    from p2p_diloco.sync.slot import FragmentSlot
+    from p2p_diloco.transport.network import Host, View
+
+
+class HivemindNetwork:
+    """A joined :class:`~p2p_diloco.learner.swarm.Swarm`'s network."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+
+    def hosts(self, cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size]) -> list[Host]:
+        joined = self.swarm.joined
+        return list(start_averagers(cfg, slots, shapes, joined.dht, joined.private_key, self.swarm.membership))
+
+    def view(self, engine: Any) -> View:
+        return SwarmView(engine)

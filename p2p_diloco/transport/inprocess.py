@@ -1,0 +1,406 @@
+"""N engines in one process: an in-process network (:class:`Hub`) for the simulator and protocol tests.
+
+Each member is a real :class:`~p2p_diloco.learner.engine.DiLoCo` with its own loop (usually a thread): its round
+policy, catch-up, late commits and events are the engine's own; only what crosses the network is replaced here.
+
+- **Rounds.** A round's contribution (what the engine's fragment link would hand its averager) goes to the hub,
+  which groups the contributions of one fragment at one (version, anchor hash) -- as hivemind's group key does --
+  that arrive before the first one's scheduled time (its matchmaking window). At that time the group closes: with
+  fewer than ``max(2, averaging.min_group_size)`` members it fails for all ("could not find a group"); if any
+  member's quorum check refuses it (a minority of the live learners at that rank), it fails for all; otherwise the
+  weighted average is reduced through the run's codec as hivemind's butterfly all-reduce would send it
+  (:func:`~p2p_diloco.hivemind_ext.compression.simulate_allreduce`, or the robust reducers' rule), merged
+  (:func:`~p2p_diloco.core.outer.decode_merged`) and handed to every member alike: identical anchors inside a group.
+  A member killed while its group is open fails the group (a partial all-reduce).
+- **Downloads** come from the live member ranked best ahead of us, through the same payload and checks as a
+  network download (:func:`~p2p_diloco.averaging.transfer.state_payload`, :func:`~p2p_diloco.averaging.transfer.
+  parse_state`).
+- **The view** each engine reads is the members' live state: their fragment ranks, states and steps; the clock is
+  the run's fixed period (``averaging.schedule = "clock"`` with ``sync_period_s``) or none (``"steps"``).
+
+Not yet: grid groups and the derived clock (refused), seeded delays, drops and partitions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2p_diloco.averaging.decisions import anchor_order, is_ahead, quorum_problem
+from p2p_diloco.averaging.host import Contribution, Download, RoundOutcome
+from p2p_diloco.averaging.linktime import payload_bytes
+from p2p_diloco.averaging.transfer import parse_state, state_payload
+from p2p_diloco.core import outer
+from p2p_diloco.core.config import Config
+from p2p_diloco.core.identity import config_hash
+from p2p_diloco.hivemind_ext import compression
+
+if TYPE_CHECKING:
+    from p2p_diloco.averaging.linktime import LinkEstimate
+    from p2p_diloco.net.clock import SyncClock
+    from p2p_diloco.sync.slot import FragmentSlot
+    from p2p_diloco.transport.network import Host, Rank, View
+
+NO_GROUP = "could not find a group"
+"""Why a round of one member fails (hivemind's words for it)."""
+LEAVING = "cancelled: this peer is leaving"
+KILLED = "partial all-reduce: a member of the group died"
+WAIT_POLL_S = 0.05
+"""How often a wait for peers looks at the members."""
+
+
+def check_supported(cfg: Config) -> None:
+    """Raise ``ValueError`` for what the in-process network does not do yet."""
+    a = cfg.averaging
+    if a.groups == "grid":
+        raise ValueError("in-process network: averaging.groups = \"grid\" is not supported yet")
+    if a.schedule == "clock" and a.sync_period_s <= 0:
+        raise ValueError("in-process network: the derived clock is not supported: set averaging.sync_period_s > 0 "
+                         "or averaging.schedule = \"steps\"")
+
+
+@dataclass(eq=False)
+class Member:
+    """One learner of the hub: its identity, what its record would say, and its engine once it has one."""
+
+    peer_id: str
+    name: str
+    state: str = "joining"
+    alive: bool = True
+    engine: Any = None
+    """Its :class:`~p2p_diloco.learner.engine.DiLoCo` (set when the engine makes its view)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def ranks(self) -> list[Rank]:
+        out = []
+        for s in self.engine.slots:
+            with s.lock:
+                out.append(s.rank)
+        return out
+
+
+@dataclass(eq=False)
+class _Offer:
+    member: Member
+    contribution: Contribution
+    done: Future[RoundOutcome]
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Group:
+    key: tuple[int, int, str]
+    """(fragment, version, anchor hash): who can average together."""
+    offers: list[_Offer]
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A round the hub ran (for tests and reports): its fragment, version, members' names, outcome, reason."""
+
+    fragment: int
+    version: int
+    members: tuple[str, ...]
+    committed: bool
+    reason: str
+
+
+class Hub:
+    """An in-process swarm of one run: members join with :meth:`join` and build their engines with the network it
+    returns (``DiLoCo(model, opt, swarm, network=swarm.network)``)."""
+
+    def __init__(self, cfg: Config) -> None:
+        check_supported(cfg)
+        self.cfg, self.config_hash = cfg, config_hash(cfg)
+        self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
+        self._lock = threading.Lock()
+        self._members: dict[str, Member] = {}
+        self._open: dict[tuple[int, int, str], _Group] = {}
+        self._ids = itertools.count()
+        self.rounds: list[RoundRecord] = []
+        """Every round that ended, in order."""
+
+    # ------------------------------------------------------------ members
+
+    def join(self, name: str) -> LocalSwarm:
+        """A new member (a peer id of its own; ``name`` must not be a live member's)."""
+        with self._lock:
+            if any(m.name == name and m.alive and m.state != "left" for m in self._members.values()):
+                raise ValueError(f"name {name!r}: already taken by a live member")
+            member = Member(peer_id=f"inproc-{next(self._ids):04d}-{name}", name=name)
+            self._members[member.peer_id] = member
+        return LocalSwarm(self, member)
+
+    def kill(self, name: str) -> None:
+        """``name`` dies at once (kill -9): it leaves every view, and its open groups fail for all their members."""
+        with self._lock:
+            member = next(m for m in self._members.values() if m.name == name and m.alive)
+            member.alive = False
+            doomed = [g for g in self._open.values() if any(o.member is member for o in g.offers)]
+        for group in doomed:
+            self._close(group, failure=KILLED)
+
+    def others(self, member: Member) -> list[Member]:
+        """The live members with an engine, but ``member``."""
+        with self._lock:
+            return [m for m in self._members.values()
+                    if m is not member and m.alive and m.state != "left" and m.engine is not None]
+
+    # ------------------------------------------------------------ rounds
+
+    def offer(self, member: Member, fragment: int, c: Contribution) -> Future[RoundOutcome]:
+        """Add ``member``'s contribution to the open group of its fragment and rank; a new group closes at its
+        scheduled time."""
+        done: Future[RoundOutcome] = Future()
+        key = (fragment, c.meta.version, c.meta.anchor)
+        with self._lock:
+            group = self._open.get(key)
+            if group is None:
+                group = self._open[key] = _Group(key, [])
+                timer = threading.Timer(max(0.0, c.scheduled_time - time.time()), self._close, (group,))
+                timer.daemon = True
+                timer.start()
+            group.offers.append(_Offer(member, c, done))
+        return done
+
+    def cancel(self, member: Member, fragment: int) -> None:
+        """``member`` leaves: its contributions to open groups of ``fragment`` end, discarded; the others go on."""
+        with self._lock:
+            for group in self._open.values():
+                if group.key[0] != fragment:
+                    continue
+                for o in [o for o in group.offers if o.member is member]:
+                    group.offers.remove(o)
+                    o.done.set_result(RoundOutcome(fragment=fragment, version=group.key[1], committed=False,
+                                                   reason=LEAVING, finished_at=time.monotonic()))
+
+    def _close(self, group: _Group, failure: str = "") -> None:
+        with self._lock:
+            if group.closed:
+                return
+            group.closed = True
+            if self._open.get(group.key) is group:
+                del self._open[group.key]
+            offers = list(group.offers)
+        if not offers:
+            return
+        reason = failure or self._refusal(offers)
+        outcomes = self._failed(group, offers, reason) if reason else self._reduced(group, offers)
+        self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers),
+                                       not reason and outcomes[0].committed, outcomes[0].reason))
+        for o, outcome in zip(offers, outcomes):
+            o.done.set_result(outcome)
+
+    def _refusal(self, offers: Sequence[_Offer]) -> str:
+        """Why the group cannot commit, before reducing (empty: it may)."""
+        a = self.cfg.averaging
+        if len(offers) < max(2, a.min_group_size):
+            return NO_GROUP
+        for o in offers:
+            problem = quorum_problem(len(offers), o.contribution.at_rank, a.target_group_size)
+            if problem is not None:
+                return problem
+        return ""
+
+    def _failed(self, group: _Group, offers: Sequence[_Offer], reason: str) -> list[RoundOutcome]:
+        now = time.monotonic()
+        return [RoundOutcome(fragment=group.key[0], version=group.key[1], committed=False, reason=reason,
+                             group_size=len(offers) if reason != NO_GROUP else 0, finished_at=now,
+                             window_s=o.contribution.window_s) for o in offers]
+
+    def _reduced(self, group: _Group, offers: Sequence[_Offer]) -> list[RoundOutcome]:
+        """The weighted average of the group's contributions through the run's codec, merged: the same for all."""
+        o_cfg, t0 = self.cfg.outer, time.monotonic()
+        weights = [o.contribution.meta.weight for o in offers]
+        names = list(offers[0].contribution.tensors)
+        averaged: dict[str, torch.Tensor] = {}
+        for n in names:
+            tensors = [o.contribution.tensors[n] for o in offers]
+            if self.robust.active:  # as a robust reducer: decode the parts, its rule, codec(result) back to all
+                received = [compression.roundtrip(o_cfg.codec, t) for t in tensors]
+                reduced = outer.robust_mean(received, outer.clip_to_median(weights, self.robust.clip_factor),
+                                            self.robust)
+                averaged[n] = compression.roundtrip(o_cfg.codec, reduced)
+            else:
+                averaged[n] = compression.simulate_allreduce(o_cfg.codec, tensors, weights)
+        now = time.monotonic()
+        if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
+            return self._failed(group, offers, "averaged tensors are not finite")
+        merged = outer.decode_merged(averaged, [o.contribution.meta.norms for o in offers], weights, o_cfg.merge,
+                                     self.robust)
+        total, peers = sum(weights), tuple(o.member.peer_id for o in offers)
+        dues = [o.contribution.meta.due for o in offers]
+        moved = int(2 * (len(offers) - 1) / len(offers)
+                    * payload_bytes(sum(t.numel() for t in averaged.values()), o_cfg.codec))
+        outcomes = []
+        for o in offers:
+            with self._lock:
+                o.member.bytes_sent += moved
+                o.member.bytes_received += moved
+            outcomes.append(RoundOutcome(
+                fragment=group.key[0], version=group.key[1], committed=True, reason="committed", group_size=len(offers),
+                peers=peers, own_share=o.contribution.meta.weight / total, weights=tuple(weights), bytes_sent=moved,
+                bytes_received=moved, duration_s=now - o.arrived, finished_at=now,
+                arrival_spread_s=max(dues) - min(dues), window_s=o.contribution.window_s, allreduce_s=now - t0,
+                merged={n: t.clone() for n, t in merged.items()}))
+        return outcomes
+
+    # ------------------------------------------------------------ downloads
+
+    def fetch(self, member: Member, fragment: int, ours: Rank) -> Future[Download]:
+        """The state of ``fragment`` from the live member ranked best ahead of ``ours`` (none: nothing newer)."""
+        t0, done = time.monotonic(), Future[Download]()
+        donors = [(m, m.ranks()[fragment]) for m in self.others(member)]
+        ahead = sorted(((m, r) for m, r in donors if is_ahead(r, ours)), key=lambda d: anchor_order(*d[1]),
+                       reverse=True)
+        if not ahead:
+            done.set_result(Download(None, (), time.monotonic() - t0))
+            return done
+        donor = ahead[0][0]
+        slot = donor.engine.slots[fragment]
+        with slot.lock:
+            meta, tensors = state_payload(fragment, slot.version, slot.anchor, slot.state.momentum, slot.names)
+        shapes = {n: slot.anchor[n].shape for n in slot.names}
+        try:
+            fetched = parse_state(meta, tensors, fragment, slot.names, shapes, ours)
+        except Exception as e:  # what a network download would refuse: this donor failed us
+            done.set_result(Download(None, ((donor.peer_id, f"{type(e).__name__}: {e}"[:200], 0.0),),
+                                     time.monotonic() - t0))
+            return done
+        received = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            member.bytes_received += received
+            donor.bytes_sent += received
+        done.set_result(Download(fetched, ((donor.peer_id, "ok", time.monotonic() - t0),), time.monotonic() - t0,
+                                 received))
+        return done
+
+
+class LocalSwarm:
+    """One member of a :class:`Hub` as an engine sees a joined swarm (``config``, ``joined``, ``local``) plus its
+    ``network``: ``DiLoCo(model, opt, swarm, network=swarm.network)``. :meth:`close` leaves (a tombstone)."""
+
+    def __init__(self, hub: Hub, member: Member) -> None:
+        self.hub, self.member, self.config = hub, member, hub.cfg
+        self.joined = SimpleNamespace(peer_id=member.peer_id, name=member.name, dht=None, private_key=None,
+                                      publisher=SimpleNamespace(update=self._publish))
+        self.local = SimpleNamespace(run_id=hub.cfg.run.run_id, config_hash=hub.config_hash)
+        self.membership = None
+        self.network = InProcessNetwork(hub, member)
+        self.closed = False
+
+    def _publish(self, **fields: Any) -> None:
+        if "state" in fields:
+            self.member.state = str(fields["state"])
+
+    def close(self) -> None:
+        self.member.state, self.closed = "left", True
+
+
+class InProcessNetwork:
+    """One member's :class:`~p2p_diloco.transport.network.Network` on a :class:`Hub`."""
+
+    def __init__(self, hub: Hub, member: Member) -> None:
+        self.hub, self.member = hub, member
+
+    def hosts(self, cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size]) -> list[Host]:
+        if cfg is not self.hub.cfg and config_hash(cfg) != self.hub.config_hash:
+            raise ValueError("in-process network: the engine's config is not the hub's run")
+        return [InProcessHost(self.hub, self.member, s.index) for s in slots]
+
+    def view(self, engine: Any) -> View:
+        self.member.engine = engine
+        return InProcessView(self.hub, self.member, engine)
+
+
+class InProcessHost:
+    """One fragment's rounds and downloads of one member, through the hub."""
+
+    def __init__(self, hub: Hub, member: Member, fragment: int) -> None:
+        self.hub, self.member, self.fragment = hub, member, fragment
+        self.prefix = f"{hub.cfg.run.run_id}_f{fragment}"
+
+    def start_round(self, contribution: Contribution) -> Future[RoundOutcome]:
+        return self.hub.offer(self.member, self.fragment, contribution)
+
+    def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
+        return self.hub.fetch(self.member, self.fragment, ours)
+
+    def set_anchor(self, version: int, anchor: str) -> None:
+        """Nothing to advertise: the hub reads the members' slots."""
+
+    def vouch(self, version: int, anchor: str) -> None:
+        """Nothing to sign: the hub's downloads are its members' own state."""
+
+    def cancel(self) -> None:
+        self.hub.cancel(self.member, self.fragment)
+
+    def shutdown(self) -> None:
+        self.cancel()
+
+    def bytes_total(self) -> tuple[int, int]:
+        return self.member.bytes_sent, self.member.bytes_received
+
+
+class InProcessView:
+    """What one member's engine reads of the hub: the other live members as they are now."""
+
+    def __init__(self, hub: Hub, member: Member, engine: Any) -> None:
+        from p2p_diloco.net.clock import SyncClock
+
+        self.hub, self.member, self.engine = hub, member, engine
+        a = hub.cfg.averaging
+        self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" else None
+        self.swarm_reads = 0
+
+    @property
+    def peer_anchors(self) -> list[list[Rank]]:
+        return [m.ranks() for m in self.hub.others(self.member)]
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return [m.peer_id for m in self.hub.others(self.member)]
+
+    @property
+    def peer_states(self) -> list[str]:
+        return [m.state for m in self.hub.others(self.member)]
+
+    @property
+    def peer_steps(self) -> list[tuple[int, float, float]]:
+        """(inner step, now, seconds per step) of the members that train."""
+        out = []
+        for m in self.hub.others(self.member):
+            e = m.engine
+            steps = e.inner_step - e.start_step
+            if m.state in ("training", "averaging") and steps > 0:
+                out.append((e.inner_step, time.time(), (time.monotonic() - e.t_start) / steps))
+        return out
+
+    def start(self) -> None:
+        self.swarm_reads += 1
+
+    def stop(self) -> None:
+        """Nothing runs in the background."""
+
+    def look_before_training(self, stop: threading.Event) -> None:
+        self.swarm_reads += 1
+
+    def wait_for_peers(self, stop: threading.Event) -> None:
+        """Until ``wait_peers`` members (us included) train or wait to, or ``stop``."""
+        wanted = self.engine.opts.wait_peers
+        deadline = time.monotonic() + self.engine.opts.wait_peers_timeout_s
+        while 1 + len(self.hub.others(self.member)) < wanted and not stop.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.engine.opts.wait_peers_timeout_s:g} s for {wanted} learners")
+            stop.wait(WAIT_POLL_S)
+        self.swarm_reads += 1

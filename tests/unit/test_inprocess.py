@@ -1,0 +1,128 @@
+"""Four :class:`p2p_diloco.DiLoCo` engines in one process on the in-process network (:mod:`p2p_diloco.transport.
+inprocess`), each with its own loop in a thread: rounds commit with identical anchors inside each group, a
+straggler falls behind and comes back (it downloads what the others committed), a member killed mid-run leaves the
+others going, and a newcomer rejoining under its name catches up and contributes. Every round, download and event
+is the engine's own; only what crosses the network is the hub's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from p2p_diloco import DiLoCo, SyncOptions, build_model, events, load_config, training_batches
+from p2p_diloco.core.config import Config
+from p2p_diloco.transport.inprocess import NO_GROUP, Hub
+
+OVERRIDES = ["outer.sync_every=8", "outer.fragments=2", "averaging.schedule=steps", "inner.batch_size=4",
+             "averaging.window_s=1.0", "averaging.window_max_s=2.0"]
+STEP_S = 0.05
+"""Every loop's pace (a straggler's is a multiple): steps of 4 threads on a shared 2-core machine stay in phase."""
+RUN_DEADLINE_S = 120.0
+"""Generous: the whole run, on a loaded machine."""
+
+
+@pytest.fixture
+def cfg() -> Config:
+    return load_config("llama-tiny", OVERRIDES)
+
+
+class Loop:
+    """One learner: its engine and the plain loop that drives it, in a thread of its own."""
+
+    def __init__(self, hub: Hub, cfg: Config, name: str, seed: int, steps: int, pace_s: float,
+                 wait_peers: int) -> None:
+        self.name, self.steps, self.pace_s = name, steps, pace_s
+        self.swarm = hub.join(name)
+        self.model = build_model(cfg)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr)
+        self.diloco = DiLoCo(self.model, self.opt, self.swarm, SyncOptions(wait_peers=wait_peers, linger_s=20.0,
+                                                                            wait_peers_timeout_s=60.0),
+                             network=self.swarm.network)
+        self.heard: list[events.Event] = []
+        self.diloco.subscribe(self.heard.append)
+        self.batches = training_batches(cfg, seed=seed)
+        self.killed = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            d = self.diloco
+            d.start()
+            for _ in range(self.steps):
+                if self.killed.is_set():
+                    d.close()  # a dead process's engine does nothing more; nobody hears from it
+                    return
+                t0 = time.monotonic()
+                x, y = next(self.batches)
+                logits = self.model(input_ids=x, use_cache=False).logits
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.opt.step()
+                d.step(tokens=x.numel(), loss=loss.detach())
+                time.sleep(max(0.0, self.pace_s - (time.monotonic() - t0)))
+            with d:
+                pass  # leaving the block: the final rounds and the linger until the live peers agree
+            self.swarm.close()
+        except BaseException as e:  # the test reports it
+            self.error = e
+
+    def rounds(self, outcome: str | None = None) -> list[events.RoundEvent]:
+        return [e for e in self.heard if isinstance(e, events.RoundEvent) and (outcome is None or e.outcome == outcome)]
+
+    def resyncs(self) -> list[events.ResyncEvent]:
+        return [e for e in self.heard if isinstance(e, events.ResyncEvent) and e.outcome in ("rebased", "reset after resume")]
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_four_engines_in_one_process_with_a_straggler_a_kill_and_a_rejoin(cfg: Config) -> None:
+    torch.set_num_threads(1)
+    hub = Hub(cfg)
+    loops = {name: Loop(hub, cfg, name, seed, steps=steps, pace_s=pace, wait_peers=4)
+             for name, seed, steps, pace in (("a", 1, 160, STEP_S), ("b", 2, 160, STEP_S), ("c", 3, 400, STEP_S),
+                                              ("slow", 4, 24, 10 * STEP_S))}
+    for loop in loops.values():
+        loop.thread.start()
+    a, c = loops["a"], loops["c"]
+    wait_for(lambda: len(a.rounds("committed")) >= 4 or a.error is not None, RUN_DEADLINE_S, "a's first rounds")
+    c.killed.set()
+    hub.kill("c")  # kill -9: gone from every view at once; a group it was in fails for all its members
+    c.thread.join(timeout=30)
+    wait_for(lambda: len(a.rounds("committed")) >= 6 or a.error is not None, RUN_DEADLINE_S, "rounds without c")
+    rejoined = Loop(hub, cfg, "c", 5, steps=60, pace_s=STEP_S, wait_peers=1)  # under its name: a new peer id
+    loops["c-again"] = rejoined
+    rejoined.thread.start()
+    for name, loop in loops.items():
+        loop.thread.join(timeout=RUN_DEADLINE_S)
+        assert not loop.thread.is_alive(), f"{name} did not end"
+        assert loop.error is None, f"{name}: {loop.error!r}"
+
+    survivors = [loops[n] for n in ("a", "b", "slow", "c-again")]
+    for loop in survivors:
+        print(f"{loop.name}: versions {loop.diloco.versions} anchors {loop.diloco.anchor_hashes}; "
+              f"{len(loop.rounds('committed'))} committed, {len(loop.rounds('discarded'))} discarded, "
+              f"{len(loop.resyncs())} downloads")
+    assert len({tuple(s.diloco.versions) for s in survivors}) == 1
+    assert len({tuple(s.diloco.anchor_hashes) for s in survivors}) == 1
+    assert all(v >= 4 for v in a.diloco.versions), a.diloco.versions
+    committed = [r for r in hub.rounds if r.committed]
+    assert committed and all(len(r.members) >= 2 for r in committed)
+    assert any("slow" in r.members for r in committed), "the straggler never averaged"
+    assert loops["slow"].resyncs(), "the straggler never caught up by download"
+    assert rejoined.resyncs(), "the rejoined peer did not download the swarm's anchors"
+    assert any(rejoined.swarm.member.peer_id in e.peers for loop in (loops["a"], loops["b"])
+               for e in loop.rounds("committed")), "the rejoined peer never contributed"
+    lone = [r for r in hub.rounds if r.reason == NO_GROUP]
+    assert all(len(r.members) == 1 for r in lone), lone
