@@ -93,7 +93,7 @@ function renderStatus(d, view) {
     tr.dataset.peer = p.name;
     const cells = [
       [p.name], [p.status === "live" ? p.state : p.status], [p.profile || "-"],
-      [full ? (p.addresses && p.addresses.length ? "yes (" + p.addresses.length + " addresses)" : "client only") : ""],
+      [full ? (p.addresses && p.addresses.length ? "yes (" + p.addresses.length + (p.addresses.length > 1 ? " addresses)" : " address)") : "client only") : ""],
       [full ? p.inner_step : "", "num"], [full ? fmt(p.tokens) : "", "num"], [full ? fmt(p.tokens_per_s) : "", "num"],
       [full && p.fragment_versions.length ? p.fragment_versions.join(",") : "-", "versions"],
       [full ? age(d.dht_time, p.last_sync_time) : ""],
@@ -125,7 +125,7 @@ function drawChart(svg, series, yLabel) {
   let y0 = Math.min(...all.map(p => p[1])), y1 = Math.max(...all.map(p => p[1]));
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= 1; y1 += 1; }
-  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
+  const pad = (y1 - y0) * 0.05; y0 = y0 >= 0 ? Math.max(0, y0 - pad) : y0 - pad; y1 += pad;  // counts stay >= 0
   const sx = x => L + (x - x0) / (x1 - x0) * (W - L - R), sy = y => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   const line = (x1_, y1_, x2_, y2_, color) => {
     const l = document.createElementNS(SVG, "line");
