@@ -92,6 +92,8 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         with LocalSwarm(out_dir / "logs", grace_s=LINGER_S + 30) as swarm:
             peers = swarm.start_bootstrap("--host", args.host, *network, *common)
             out(f"bootstrap: {peers}")
+            if serve is not None:  # `status --serve` beside the learners: the page of this run
+                out(f"swarm: {swarm.start_page(serve.host, serve.port, *network)}")
             if args.host not in ("127.0.0.1", "localhost"):
                 out(f"other machines join with: p2p-diloco join --initial-peers {peers} "
                      + " ".join(common + network))
@@ -101,8 +103,6 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 argv = ["join", "--initial-peers", peers, *common, *network, "--host", args.host, "--name", name,
                         "--profile", str(profiles[i % len(profiles)]), "--shard", str(i), "--num-shards",
                         str(args.peers), "--wait-peers", str(wait), "--linger", str(LINGER_S),
-            if serve is not None:  # `status --serve` beside the learners: the page of this run
-                out(f"swarm: {swarm.start_page(serve.host, serve.port, *network)}")
                         "--events", str(out_dir / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
                 if max_time_s is not None:
                     argv += ["--max-time", f"{max_time_s:.1f}"]
