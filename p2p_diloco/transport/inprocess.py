@@ -18,7 +18,8 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
 - **The view** each engine reads is the members' live state: their fragment ranks, states and steps; the clock is
   the run's fixed period (``averaging.schedule = "clock"`` with ``sync_period_s``) or none (``"steps"``).
 
-Not yet: grid groups and the derived clock (refused), seeded delays, drops and partitions.
+Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side
+sees and averages only with itself). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Member:
     alive: bool = True
     engine: Any = None
     """Its :class:`~p2p_diloco.learner.engine.DiLoCo` (set when the engine makes its view)."""
+    side: int = 0
+    """Its side of a network partition (:meth:`Hub.partition`): members see and average only with their side."""
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -98,8 +101,8 @@ class _Offer:
 
 @dataclass(eq=False)
 class _Group:
-    key: tuple[int, int, str]
-    """(fragment, version, anchor hash): who can average together."""
+    key: tuple[int, int, str, int]
+    """(fragment, version, anchor hash, side of a partition): who can average together."""
     offers: list[_Offer]
     closed: bool = False
 
@@ -125,7 +128,7 @@ class Hub:
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
-        self._open: dict[tuple[int, int, str], _Group] = {}
+        self._open: dict[tuple[int, int, str, int], _Group] = {}
         self._ids = itertools.count()
         self.rounds: list[RoundRecord] = []
         """Every round that ended, in order."""
@@ -150,11 +153,28 @@ class Hub:
         for group in doomed:
             self._close(group, failure=KILLED)
 
-    def others(self, member: Member) -> list[Member]:
-        """The live members with an engine, but ``member``."""
+    def partition(self, *sides: Sequence[str]) -> None:
+        """Split the network: each of ``sides`` (members' names) sees and averages only with itself; members not
+        named form one more side. Groups open across the cut fail for all their members (a partial all-reduce)."""
         with self._lock:
-            return [m for m in self._members.values()
-                    if m is not member and m.alive and m.state != "left" and m.engine is not None]
+            side_of = {name: i + 1 for i, names in enumerate(sides) for name in names}
+            for m in self._members.values():
+                m.side = side_of.get(m.name, 0)
+            split = [g for g in self._open.values() if len({o.member.side for o in g.offers}) > 1]
+        for group in split:
+            self._close(group, failure="partial all-reduce: the network split under the group")
+
+    def heal(self) -> None:
+        """End a partition: everyone sees everyone again."""
+        with self._lock:
+            for m in self._members.values():
+                m.side = 0
+
+    def others(self, member: Member) -> list[Member]:
+        """The live members with an engine on ``member``'s side of a partition, but ``member``."""
+        with self._lock:
+            return [m for m in self._members.values() if m is not member and m.alive and m.state != "left"
+                    and m.engine is not None and m.side == member.side]
 
     # ------------------------------------------------------------ rounds
 
@@ -162,8 +182,8 @@ class Hub:
         """Add ``member``'s contribution to the open group of its fragment and rank; a new group closes at its
         scheduled time."""
         done: Future[RoundOutcome] = Future()
-        key = (fragment, c.meta.version, c.meta.anchor)
         with self._lock:
+            key = (fragment, c.meta.version, c.meta.anchor, member.side)
             group = self._open.get(key)
             if group is None:
                 group = self._open[key] = _Group(key, [])

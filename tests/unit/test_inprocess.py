@@ -126,3 +126,42 @@ def test_four_engines_in_one_process_with_a_straggler_a_kill_and_a_rejoin(cfg: C
                for e in loop.rounds("committed")), "the rejoined peer never contributed"
     lone = [r for r in hub.rounds if r.reason == NO_GROUP]
     assert all(len(r.members) == 1 for r in lone), lone
+
+
+def test_a_partition_forks_the_swarm_and_the_fork_heals_when_it_ends(cfg: Config) -> None:
+    """Split 2 | 2: each side sees two live learners, so its groups of two are a quorum and both sides commit the
+    same versions of a fragment on different anchors -- a fork. When the network heals, the side whose anchor loses
+    (:func:`~p2p_diloco.averaging.decisions.anchor_order`) downloads the winner's and rebases onto it; everyone ends
+    on the same anchors."""
+    torch.set_num_threads(1)
+    hub = Hub(cfg)
+    loops = {name: Loop(hub, cfg, name, seed, steps=200, pace_s=STEP_S, wait_peers=4)
+             for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4))}
+    for loop in loops.values():
+        loop.thread.start()
+    a = loops["a"]
+    wait_for(lambda: len(a.rounds("committed")) >= 2 or a.error is not None, RUN_DEADLINE_S, "the first rounds")
+    split_at = len(hub.rounds)
+    hub.partition(("a", "b"), ("c", "d"))
+    before = {n: len(loop.rounds("committed")) for n, loop in loops.items()}
+    wait_for(lambda: all(len(loop.rounds("committed")) >= before[n] + 3 for n, loop in loops.items())
+             or any(loop.error is not None for loop in loops.values()), RUN_DEADLINE_S, "rounds on both sides")
+    hub.heal()
+    for name, loop in loops.items():
+        loop.thread.join(timeout=RUN_DEADLINE_S)
+        assert not loop.thread.is_alive(), f"{name} did not end"
+        assert loop.error is None, f"{name}: {loop.error!r}"
+
+    during = [r for r in hub.rounds[split_at:] if r.committed]
+    sides = {(r.fragment, r.version): set() for r in during}
+    for r in during:
+        sides[(r.fragment, r.version)].add(frozenset(r.members))
+    forked = [k for k, groups in sides.items() if {frozenset("ab"), frozenset("cd")} <= groups]
+    assert forked, f"no version was committed on both sides of the split: {during}"  # the fault fired
+    healed = [e for loop in loops.values() for e in loop.resyncs()]
+    assert healed, "nobody downloaded the winning anchors after the heal"
+    for loop in loops.values():
+        print(f"{loop.name}: versions {loop.diloco.versions} anchors {loop.diloco.anchor_hashes}; "
+              f"{len(loop.resyncs())} downloads")
+    assert len({tuple(loop.diloco.versions) for loop in loops.values()}) == 1
+    assert len({tuple(loop.diloco.anchor_hashes) for loop in loops.values()}) == 1
