@@ -28,6 +28,7 @@ from p2p_diloco.local.run import (
     Chaos,
     Ending,
     LiveView,
+    TokenStop,
     build_report,
     compute_reference,
     ending,
@@ -35,6 +36,7 @@ from p2p_diloco.local.run import (
     plot,
     reference_action,
     stored_reference,
+    token_budget,
     write_report,
 )
 
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 def cmd_swarm(args: argparse.Namespace) -> int:
     from p2p_diloco.core.config import load_config
     from p2p_diloco.core.identity import config_hash
+    from p2p_diloco.sim.reference import curve_end, folders, load_curves, reference_key
 
     # resolved here (a bundled name becomes its path): the learners, the report and the reference all read this file
     config_path = str(resources.find(args.config, resources.CONFIGS) if args.config
@@ -60,6 +63,10 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         check_listen(serve, f"--serve {serve.host}:{serve.port}")
     overrides = unlimited_steps(args.overrides) if seconds else list(args.overrides)
     cfg = load_config(config_path, overrides)
+    # ... up to a token budget: where the stored data-parallel curves end, so the reference is never computed
+    ref_cfg = load_config(config_path, [*args.overrides, f"sim.learners={args.peers}"])  # K replicas: the swarm's
+    ends = [curve_end(c) for c in load_curves(reference_key(ref_cfg), folders())]
+    stop_tokens, stop_why = token_budget(args.max_tokens, seconds, ends)
     from p2p_diloco.core.devices import machine_device
     from p2p_diloco.core.model import check_buildable
 
@@ -81,13 +88,15 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                          + ([f"{args.minutes:g} min of training"] if seconds else []))
     out(f"swarm: {args.peers} learners ({', '.join(p.name for p in loaded)}), config {config_path} "
          f"(hash {config_hash(cfg)}), budget {budget} per learner"
-         + ("" if step_capped else " (no step limit)") + f"; output in {out_dir}")
+         + ("" if step_capped else " (no step limit)")
+         + (f", {stop_tokens:,} tokens in all ({stop_why})" if stop_tokens else "") + f"; output in {out_dir}")
     t0 = time.monotonic()
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     events: list[dict[str, Any]] = []
     finals: dict[str, dict[str, Any]] = {}
     endings: list[Ending] = []
+    token_stop = TokenStop(stop_tokens, out_dir / "logs")
     try:
         with LocalSwarm(out_dir / "logs", grace_s=LINGER_S + 30) as swarm:
             peers = swarm.start_bootstrap("--host", args.host, *network, *common)
@@ -110,14 +119,15 @@ def cmd_swarm(args: argparse.Namespace) -> int:
 
             learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]
             chaos = Chaos(args.chaos, seconds or estimate_s(cfg), learners, start_learner, seconds, events)
-            view = LiveView(args, cfg, peers, budget_tokens, seconds)
+            view = LiveView(args, cfg, peers, stop_tokens or budget_tokens, seconds)
             try:
                 deadline = t0 + (seconds or 24 * 3600) + 120 + FINISH_SLACK_S
                 while not stop.is_set() and time.monotonic() < deadline:
                     done = [c for c in swarm.learners() if not c.alive or c.final() is not None]
                     if len(done) == len(swarm.learners()):
                         break
-                    chaos.tick()
+                    if not token_stop.tick(swarm.learners(), list(chaos.killed), time.monotonic() - t0):
+                        chaos.tick()  # once the learners finish, nobody is killed or restarted
                     view.update(time.monotonic() - t0, events)
                     stop.wait(VIEW_PERIOD_S)
             finally:
@@ -136,7 +146,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
     report = build_report(cfg, config_path, args, finals, events, out_dir, time.monotonic() - t0, endings)
-    ref_cfg = load_config(config_path, [*args.overrides, f"sim.learners={args.peers}"])  # K replicas: the swarm's
+    report["token_budget"] = {"tokens": stop_tokens, "why": stop_why, "reached_s": token_stop.reached_s}
     tokens = report["tokens"]
     stored, why = stored_reference(ref_cfg, tokens)
     action, why = reference_action(stored is not None, why, tokens, args.no_reference, stop.is_set())
@@ -179,6 +189,10 @@ def add_parsers(subparsers: Any) -> None:
                    help=f"training time of every learner, in minutes, however fast the machine (no step limit "
                         f"unless --set inner.total_steps=N; default: {DEFAULT_MINUTES:g}; 0 = the config's step "
                         "budget, inner.total_steps, however long that takes)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, metavar="N",
+                   help="every learner finishes (as at --minutes) once together they have trained N tokens; default "
+                        "with --minutes: the longest stored data-parallel curve's end, so that the report's reference is "
+                        "read, never computed after the run; 0: no token budget")
     p.add_argument("--host", default="127.0.0.1", help="address the peers listen on (a LAN address lets other machines "
                    "join; default 127.0.0.1)")
     p.add_argument("--swarm-key", dest="swarm_key", metavar="FILE", help="private swarm: the key file from keygen")

@@ -11,10 +11,13 @@ leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C 
 cleanly (learners leave gracefully) and still writes what there is.
 
 With a time budget (``--minutes``, the default) every learner trains for that long whatever the
-machine's speed: there is no step limit, so no learner leaves early. The report compares the end state
+machine's speed: there is no step limit, so no learner leaves early; but all of them finish together once
+they have trained as many tokens as the longest stored data-parallel curve (:func:`token_budget`,
+``--max-tokens``), so that a fast machine does not outrun the stored curves. The report compares the end state
 (anchors, eval loss) among the learners that finished together and names the others with the reason;
 and it always has the data-parallel reference at the run's tokens: from a stored curve that covers them
-(:mod:`p2p_diloco.sim.reference`), else computed here after the run and cached (``--no-reference`` skips that).
+(:mod:`p2p_diloco.sim.reference`; the curves bundled for the default config cover every speed from a
+twentieth of a 2-core machine's up), else computed here after the run and cached (``--no-reference`` skips that).
 
 Only the standard library is imported at module level (``p2p-diloco --help`` stays fast).
 """
@@ -25,6 +28,7 @@ import argparse
 import json
 import logging
 import math
+import signal
 import statistics
 import sys
 import time
@@ -51,7 +55,8 @@ LINGER_S = 30.0
 DEFAULT_MINUTES = 6.5
 """Training time by default: with start-up, the final rounds and the evaluation, the main job takes
 about 7.5 minutes on a 2-core machine (all learners share it), and with the install under 10 minutes
-on a fresh clone (7 minutes took 10 min 4 s there)."""
+on a fresh clone (7 minutes took 10 min 4 s there). With the token budget and the bundled curves no reference
+is computed after it: 7 min 5 s on a 2-core machine shared with other test runs (3.2M tokens, issue 47)."""
 EVAL_EVERY_S = 30.0
 """Learners evaluate the global model on 2 held-out batches this often (the eval-loss-over-time plot)."""
 FINISH_SLACK_S = 300.0
@@ -61,6 +66,8 @@ REFERENCE_TOKENS_PER_S_2_CORES = 18_000.0
 evaluations included); four learner processes train about 6,300 tokens/s there, so computing a reference
 takes about a third of the training time -- and several times longer beside other jobs (4.8M tokens took
 1733 s at nice 10 beside other test runs). Only for the estimate printed first."""
+EVENTS_TAIL_BYTES = 65_536
+"""How much of the end of a learner's events file :func:`last_tokens` reads (an event is one line of < 4 kB)."""
 REFERENCE_EVAL_POINTS = 8
 """Evaluations along a reference computed for a run: at 1/8 steps, so a later run within the curve's last
 quarter (``reference.SPAN``) interpolates between points, and evaluation costs little beside training."""
@@ -136,6 +143,78 @@ def compute_reference(config_path: str | None, args: argparse.Namespace, cfg: An
          f"{payload['wall_s']:.0f} s; cached in {path}")
     shown = {**payload, "path": str(path)}
     return reference_at(shown, tokens) | {"computed_s": payload["wall_s"]}
+
+
+def token_budget(max_tokens: int | None, seconds: float | None, ends: Sequence[int]) -> tuple[int | None, str]:
+    """The tokens at which every learner of the swarm finishes (:class:`TokenStop`), or None, with why.
+    ``--max-tokens`` (``max_tokens``) when given, 0 for none. By default, with a time budget (``seconds``), the
+    longest stored data-parallel curve's end (``ends``: the run's curves, cached and bundled): a machine fast
+    enough to train more in its time would outrun the stored curves and compute its reference after the run.
+    The learners train on a little while they finish, up to 10% past it, which that curve still covers
+    (``reference.SPAN``); the shorter ones cover a slower machine (for the bundled configs a unit test pins it).
+    With a step budget alone the steps fix the tokens: none."""
+    if max_tokens is not None:
+        if max_tokens < 0:
+            raise ValueError(f"--max-tokens: must be >= 0, got {max_tokens} (0: no token budget)")
+        return (max_tokens, "--max-tokens") if max_tokens else (None, "--max-tokens 0")
+    if seconds is None:
+        return None, "the step budget fixes the tokens"
+    if not ends:
+        return None, "no stored data-parallel curve for this run"
+    return max(ends), "the longest stored data-parallel curve: the report reads its reference, never computes one"
+
+
+def last_tokens(path: Path) -> int:
+    """The training tokens of the last event in a learner's ``--events`` file (0: none yet), read from its tail
+    (:data:`EVENTS_TAIL_BYTES`): the swarm looks every :data:`VIEW_PERIOD_S`. A line that is not JSON is skipped,
+    as :func:`~p2p_diloco.core.events.read_events` does: the last one may still be being written."""
+    if not path.exists():
+        return 0
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - EVENTS_TAIL_BYTES))
+        tail = f.read().decode(errors="replace")
+    for line in reversed(tail.splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("tokens"), int):
+            return int(record["tokens"])
+    return 0
+
+
+class TokenStop:
+    """The swarm's token budget: once its learners' events say they have trained ``budget`` tokens together
+    (those the report counts: not the ones killed by ``--chaos``), or will have by the next look at the rate
+    since the last one, every learner gets SIGUSR1 and finishes as at its time budget -- final rounds, linger,
+    evaluation -- so all of them finish together. Looking ahead keeps the overshoot to the steps between two events
+    (a round's) and those until the signal is seen, not all that a fast machine trains between two looks."""
+
+    def __init__(self, budget: int | None, logs: Path) -> None:
+        self.budget, self.logs = budget, logs
+        self.reached_s: float | None = None
+        """When the budget was reached, in seconds since the swarm started; None: not (yet)."""
+        self._last: tuple[float, int] | None = None
+        """The previous look: (seconds since the swarm started, tokens)."""
+
+    def tick(self, learners: Sequence[Child], killed: Sequence[str], elapsed_s: float) -> bool:
+        """Look at the learners' tokens (called every ``VIEW_PERIOD_S``); True once the budget is reached."""
+        if self.budget is None or self.reached_s is not None:
+            return self.reached_s is not None
+        tokens = sum(last_tokens(self.logs / f"{c.name}.jsonl") for c in learners if c.name not in killed)
+        ahead = 0  # what they train until the next look, at the rate since the last one (as far apart)
+        if self._last is not None and elapsed_s > self._last[0]:
+            ahead = max(0, tokens - self._last[1])
+        self._last = (elapsed_s, tokens)
+        if tokens + ahead < self.budget:
+            return False
+        self.reached_s = elapsed_s
+        for c in learners:
+            if c.alive and c.final() is None:
+                c.signal(signal.SIGUSR1)
+        out(f"swarm: {tokens:,} tokens trained at {elapsed_s:.0f} s, the token budget of {self.budget:,}: every "
+            "learner finishes now, as at its time budget")
+        return True
 
 
 def estimate_s(cfg: Any) -> float:
@@ -396,6 +475,10 @@ def render_report(r: dict[str, Any]) -> str:
             lines.append("no round ran: no bytes to compare")
         lines.append(f"median utilization {100 * r['median_utilization']:.1f}%; rounds {r['rounds_committed']} committed, "
                      f"{r['rounds_discarded']} discarded; wall {r['wall_s']:.0f} s")
+        budget = r.get("token_budget") or {}  # a report from before token budgets has none
+        if budget.get("reached_s") is not None:
+            lines.append(f"token budget {budget['tokens']:,} ({budget['why']}) reached at {budget['reached_s']:.0f} s: "
+                         "every learner finished then, before its time budget")
     for reason, count in r["discard_reasons"]:
         lines.append(f"  discarded x{count}: {reason}")
     for e in r["chaos_events"]:

@@ -113,6 +113,18 @@ def plan(ends: Sequence[int], tokens: int) -> tuple[int | None, str]:
                   f"{SPAN[0]:g}x to {SPAN[1]:g}x its length)")
 
 
+def covered(ends: Sequence[int]) -> list[tuple[float, float]]:
+    """The token ranges that curves ending at ``ends`` cover (:data:`SPAN`), overlapping or touching ones
+    merged, in order: a run whose tokens lie in one of them finds its reference stored (:func:`plan`)."""
+    ranges: list[tuple[float, float]] = []
+    for lo, hi in sorted((SPAN[0] * e, SPAN[1] * e) for e in ends if e > 0):
+        if ranges and lo <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], hi))
+        else:
+            ranges.append((lo, hi))
+    return ranges
+
+
 def reference_at(ref: dict[str, Any], tokens: int) -> dict[str, Any]:
     """The curve's eval loss at ``tokens`` (linear between its points; its last point up to 10% past its end)."""
     from p2p_diloco.sim.curves import value_at
