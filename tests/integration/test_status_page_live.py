@@ -134,13 +134,22 @@ def browse(browser: str, tmp: Path, url: str, *what: str) -> subprocess.Complete
                           capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
 
 
+KEYED_BY_DATA = ("states", "runs", "versions", "config_hashes", "announced_hashes")
+"""Objects of ``status --json`` whose keys are values (states, run ids, versions, hashes), not fields."""
+
+
 def _shape(value: Any) -> Any:
-    """Keys and types of a JSON value, lists by their first element (peers: every record has the same keys)."""
+    """The keys of a JSON value, nested: a list of objects by the keys of all of them; objects keyed by data
+    (:data:`KEYED_BY_DATA`), other lists and scalars by their kind only (a loss is a number or null, a list of
+    departed peers empty or not, from one read to the next)."""
     if isinstance(value, dict):
-        return {k: _shape(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_shape(value[0])] if value else []
-    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+        return {k: "map" if k in KEYED_BY_DATA else _shape(v) for k, v in value.items()}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        merged: dict[str, Any] = {}
+        for v in value:
+            merged.update(_shape(v))
+        return [merged]
+    return "list" if isinstance(value, list) else "value"
 
 
 def test_the_page_in_headless_chromium_shows_both_peers_their_versions_and_a_loss_chart(
