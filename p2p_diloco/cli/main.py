@@ -48,7 +48,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
     check_buildable(cfg.model, device, cfg.sim.learners if args.mode == "diloco" else 1, "sim.learners")
     from p2p_diloco.core.tokenizer import loss_unit
     from p2p_diloco.sim import simulator as sim
-    result = sim.run_from_config(cfg, mode=args.mode, data_path=args.data, progress=not args.quiet, device=device)
+    if args.engines:
+        from p2p_diloco.core import data
+        from p2p_diloco.sim import engines
+
+        if args.mode != "diloco":
+            raise ValueError(f"--engines: runs the diloco mode only, not --mode {args.mode}")
+        engines.check_supported(cfg)
+        splits = data.load_training_data(cfg, cfg.sim.learners, args.data)
+        result = engines.run(cfg, splits, progress=not args.quiet, device=device)
+    else:
+        result = sim.run_from_config(cfg, mode=args.mode, data_path=args.data, progress=not args.quiet, device=device)
     summary = result.summary()
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -104,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="diloco", choices=["diloco", "data-parallel", "single"],
                    help="diloco: the configured algorithm; data-parallel: the reference with K x batch; "
                    "single: one learner alone")
+    p.add_argument("--engines", action="store_true",
+                   help="run the K learners as real DiLoCo engines on the in-process network, in lockstep (the round "
+                   "policy of a networked learner; equal speeds and the step schedule for now)")
     p.add_argument("--data", metavar="PATH", help="text file or folder (overrides data.path)")
     learner_cli.add_device_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")

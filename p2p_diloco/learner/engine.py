@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from p2p_diloco.core.config import Config
     from p2p_diloco.learner.swarm import Swarm
     from p2p_diloco.net.clock import SyncClock
-    from p2p_diloco.transport.network import Network
+    from p2p_diloco.transport.network import Member, Network
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DiLoCo:
     engine reads ``optimizer.state`` only to reset a fragment's moments when its progress is dropped. With
     ``check_model`` the model must be the run's seeded start (:func:`check_start`)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Any, swarm: Swarm,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Any, swarm: Swarm | Member,
                  options: SyncOptions | None = None, *, check_model: bool = True,
                  network: Network | None = None) -> None:
         cfg = swarm.config

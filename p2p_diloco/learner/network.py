@@ -15,15 +15,14 @@ if TYPE_CHECKING:
     import torch
 
     from p2p_diloco.core.config import Config
-    from p2p_diloco.learner.swarm import Swarm
     from p2p_diloco.sync.slot import FragmentSlot
-    from p2p_diloco.transport.network import Host, View
+    from p2p_diloco.transport.network import Host, Member, View
 
 
 class HivemindNetwork:
     """A joined :class:`~p2p_diloco.learner.swarm.Swarm`'s network."""
 
-    def __init__(self, swarm: Swarm) -> None:
+    def __init__(self, swarm: Member) -> None:
         self.swarm = swarm
 
     def hosts(self, cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size]) -> list[Host]:

@@ -419,7 +419,7 @@ class Simulator:
         tokens = sum(m.tokens for m in self.learners)
         if self.eval_model is not self.global_model:
             load_into(dict(self.eval_model.named_parameters()), self.anchor)
-        loss = _evaluate_on(self.eval_model, self.eval_set, self.device)
+        loss = evaluate_on(self.eval_model, self.eval_set, self.device)
         self.result.curve.append({"tokens": tokens, "eval_loss": loss})
 
     def run(self, progress: bool = False) -> SimResult:
@@ -437,7 +437,7 @@ class Simulator:
             if tick % self.eval_every == 0 and tick < self.ticks:
                 self._evaluate()
                 if progress:
-                    _progress(f"sim tick {tick}/{self.ticks} eval_loss {self.result.curve[-1]['eval_loss']:.3f}")
+                    progress_line(f"sim tick {tick}/{self.ticks} eval_loss {self.result.curve[-1]['eval_loss']:.3f}")
         # final flush: pending results, then every live learner's remaining progress
         self._apply_due(self.ticks + self.cfg.outer.overlap)
         for f in range(len(self.fragments)):
@@ -479,15 +479,15 @@ def run_reference(cfg: Config, splits: data.TrainingData, mode: str, eval_points
     result = SimResult(mode=mode, learners=k if mode == "data-parallel" else 1)
     every = max(1, i.total_steps // eval_points)
     tokens = 0
-    result.curve.append({"tokens": 0, "eval_loss": _evaluate_on(model, eval_set, device)})
+    result.curve.append({"tokens": 0, "eval_loss": evaluate_on(model, eval_set, device)})
     for step in range(i.total_steps):
         x, y = next(it)
         train_step(model, opt, (x, y), step, i.total_steps, i, device)
         tokens += x.numel()
         if (step + 1) % every == 0 or step + 1 == i.total_steps:
-            result.curve.append({"tokens": tokens, "eval_loss": _evaluate_on(model, eval_set, device)})
+            result.curve.append({"tokens": tokens, "eval_loss": evaluate_on(model, eval_set, device)})
             if progress:
-                _progress(f"{mode} step {step + 1}/{i.total_steps} eval_loss {result.curve[-1]['eval_loss']:.3f}")
+                progress_line(f"{mode} step {step + 1}/{i.total_steps} eval_loss {result.curve[-1]['eval_loss']:.3f}")
     result.final_eval_loss = result.curve[-1]["eval_loss"]
     result.tokens = tokens
     n_params = sum(p.numel() for p in model.parameters())
@@ -513,7 +513,7 @@ def run_from_config(cfg: Config, mode: str = "diloco", data_path: str | None = N
     return run(cfg, splits, mode, progress=progress, device=device)
 
 
-def _evaluate_on(model: torch.nn.Module, eval_set: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+def evaluate_on(model: torch.nn.Module, eval_set: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
     """:func:`p2p_diloco.core.data.evaluate` on ``device`` (the CPU batches moved there), fp32, without autograd."""
     if device.type != "cpu":
         eval_set = [(x.to(device), y.to(device)) for x, y in eval_set]
@@ -521,5 +521,5 @@ def _evaluate_on(model: torch.nn.Module, eval_set: list[tuple[torch.Tensor, torc
         return data.evaluate(model, eval_set)
 
 
-def _progress(line: str) -> None:
+def progress_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)

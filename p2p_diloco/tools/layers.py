@@ -36,7 +36,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "net": frozenset({"core", "hivemind_ext"}),
     "averaging": frozenset({"core", "net", "hivemind_ext"}),
     "transport": frozenset({"core", "sync", "net", "averaging", "hivemind_ext"}),
-    "sim": frozenset({"core", "sync", "hivemind_ext"}),
+    "sim": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "hivemind_ext"}),
     "learner": frozenset({"core", "sync", "net", "averaging", "transport", "hivemind_ext"}),
     "integrations": frozenset({"core", "learner"}),
     "local": frozenset({"core", "net", "learner", "sim", "hivemind_ext"}),

@@ -116,14 +116,21 @@ class RoundRecord:
     members: tuple[str, ...]
     committed: bool
     reason: str
+    weights: tuple[float, ...] = ()
+    """The members' weights (their progress), in ``members`` order."""
+    tokens: int = 0
+    """The tokens of progress the members sent."""
 
 
 class Hub:
     """An in-process swarm of one run: members join with :meth:`join` and build their engines with the network it
     returns (``DiLoCo(model, opt, swarm, network=swarm.network)``)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, manual: bool = False) -> None:
+        """``manual``: groups close only when :meth:`close_open` is called (a driver that steps every engine in
+        turn, deterministically), not at their members' scheduled times."""
         check_supported(cfg)
+        self.manual = manual
         self.cfg, self.config_hash = cfg, config_hash(cfg)
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self._lock = threading.Lock()
@@ -132,6 +139,8 @@ class Hub:
         self._ids = itertools.count()
         self.rounds: list[RoundRecord] = []
         """Every round that ended, in order."""
+        self.round_bytes = 0
+        """Bytes the committed rounds' members sent together, as hivemind's butterfly all-reduce would."""
 
     # ------------------------------------------------------------ members
 
@@ -170,6 +179,11 @@ class Hub:
             for m in self._members.values():
                 m.side = 0
 
+    def members(self) -> list[Member]:
+        """Every member that ever joined (dead and departed ones too), in joining order."""
+        with self._lock:
+            return list(self._members.values())
+
     def others(self, member: Member) -> list[Member]:
         """The live members with an engine on ``member``'s side of a partition, but ``member``."""
         with self._lock:
@@ -187,11 +201,21 @@ class Hub:
             group = self._open.get(key)
             if group is None:
                 group = self._open[key] = _Group(key, [])
-                timer = threading.Timer(max(0.0, c.scheduled_time - time.time()), self._close, (group,))
-                timer.daemon = True
-                timer.start()
+                if not self.manual:
+                    timer = threading.Timer(max(0.0, c.scheduled_time - time.time()), self._close, (group,))
+                    timer.daemon = True
+                    timer.start()
             group.offers.append(_Offer(member, c, done))
         return done
+
+    def close_open(self) -> int:
+        """Close every open group now, in key order (a manual hub's driver calls it once all members that are due
+        have offered); returns how many closed."""
+        with self._lock:
+            groups = [self._open[k] for k in sorted(self._open)]
+        for group in groups:
+            self._close(group)
+        return len(groups)
 
     def cancel(self, member: Member, fragment: int) -> None:
         """``member`` leaves: its contributions to open groups of ``fragment`` end, discarded; the others go on."""
@@ -217,7 +241,9 @@ class Hub:
         reason = failure or self._refusal(offers)
         outcomes = self._failed(group, offers, reason) if reason else self._reduced(group, offers)
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers),
-                                       not reason and outcomes[0].committed, outcomes[0].reason))
+                                       not reason and outcomes[0].committed, outcomes[0].reason,
+                                       tuple(o.contribution.meta.weight for o in offers),
+                                       sum(o.contribution.meta.tokens for o in offers)))
         for o, outcome in zip(offers, outcomes):
             o.done.set_result(outcome)
 
@@ -263,6 +289,8 @@ class Hub:
         moved = int(2 * (len(offers) - 1) / len(offers)
                     * payload_bytes(sum(t.numel() for t in averaged.values()), o_cfg.codec))
         outcomes = []
+        with self._lock:
+            self.round_bytes += moved * len(offers)
         for o in offers:
             with self._lock:
                 o.member.bytes_sent += moved

@@ -69,6 +69,22 @@ class View(Protocol):
     def wait_for_peers(self, stop: threading.Event) -> None: ...
 
 
+class Member(Protocol):
+    """What an engine needs of a joined swarm (``learner.swarm.Swarm`` is one, ``transport.inprocess.LocalSwarm``
+    another): the run's config, our identity and record publisher (``joined``: ``peer_id``, ``name``, ``dht``,
+    ``private_key``, ``publisher.update(state=...)``), the run (``local``: ``run_id``, ``config_hash``) and the private
+    swarm's member check (``membership``, None in an open swarm)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def joined(self) -> Any: ...
+    @property
+    def local(self) -> Any: ...
+    @property
+    def membership(self) -> Any: ...
+
+
 class Network(Protocol):
     """Makes an engine's hosts (one per fragment, started) and its view."""
 

@@ -77,7 +77,7 @@ class Loop:
         return [e for e in self.heard if isinstance(e, events.RoundEvent) and (outcome is None or e.outcome == outcome)]
 
     def resyncs(self) -> list[events.ResyncEvent]:
-        return [e for e in self.heard if isinstance(e, events.ResyncEvent) and e.outcome in ("rebased", "reset after resume")]
+        return [e for e in self.heard if isinstance(e, events.ResyncEvent) and e.outcome in ("rebased", "fork healed", "reset after resume")]
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
@@ -159,7 +159,9 @@ def test_a_partition_forks_the_swarm_and_the_fork_heals_when_it_ends(cfg: Config
     forked = [k for k, groups in sides.items() if {frozenset("ab"), frozenset("cd")} <= groups]
     assert forked, f"no version was committed on both sides of the split: {during}"  # the fault fired
     healed = [e for loop in loops.values() for e in loop.resyncs()]
-    assert healed, "nobody downloaded the winning anchors after the heal"
+    assert healed, ("nobody downloaded the winning anchors after the heal: "
+                    f"{[(n, e) for n, loop in loops.items() for e in loop.heard if isinstance(e, events.ResyncEvent)]}"
+                    f" {hub.rounds[split_at:]}")
     for loop in loops.values():
         print(f"{loop.name}: versions {loop.diloco.versions} anchors {loop.diloco.anchor_hashes}; "
               f"{len(loop.resyncs())} downloads")

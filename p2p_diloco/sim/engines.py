@@ -1,0 +1,194 @@
+"""The simulator as N real engines: K :class:`~p2p_diloco.learner.engine.DiLoCo` engines on one in-process network
+(:class:`~p2p_diloco.transport.inprocess.Hub`), driven in lockstep from one thread, deterministically.
+
+Every round, download, late commit and catch-up is the engine's own -- the round policy the networked learner runs
+-- and only what crosses the network is the hub's: its groups, its codec-exact reduction, its downloads. A tick is
+one inner step of a learner at speed 1 (a learner at speed s takes s steps a tick on average, as in
+:mod:`~p2p_diloco.sim.simulator`); at the end of each tick the hub closes the groups its due learners opened (a
+window of one tick), and their results are applied by each engine at least ``outer.overlap`` steps later.
+
+Events from outside (:class:`~p2p_diloco.sim.simulator.Event`): ``leave`` kills a learner (kill -9: gone from every
+view, a group it was in fails for all), ``join`` starts it again as a newcomer -- a fresh engine under the same name
+that downloads the swarm's anchors from its peers and then contributes.
+
+The same :class:`~p2p_diloco.sim.simulator.SimResult` as the tick simulator, so the two can be compared run for run
+(``p2p-diloco sim --engines``). Fragments fall due on the step schedule whatever the config says (:func:`on_steps`),
+as in the tick simulator. Not yet here: learners of different speeds (on the step schedule they would meet only when
+their steps line up; the networked learner's swarm clock is what fixes that, not simulated yet), attacks, error
+feedback and the final average.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from p2p_diloco.core import data
+from p2p_diloco.core.config import Config
+from p2p_diloco.core.devices import load_into
+from p2p_diloco.core.inner import CPU, build_optimizer, train_step
+from p2p_diloco.core.model import build_model
+from p2p_diloco.learner.engine import DiLoCo
+from p2p_diloco.learner.options import SyncOptions
+from p2p_diloco.sim.simulator import Event, SimResult, dp_fp32_bytes, evaluate_on, progress_line
+from p2p_diloco.transport.inprocess import NO_GROUP, Hub
+
+log = logging.getLogger(__name__)
+
+
+def on_steps(cfg: Config) -> Config:
+    """``cfg`` on the step schedule: fragments fall due by the learners' step counts, as the tick simulator's do
+    (learners in lockstep count the same steps; the swarm clock is not simulated yet)."""
+    return dataclasses.replace(cfg, averaging=dataclasses.replace(cfg.averaging, schedule="steps"))
+
+
+def check_supported(cfg: Config) -> None:
+    """Raise ``ValueError`` (one line) for what the engine simulator does not run yet."""
+    o = cfg.outer
+    if len(set(cfg.sim.speeds)) > 1:
+        raise ValueError("sim --engines: learners of different speeds (sim.speeds) are not simulated yet")
+    if o.error_feedback or o.final_average:
+        raise ValueError("sim --engines: outer.error_feedback and outer.final_average are not in the engine")
+
+
+class Unit:
+    """One simulated learner: its replica, inner optimizer and data (as the tick simulator's), and its engine."""
+
+    def __init__(self, hub: Hub, idx: int, cfg: Config, splits: data.TrainingData, total_steps: int,
+                 device: torch.device) -> None:
+        self.idx, self.cfg, self.total_steps, self.device = idx, cfg, total_steps, device
+        self.name = f"learner-{idx}"
+        self.batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = splits.train_batches(
+            idx, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
+        self.steps = self.tokens = 0
+        self.alive = True
+        self.start(hub)
+
+    def start(self, hub: Hub) -> None:
+        """(Re)join: a fresh model at the run's seed, a fresh optimizer and engine; the engine downloads the swarm's
+        anchors from its peers at its first step."""
+        self.model = build_model(self.cfg.model, self.cfg.run.seed).to(self.device)
+        self.opt = build_optimizer(self.model, self.cfg.inner, self.device)
+        self.swarm = hub.join(self.name)
+        self.diloco = DiLoCo(self.model, self.opt, self.swarm, SyncOptions(linger_s=0.0), check_model=False,
+                             network=self.swarm.network)
+        self.diloco.start()
+        self.alive = True
+
+    def step(self) -> None:
+        x, y = next(self.batches)
+        train_step(self.model, self.opt, (x, y), self.steps, self.total_steps, self.cfg.inner, self.device)
+        self.steps += 1
+        self.tokens += x.numel()
+        self.diloco.step(tokens=x.numel())
+
+    def leave(self, hub: Hub) -> None:
+        hub.kill(self.name)
+        self.diloco.close()
+        self.alive = False
+
+
+class EngineSimulator:
+    """K engines on a manual :class:`Hub`; :meth:`run` trains to the token budget and evaluates the anchors."""
+
+    def __init__(self, cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
+                 device: torch.device = CPU) -> None:
+        check_supported(cfg)
+        cfg = on_steps(cfg)
+        self.cfg, self.device = cfg, device
+        k = cfg.sim.learners
+        self.ticks = cfg.inner.total_steps
+        self.hub = Hub(cfg, manual=True)
+        self.units = [Unit(self.hub, i, cfg, splits, cfg.inner.total_steps, device) for i in range(k)]
+        self.events = sorted(events, key=lambda e: e.tick)
+        self.eval_model = build_model(cfg.model, cfg.run.seed).to(device)
+        self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size,
+                                          cfg.model.block_size)
+        self.eval_every = max(1, self.ticks // eval_points)
+        self.result = SimResult(mode="diloco", learners=k)
+
+    def _handle_events(self, tick: int) -> None:
+        while self.events and self.events[0].tick <= tick:
+            ev = self.events.pop(0)
+            unit = self.units[ev.learner]
+            if ev.kind == "leave" and unit.alive:
+                unit.leave(self.hub)
+            elif ev.kind == "join" and not unit.alive:
+                unit.start(self.hub)
+            elif ev.kind not in ("leave", "join"):
+                raise ValueError(f"unknown event kind {ev.kind!r}")
+
+    def _evaluate(self) -> None:
+        """The eval loss of the global model: the anchors of the first live learner (every live learner's, once
+        the rounds of this tick are applied)."""
+        live = next((u for u in self.units if u.alive), None)
+        if live is not None:
+            load_into(dict(self.eval_model.named_parameters()), live.diloco.anchors())
+        loss = evaluate_on(self.eval_model, self.eval_set, self.device)
+        self.result.curve.append({"tokens": sum(u.tokens for u in self.units), "eval_loss": loss})
+
+    def _final_rounds(self) -> None:
+        """Every live learner's unsynced progress in one last round of each fragment, then applied."""
+        live = [u for u in self.units if u.alive]
+        for u in live:
+            rounds = u.diloco.rounds
+            rounds.drain(u.diloco.inner_step)  # what is still in flight ended with the last tick's close
+            for sync in rounds.syncs:
+                if sync.slot.since_steps > 0:
+                    rounds.hand_off(sync, u.diloco.inner_step)
+        self.hub.close_open()
+        for u in live:
+            u.diloco.rounds.drain(u.diloco.inner_step)
+            u.diloco.rounds.catch_up()  # a learner left out of a final group takes the others' anchors
+            u.diloco.rounds.drain(u.diloco.inner_step)
+
+    def run(self, progress: bool = False) -> SimResult:
+        t0 = time.monotonic()
+        self._evaluate()
+        for tick in range(1, self.ticks + 1):
+            self._handle_events(tick)
+            for u in self.units:
+                if u.alive:
+                    u.step()
+            self.hub.close_open()
+            if tick % self.eval_every == 0 and tick < self.ticks:
+                self._evaluate()
+                if progress:
+                    progress_line(f"sim tick {tick}/{self.ticks} eval_loss {self.result.curve[-1]['eval_loss']:.3f}")
+        self._final_rounds()
+        self._evaluate()
+        for u in self.units:
+            u.diloco.close()
+        return self._result(time.monotonic() - t0)
+
+    def _result(self, wall_s: float) -> SimResult:
+        r, rounds = self.result, self.hub.rounds
+        r.final_eval_loss = r.curve[-1]["eval_loss"]
+        r.tokens = sum(u.tokens for u in self.units)
+        r.token_shares = [u.tokens / max(1, r.tokens) for u in self.units]
+        n_params = sum(p.numel() for p in self.eval_model.parameters())
+        r.dp_fp32_bytes = dp_fp32_bytes(r.tokens, self.cfg, n_params)
+        r.rounds = sum(1 for x in rounds if x.reason != NO_GROUP)
+        r.empty_rounds = sum(1 for x in rounds if x.reason == NO_GROUP)
+        r.discarded_rounds = sum(1 for x in rounds if x.reason != NO_GROUP and not x.committed)
+        r.bytes_sent = float(self.hub.round_bytes)
+        committed = [x for x in rounds if x.committed]
+        r.contributed_tokens = sum(x.tokens for x in committed) // max(1, len(self.units[0].diloco.slots))
+        names = [u.name for u in self.units]
+        for x in committed:
+            share = {m: w / sum(x.weights) for m, w in zip(x.members, x.weights)}
+            r.weight_shares.append([share.get(n, 0.0) for n in names])
+        r.wall_s = wall_s
+        if math.isnan(r.final_eval_loss):
+            log.warning("sim --engines: the final eval loss is not finite")
+        return r
+
+
+def run(cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
+        progress: bool = False, device: torch.device = CPU) -> SimResult:
+    return EngineSimulator(cfg, splits, events, eval_points, device).run(progress)

@@ -1,0 +1,68 @@
+"""The simulator as real engines (:mod:`p2p_diloco.sim.engines`): K :class:`p2p_diloco.DiLoCo` engines on the
+in-process network, in lockstep. On the same config and data it is the tick simulator's run, round for round (the
+engine's round policy and the hub's codec-exact reduction give the same anchors); with a learner killed and rejoining
+it goes on, the newcomer downloads the swarm's anchors, and every live learner ends on the same anchors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2p_diloco.core import data, events
+from p2p_diloco.core.config import Config, load_config
+from p2p_diloco.sim import engines, simulator
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cfg() -> Config:
+    return load_config(ROOT / "configs" / "tiny.toml", ["data.eval_batches=2"])
+
+
+@pytest.fixture(scope="module")
+def splits(cfg: Config) -> data.TrainingData:
+    return data.load_training_data(cfg, cfg.sim.learners)
+
+
+def test_the_engines_run_the_tick_simulators_rounds_and_reach_its_loss(cfg: Config, splits: data.TrainingData) -> None:
+    torch.set_num_threads(1)
+    tick = simulator.run(cfg, splits, eval_points=4)
+    real = engines.run(cfg, splits, eval_points=4)
+    print(f"tick: {tick.final_eval_loss:.6f}, {tick.rounds} rounds, {tick.bytes_sent:.0f} B; engines: "
+          f"{real.final_eval_loss:.6f}, {real.rounds} rounds, {real.bytes_sent:.0f} B")
+    assert real.rounds == tick.rounds > 0 and real.discarded_rounds == real.empty_rounds == 0
+    assert math.isclose(real.final_eval_loss, tick.final_eval_loss, rel_tol=1e-5), (real.final_eval_loss,
+                                                                                    tick.final_eval_loss)
+    assert real.tokens == tick.tokens and real.contributed_tokens == tick.contributed_tokens
+    assert math.isclose(real.bytes_sent, tick.bytes_sent, rel_tol=0.05)  # the tick sim adds the radial norms
+    assert [len(c) for c in (real.curve, tick.curve)] == [len(tick.curve)] * 2
+
+
+def test_a_learner_killed_and_rejoining_downloads_and_everyone_ends_on_the_same_anchors(
+        cfg: Config, splits: data.TrainingData) -> None:
+    torch.set_num_threads(1)
+    sim = engines.EngineSimulator(cfg, splits, [simulator.Event(12, 1, "leave"), simulator.Event(22, 1, "join")],
+                                  eval_points=4)
+    result = sim.run()
+    live = [u for u in sim.units if u.alive]
+    assert len(live) == 3
+    assert len({tuple(u.diloco.anchor_hashes) for u in live}) == 1
+    assert len({tuple(u.diloco.versions) for u in live}) == 1
+    rejoined = sim.units[1].diloco.poll_events()
+    downloads = [e for e in rejoined if isinstance(e, events.ResyncEvent) and e.outcome == "rebased"]
+    assert downloads, "the rejoined learner did not download the swarm's anchors"
+    during = [r for r in sim.hub.rounds if r.committed and "learner-1" not in r.members]
+    assert during, "no round committed without the killed learner"
+    assert math.isfinite(result.final_eval_loss) and result.final_eval_loss < result.curve[0]["eval_loss"]
+
+
+def test_what_the_engines_do_not_simulate_yet_is_refused(cfg: Config) -> None:
+    for change, what in (("sim.speeds=[1.0, 0.5, 1.0]", "different speeds"), ("outer.error_feedback=true",
+                                                                               "error_feedback")):
+        other = load_config(ROOT / "configs" / "tiny.toml", [change])
+        with pytest.raises(ValueError, match=what):
+            engines.check_supported(other)
