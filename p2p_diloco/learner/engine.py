@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -189,6 +189,14 @@ class DiLoCo:
                 self.rounds.hand_off(self.rounds.syncs[f], self.inner_step)
             if self.opts.blocking:
                 self.rounds.wait_rounds(self._stop, self.inner_step)
+
+    def hand_off(self, fragments: Sequence[int]) -> None:
+        """Hand ``fragments`` off now, each one with progress since its last round: the due fragments of a clock
+        the caller keeps (the simulator's ticks) instead of ours. Never waits for the network."""
+        with self._timed():
+            for f in fragments:
+                if self.slots[f].since_steps > 0:
+                    self.rounds.hand_off(self.rounds.syncs[f], self.inner_step)
 
     def due_fragments(self) -> list[int]:
         """Fragments due now: at the swarm clock's boundaries (none until a derived clock is known), or by

@@ -4,18 +4,18 @@
 Every round, download, late commit and catch-up is the engine's own -- the round policy the networked learner runs
 -- and only what crosses the network is the hub's: its groups, its codec-exact reduction, its downloads. A tick is
 one inner step of a learner at speed 1 (a learner at speed s takes s steps a tick on average, as in
-:mod:`~p2p_diloco.sim.simulator`); at the end of each tick the hub closes the groups its due learners opened (a
-window of one tick), and their results are applied by each engine at least ``outer.overlap`` steps later.
+:mod:`~p2p_diloco.sim.simulator`). The driver keeps the clock: at a tick where fragments fall due
+(:class:`~p2p_diloco.core.fragments.SyncSchedule` of the tick, as the tick simulator's), every live learner with
+progress on them hands them off (``DiLoCo.hand_off``: the engine's own round policy); at the end of the tick the hub
+closes the groups (a window of one tick), and each engine applies their results at least ``outer.overlap`` of its
+steps later.
 
 Events from outside (:class:`~p2p_diloco.sim.simulator.Event`): ``leave`` kills a learner (kill -9: gone from every
 view, a group it was in fails for all), ``join`` starts it again as a newcomer -- a fresh engine under the same name
 that downloads the swarm's anchors from its peers and then contributes.
 
 The same :class:`~p2p_diloco.sim.simulator.SimResult` as the tick simulator, so the two can be compared run for run
-(``p2p-diloco sim --engines``). Fragments fall due on the step schedule whatever the config says (:func:`on_steps`),
-as in the tick simulator. Not yet here: learners of different speeds (on the step schedule they would meet only when
-their steps line up; the networked learner's swarm clock is what fixes that, not simulated yet), attacks, error
-feedback and the final average.
+(``p2p-diloco sim --engines``). Not yet here: grid groups, attacks, error feedback and the final average.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from p2p_diloco.core import data
+from p2p_diloco.core import data, fragments
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.devices import load_into
 from p2p_diloco.core.inner import CPU, build_optimizer, train_step
@@ -41,17 +41,19 @@ from p2p_diloco.transport.inprocess import NO_GROUP, Hub
 log = logging.getLogger(__name__)
 
 
-def on_steps(cfg: Config) -> Config:
-    """``cfg`` on the step schedule: fragments fall due by the learners' step counts, as the tick simulator's do
-    (learners in lockstep count the same steps; the swarm clock is not simulated yet)."""
-    return dataclasses.replace(cfg, averaging=dataclasses.replace(cfg.averaging, schedule="steps"))
+def on_ticks(cfg: Config) -> Config:
+    """``cfg`` for engines whose fragments the driver hands off at its ticks: no schedule of their own (a clock
+    schedule, and a manual hub shows them no clock)."""
+    a = cfg.averaging
+    return dataclasses.replace(cfg, averaging=dataclasses.replace(a, schedule="clock",
+                                                                  sync_period_s=a.sync_period_s or 1.0))
 
 
 def check_supported(cfg: Config) -> None:
     """Raise ``ValueError`` (one line) for what the engine simulator does not run yet."""
     o = cfg.outer
-    if len(set(cfg.sim.speeds)) > 1:
-        raise ValueError("sim --engines: learners of different speeds (sim.speeds) are not simulated yet")
+    if cfg.averaging.groups == "grid":
+        raise ValueError("sim --engines: averaging.groups = \"grid\" is not simulated yet")
     if o.error_feedback or o.final_average:
         raise ValueError("sim --engines: outer.error_feedback and outer.final_average are not in the engine")
 
@@ -59,9 +61,10 @@ def check_supported(cfg: Config) -> None:
 class Unit:
     """One simulated learner: its replica, inner optimizer and data (as the tick simulator's), and its engine."""
 
-    def __init__(self, hub: Hub, idx: int, cfg: Config, splits: data.TrainingData, total_steps: int,
+    def __init__(self, hub: Hub, idx: int, cfg: Config, splits: data.TrainingData, speed: float, total_steps: int,
                  device: torch.device) -> None:
-        self.idx, self.cfg, self.total_steps, self.device = idx, cfg, total_steps, device
+        self.idx, self.cfg, self.speed, self.total_steps, self.device = idx, cfg, speed, total_steps, device
+        self.credit = 0.0
         self.name = f"learner-{idx}"
         self.batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = splits.train_batches(
             idx, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
@@ -79,6 +82,13 @@ class Unit:
                              network=self.swarm.network)
         self.diloco.start()
         self.alive = True
+
+    def tick(self) -> None:
+        """The steps this learner takes in one tick (``speed`` on average)."""
+        self.credit += self.speed
+        while self.credit >= 1.0:
+            self.credit -= 1.0
+            self.step()
 
     def step(self) -> None:
         x, y = next(self.batches)
@@ -99,12 +109,16 @@ class EngineSimulator:
     def __init__(self, cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
                  device: torch.device = CPU) -> None:
         check_supported(cfg)
-        cfg = on_steps(cfg)
+        o, k = cfg.outer, cfg.sim.learners
+        self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
+        speeds = list(cfg.sim.speeds) or [1.0] * k
+        # equal tokens whatever the speeds: K * total_steps inner steps in all (as the tick simulator)
+        self.ticks = math.ceil(k * cfg.inner.total_steps / sum(speeds))
+        cfg = on_ticks(cfg)
         self.cfg, self.device = cfg, device
-        k = cfg.sim.learners
-        self.ticks = cfg.inner.total_steps
         self.hub = Hub(cfg, manual=True)
-        self.units = [Unit(self.hub, i, cfg, splits, cfg.inner.total_steps, device) for i in range(k)]
+        self.units = [Unit(self.hub, i, cfg, splits, speeds[i], max(1, round(self.ticks * speeds[i])), device)
+                      for i in range(k)]
         self.events = sorted(events, key=lambda e: e.tick)
         self.eval_model = build_model(cfg.model, cfg.run.seed).to(device)
         self.eval_set = data.eval_batches(splits.eval, cfg.data.eval_batches, cfg.data.eval_batch_size,
@@ -154,7 +168,11 @@ class EngineSimulator:
             self._handle_events(tick)
             for u in self.units:
                 if u.alive:
-                    u.step()
+                    u.tick()
+            due = self.schedule.due(tick)
+            for u in self.units:  # the clock's boundary: every live learner with progress on them hands them off
+                if u.alive and due:
+                    u.diloco.hand_off(due)
             self.hub.close_open()
             if tick % self.eval_every == 0 and tick < self.ticks:
                 self._evaluate()

@@ -128,8 +128,10 @@ class Hub:
 
     def __init__(self, cfg: Config, *, manual: bool = False) -> None:
         """``manual``: groups close only when :meth:`close_open` is called (a driver that steps every engine in
-        turn, deterministically), not at their members' scheduled times."""
-        check_supported(cfg)
+        turn, deterministically), not at their members' scheduled times; the engines see no clock (the driver's
+        ticks are it: it hands the due fragments off, ``DiLoCo.hand_off``)."""
+        if not manual:
+            check_supported(cfg)
         self.manual = manual
         self.cfg, self.config_hash = cfg, config_hash(cfg)
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
@@ -408,7 +410,9 @@ class InProcessView:
 
         self.hub, self.member, self.engine = hub, member, engine
         a = hub.cfg.averaging
-        self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" else None
+        self.clock: SyncClock | None = (SyncClock(a.sync_period_s) if a.schedule == "clock" and not hub.manual
+                                        else None)
+        """The run's fixed clock; none on a manual hub (its driver keeps the clock and hands fragments off)."""
         self.swarm_reads = 0
 
     @property

@@ -42,6 +42,22 @@ def test_the_engines_run_the_tick_simulators_rounds_and_reach_its_loss(cfg: Conf
     assert [len(c) for c in (real.curve, tick.curve)] == [len(tick.curve)] * 2
 
 
+def test_learners_of_different_speeds_meet_at_the_clocks_boundaries_as_in_the_tick_simulator(
+        cfg: Config, splits: data.TrainingData) -> None:
+    """The driver's clock hands every live learner's due fragments off at the same tick whatever its speed; what
+    still differs from the tick simulator is when a slow learner applies a result (``outer.overlap`` of its own
+    steps, not ticks) and catches up (at its next step)."""
+    torch.set_num_threads(1)
+    mixed = load_config(ROOT / "configs" / "tiny.toml", ["data.eval_batches=2", "sim.speeds=[1.0, 0.5, 1.0]"])
+    tick = simulator.run(mixed, splits, eval_points=4)
+    real = engines.run(mixed, splits, eval_points=4)
+    print(f"tick: {tick.final_eval_loss:.6f}, {tick.rounds} rounds; engines: {real.final_eval_loss:.6f}, "
+          f"{real.rounds} rounds; shares {real.token_shares}")
+    assert real.rounds == tick.rounds and real.tokens == tick.tokens
+    assert real.token_shares[1] < real.token_shares[0]  # the slow learner made fewer tokens
+    assert math.isclose(real.final_eval_loss, tick.final_eval_loss, rel_tol=0.005)
+
+
 def test_a_learner_killed_and_rejoining_downloads_and_everyone_ends_on_the_same_anchors(
         cfg: Config, splits: data.TrainingData) -> None:
     torch.set_num_threads(1)
@@ -61,8 +77,9 @@ def test_a_learner_killed_and_rejoining_downloads_and_everyone_ends_on_the_same_
 
 
 def test_what_the_engines_do_not_simulate_yet_is_refused(cfg: Config) -> None:
-    for change, what in (("sim.speeds=[1.0, 0.5, 1.0]", "different speeds"), ("outer.error_feedback=true",
-                                                                               "error_feedback")):
-        other = load_config(ROOT / "configs" / "tiny.toml", [change])
+    grid = ["averaging.groups=\"grid\"", "averaging.target_group_size=2", "averaging.schedule=\"clock\"",
+            "averaging.sync_period_s=15.0", "outer.codec=\"fp32\""]
+    for changes, what in ((grid, "grid"), (["outer.error_feedback=true"], "error_feedback")):
+        other = load_config(ROOT / "configs" / "tiny.toml", changes)
         with pytest.raises(ValueError, match=what):
             engines.check_supported(other)
