@@ -15,7 +15,8 @@ view, a group it was in fails for all), ``join`` starts it again as a newcomer -
 that downloads the swarm's anchors from its peers and then contributes.
 
 The same :class:`~p2p_diloco.sim.simulator.SimResult` as the tick simulator, so the two can be compared run for run
-(``p2p-diloco sim --engines``). Not yet here: grid groups, attacks, error feedback and the final average.
+(``p2p-diloco sim --engines``). An attack (:class:`~p2p_diloco.sim.simulator.Attack`) is the hub's tamper with what
+the attacker sends, a fault from outside. Not yet here: grid groups, error feedback and the final average.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from p2p_diloco.core.inner import CPU, build_optimizer, train_step
 from p2p_diloco.core.model import build_model
 from p2p_diloco.learner.engine import DiLoCo
 from p2p_diloco.learner.options import SyncOptions
-from p2p_diloco.sim.simulator import Event, SimResult, dp_fp32_bytes, evaluate_on, progress_line
-from p2p_diloco.transport.inprocess import NO_GROUP, Hub
+from p2p_diloco.sim.simulator import Attack, Event, SimResult, dp_fp32_bytes, evaluate_on, poison, progress_line
+from p2p_diloco.transport.inprocess import NO_GROUP, Hub, Member, Tamper
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ class EngineSimulator:
     """K engines on a manual :class:`Hub`; :meth:`run` trains to the token budget and evaluates the anchors."""
 
     def __init__(self, cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
-                 device: torch.device = CPU) -> None:
+                 device: torch.device = CPU, attack: Attack | None = None) -> None:
+        """``attack``: one learner poisons every contribution it sends (:class:`~p2p_diloco.sim.simulator.Attack`,
+        applied by the hub to what it sends, as the tick simulator does)."""
         check_supported(cfg)
         o, k = cfg.outer, cfg.sim.learners
         self.schedule = fragments.SyncSchedule(o.fragments, o.sync_every, o.sync_every_start, o.sync_ramp_steps)
@@ -117,6 +120,10 @@ class EngineSimulator:
         cfg = on_ticks(cfg)
         self.cfg, self.device = cfg, device
         self.hub = Hub(cfg, manual=True)
+        if attack is not None:
+            if attack.learner >= k:
+                raise ValueError(f"attack.learner {attack.learner} is not one of the {k} learners")
+            self.hub.tamper = poisoner(attack, f"learner-{attack.learner}", cfg.run.seed)
         self.units = [Unit(self.hub, i, cfg, splits, speeds[i], max(1, round(self.ticks * speeds[i])), device)
                       for i in range(k)]
         self.events = sorted(events, key=lambda e: e.tick)
@@ -207,6 +214,18 @@ class EngineSimulator:
         return r
 
 
+def poisoner(attack: Attack, name: str, seed: int) -> Tamper:
+    """The hub's :attr:`~p2p_diloco.transport.inprocess.Hub.tamper` for ``attack`` by the learner ``name`` (its
+    random draws seeded as the tick simulator's)."""
+    generator = torch.Generator().manual_seed(seed + 7919)
+
+    def tamper(member: Member, tensors: dict[str, torch.Tensor],
+               norms: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return poison(tensors, norms, attack, generator) if member.name == name else (tensors, norms)
+
+    return tamper
+
+
 def run(cfg: Config, splits: data.TrainingData, events: Sequence[Event] = (), eval_points: int = 10,
-        progress: bool = False, device: torch.device = CPU) -> SimResult:
-    return EngineSimulator(cfg, splits, events, eval_points, device).run(progress)
+        progress: bool = False, device: torch.device = CPU, attack: Attack | None = None) -> SimResult:
+    return EngineSimulator(cfg, splits, events, eval_points, device, attack).run(progress)

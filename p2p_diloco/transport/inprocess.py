@@ -19,7 +19,7 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
   the run's fixed period (``averaging.schedule = "clock"`` with ``sync_period_s``) or none (``"steps"``).
 
 Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side
-sees and averages only with itself). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
+sees and averages only with itself), :attr:`Hub.tamper` (a member that poisons what it sends). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from p2p_diloco.sync.slot import FragmentSlot
     from p2p_diloco.transport.network import Host, Rank, View
 
+Tamper = Callable[["Member", dict[str, torch.Tensor], dict[str, float]],
+                  tuple[dict[str, torch.Tensor], dict[str, float]]]
+"""What a member sends instead of ``(tensors, norms)`` (:attr:`Hub.tamper`)."""
 NO_GROUP = "could not find a group"
 """Why a round of one member fails (hivemind's words for it)."""
 LEAVING = "cancelled: this peer is leaving"
@@ -141,6 +144,9 @@ class Hub:
         self._ids = itertools.count()
         self.rounds: list[RoundRecord] = []
         """Every round that ended, in order."""
+        self.tamper: Tamper | None = None
+        """Faults from outside: what a member sends instead of its honest contribution (the poisoning benchmark's
+        attacker), given its encoded tensors and radial norms; None: everyone is honest."""
         self.round_bytes = 0
         """Bytes the committed rounds' members sent together, as hivemind's butterfly all-reduce would."""
 
@@ -271,9 +277,11 @@ class Hub:
         o_cfg, t0 = self.cfg.outer, time.monotonic()
         weights = [o.contribution.meta.weight for o in offers]
         names = list(offers[0].contribution.tensors)
+        sent = [(o.contribution.tensors, o.contribution.meta.norms) if self.tamper is None
+                else self.tamper(o.member, o.contribution.tensors, o.contribution.meta.norms) for o in offers]
         averaged: dict[str, torch.Tensor] = {}
         for n in names:
-            tensors = [o.contribution.tensors[n] for o in offers]
+            tensors = [t[n] for t, _ in sent]
             if self.robust.active:  # as a robust reducer: decode the parts, its rule, codec(result) back to all
                 received = [compression.roundtrip(o_cfg.codec, t) for t in tensors]
                 reduced = outer.robust_mean(received, outer.clip_to_median(weights, self.robust.clip_factor),
@@ -284,8 +292,7 @@ class Hub:
         now = time.monotonic()
         if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
             return self._failed(group, offers, "averaged tensors are not finite")
-        merged = outer.decode_merged(averaged, [o.contribution.meta.norms for o in offers], weights, o_cfg.merge,
-                                     self.robust)
+        merged = outer.decode_merged(averaged, [norms for _, norms in sent], weights, o_cfg.merge, self.robust)
         total, peers = sum(weights), tuple(o.member.peer_id for o in offers)
         dues = [o.contribution.meta.due for o in offers]
         moved = int(2 * (len(offers) - 1) / len(offers)

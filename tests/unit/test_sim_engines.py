@@ -83,3 +83,21 @@ def test_what_the_engines_do_not_simulate_yet_is_refused(cfg: Config) -> None:
         other = load_config(ROOT / "configs" / "tiny.toml", changes)
         with pytest.raises(ValueError, match=what):
             engines.check_supported(other)
+
+
+@pytest.mark.parametrize("mode", ["sign-flip", "random"])
+def test_an_attacker_poisons_the_engines_rounds_as_it_does_the_tick_simulators(mode: str) -> None:
+    """The poisoning benchmark's attacker, as the hub's tamper with what it sends (a fault from outside): with the
+    clipped robust merge the run is the tick simulator's, to the bit."""
+    torch.set_num_threads(1)
+    robust = load_config(ROOT / "configs" / "tiny.toml", ["data.eval_batches=2", "outer.robust=\"clip\"",
+                                                          "outer.clip_factor=2.0"])
+    splits = data.load_training_data(robust, robust.sim.learners)
+    attack = simulator.Attack(2, mode)
+    tick = simulator.run(robust, splits, eval_points=2, attack=attack)
+    real = engines.run(robust, splits, eval_points=2, attack=attack)
+    honest = engines.run(robust, splits, eval_points=2)
+    print(f"{mode}: tick {tick.final_eval_loss:.6f}, engines {real.final_eval_loss:.6f}, honest "
+          f"{honest.final_eval_loss:.6f}")
+    assert real.final_eval_loss == tick.final_eval_loss and real.rounds == tick.rounds
+    assert real.final_eval_loss != honest.final_eval_loss  # the attack reached the rounds
