@@ -67,9 +67,9 @@ this package adds to hivemind 1.1.12 (see ``docs/design.md``, "What hivemind 1.1
   peers that :class:`p2p_diloco.net.membership.Membership` does not list; the DHT authorizer does not
   cover these RPCs.
 
-hivemind surprise: RPC handler names carry the servicer's *class name*, so every peer must run
-the same averager class; fault injection therefore swaps the runner (``runner_class``), not the
-averager class.
+hivemind surprise: RPC handler names carry the servicer's *class name*, so every peer must serve
+the handlers of the same averager class; the faulty averager of fault injection (:mod:`.faulty`,
+chosen only when ``join --fault`` arms faults) is a subclass that keeps its parent's handler names.
 
 Every hivemind timeout is set for each round from the bytes it moves and the link measured in earlier rounds
 (:mod:`p2p_diloco.averaging.linktime`), never below the values of

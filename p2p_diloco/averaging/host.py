@@ -46,7 +46,7 @@ from p2p_diloco.averaging.linktime import (
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
-from p2p_diloco.core import faults, outer
+from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import procguard
@@ -179,6 +179,7 @@ class FragmentAveragerHost:
     :meth:`start_round` and :meth:`fetch_state` return futures at once; the learner polls them.
     At most one operation per fragment is in flight (the learner enforces it).
     """
+    averager_class: type[FragmentAveragerProcess] = FragmentAveragerProcess  # averaging/faulty.py's: a subclass
 
     def __init__(self, cfg: Config, fragment: int, names: Sequence[str], shapes: Mapping[str, torch.Size],
                  dht: Any, private_key: Any, *, membership: Any = None,
@@ -202,11 +203,11 @@ class FragmentAveragerHost:
         self.grid = a.groups == "grid"
         self.wire_names = self.names + (tuple(p + n for p in (ANCHOR_TENSOR, MOMENTUM_TENSOR) for n in self.names)
                                         if self.grid else ())
-        """What a round all-reduces: the pseudo-gradient, and with grid groups the anchor and momentum too."""
-        self.buffers = [torch.zeros(shapes[n], dtype=torch.float32)  # one per wire name, in the same order
-                        for n in self.names * (3 if self.grid else 1)]
+        """What a round all-reduces (``buffers`` holds one per name, in order): the pseudo-gradient, with grid
+        groups the anchor and momentum too."""
+        self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names * (3 if self.grid else 1)]
         floor = floor_timeouts(a)  # until a round sets its own (Contribution.timeouts)
-        self.averager = FragmentAveragerProcess(
+        self.averager = self.averager_class(
             self.buffers, dht, start=start, prefix=self.prefix,
             target_group_size=a.target_group_size or None, min_group_size=a.min_group_size,
             initial_group_bits=version_group_bits(0), min_matchmaking_time=a.window_s,
@@ -216,8 +217,7 @@ class FragmentAveragerHost:
             shutdown_timeout=a.shutdown_timeout_s, allow_state_sharing=state_provider is not None,
             declare_state_period=DECLARE_STATE_PERIOD_S, membership=membership, state_provider=state_provider,
             runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
-            robust=self.robust,
-            layout=(self.names, {n: shapes[n] for n in self.names}),
+            robust=self.robust, layout=(self.names, {n: shapes[n] for n in self.names}),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"averaging-f{fragment}")
         self._cancelled = threading.Event()
@@ -378,14 +378,10 @@ class FragmentAveragerHost:
         self._wait(self.dht.store(key, own_verdict[:300], posted_until, subkey=self.report_subkey, return_future=True),
                    None)
         reports: dict[str, str] = {}
-        rtt_s = math.inf
-        reads = 0
+        rtt_s, reads = math.inf, 0
         while True:
-            asked = time.monotonic()
-            found = self._wait(self.dht.get(key, latest=True, return_future=True), None)
-            rtt_s = min(rtt_s, time.monotonic() - asked)
-            if faults.hit("reading-verdicts", self.fragment):
-                found = None
+            found, read_s = self._read_verdicts(key)
+            rtt_s = min(rtt_s, read_s)
             reports.update({p: v for p, v in owned_values(found).items() if isinstance(v, str)})
             decision = commit_decision(reports, peers)
             vetoed = any(reports.get(p, "ok") != "ok" for p in peers)
@@ -404,6 +400,11 @@ class FragmentAveragerHost:
                                         max(0.0, deadline - time.monotonic()))):
                 raise Leaving(LEAVING)
             reads += 1
+
+    def _read_verdicts(self, key: str) -> tuple[Any, float]:
+        """One read of a round's verdicts: (what the DHT holds under ``key``, the seconds the read took)."""
+        asked = time.monotonic()
+        return self._wait(self.dht.get(key, latest=True, return_future=True), None), time.monotonic() - asked
 
     # -- state download
     def fetch_state(self, ours: tuple[int, str], link: LinkEstimate | None = None) -> "Future[Download]":

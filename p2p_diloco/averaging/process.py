@@ -37,7 +37,7 @@ from p2p_diloco.averaging.decisions import (
 from p2p_diloco.averaging.linktime import DownloadTimeouts, RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
-from p2p_diloco.core import faults, outer
+from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
 from p2p_diloco.hivemind_ext import require_hivemind
@@ -93,9 +93,9 @@ class FragmentAveragerProcess(DecentralizedAverager):
                  runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner, report_subkey: bytes | None = None,
                  fragment: int | None = None, layout: tuple[Sequence[str], Mapping[str, torch.Size]] | None = None,
                  robust: outer.Robust = outer.NO_ROBUST, **kwargs: Any) -> None:
-        # the runner is chosen per instance, not by subclassing: hivemind names RPC handlers after the
-        # servicer's class, so a subclass could not talk to the other peers' FragmentAveragerProcess handlers
-        self.runner_class = runner_class  # tests inject faults with a runner subclass
+        # the runner is chosen per instance (tests and averaging/faulty.py pass subclasses); a subclass of this
+        # class must keep hivemind's handler names, which carry the servicer's class name (FaultyAveragerProcess)
+        self.runner_class = runner_class
         self.report_subkey: bytes | None = report_subkey
         self.bytes_sent = mp.Value(ctypes.c_longlong, 0)
         self.bytes_received = mp.Value(ctypes.c_longlong, 0)
@@ -263,8 +263,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         if await self._refuse(context, "a state download"):
             return
-        async for message in faults.after_first(super().rpc_download_state(request, context), "serving-state",
-                                                self.fragment):
+        async for message in super().rpc_download_state(request, context):
             yield message
 
     # -- state download (the newcomer's side; hivemind's load_state_from_peers has no size cap, no
@@ -351,8 +350,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
             return decode_part(combine_from_streaming(parts), expected[len(tensors)], torch.float32,
                                self.state_compression.compression_type)
 
-        async for message in faults.after_first(aiter_with_timeout(stream, timeout=silence_s),
-                                                "fetching-state", self.fragment):
+        async for message in self._donor_parts(stream, silence_s):
             size = len(message.metadata) + message.tensor_part.ByteSize()
             received += size
             counted[0] += size
@@ -372,6 +370,10 @@ class FragmentAveragerProcess(DecentralizedAverager):
         if metadata is None:
             raise PeerDataError(Reason.MALFORMED, "the donor sent no state")
         return metadata, tensors
+
+    def _donor_parts(self, stream: AsyncIterator[Any], silence_s: float) -> AsyncIterator[Any]:
+        """A donor's state stream, each message within ``silence_s`` of the last (or :class:`asyncio.TimeoutError`)."""
+        return aiter_with_timeout(stream, timeout=silence_s)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         if self.state_provider is None:

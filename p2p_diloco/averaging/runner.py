@@ -31,7 +31,7 @@ from hivemind.utils.asyncio import (
 )
 
 from p2p_diloco.averaging.decisions import HIVEMIND_FRAMING_BYTES, completeness_problem
-from p2p_diloco.core import faults, outer
+from p2p_diloco.core import outer
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection
 from p2p_diloco.hivemind_ext import require_hivemind
 from p2p_diloco.hivemind_ext.compression import decode_part
@@ -161,8 +161,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         return averaged
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in faults.after_first(super()._generate_input_for_peer(peer_index), "while-sending",
-                                                self.fragment):
+        async for message in super()._generate_input_for_peer(peer_index):
             self._count(self._sent, message)
             yield message
 
@@ -275,8 +274,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     averaged = await self._reduce_part(sender_index, part_index, part, weight)
                     part_index += 1
-                    if part_index == 1 and self.sender_peer_ids[sender_index] != self.peer_id:
-                        faults.hit("while-reducing", self.fragment)
                 except AllreduceException as e:  # BannedException included: this sender no longer counts
                     logger.info("fragment %s: stopped reducing sender %s after %d of %d parts: %s", self.fragment,
                                 sender, part_index, reducer.num_parts, e)

@@ -148,10 +148,14 @@ def cmd_join(args: argparse.Namespace) -> int:
             eval_every_s=args.eval_every_s, eval_batches=args.eval_batches, train_nice=args.train_nice,
             device=str(device),
         )
+        make: type[Learner] = Learner
         if armed:  # before the averagers start: their processes are forked with the faults armed
             faults.arm(armed)
             out(f"faults armed: {', '.join(f.spec for f in armed)}")
-        learner = Learner(cfg, profile, opts, swarm, splits=splits)
+            from p2p_diloco.learner.faulty import FaultyLearner
+
+            make = FaultyLearner  # the fault points wrap the loop and the transport: only here
+        learner = make(cfg, profile, opts, swarm, splits=splits)
         try:
             if resume is not None:
                 digest = learner.restore(resume)  # recomputed from what was restored, not copied

@@ -1,9 +1,10 @@
 """Deterministic fault injection: make a learner fail at a chosen point (tests and chaos drills).
 
-``p2p-diloco join --fault SPEC`` arms a fault; the code calls :func:`hit` at each point, which does
-nothing unless a fault is armed there. A fault fires on the ``at``-th hit of its point (counted in
-the process that reaches it), optionally only for one fragment, so a test knows exactly when it
-fires -- no timers, no randomness::
+``p2p-diloco join --fault SPEC`` arms a fault and builds the fault wrappers, which call :func:`hit` at each point
+(:mod:`p2p_diloco.learner.faulty`: the loop and each fragment's host; :mod:`p2p_diloco.averaging.faulty`: the
+runner, the averager process and the averager host); the production classes never do. A fault fires on the
+``at``-th hit of its point (counted in the process that reaches it), optionally only for one fragment, so a test
+knows exactly when it fires -- no timers, no randomness::
 
     kill@while-reducing:fragment=0:at=2     the 2nd time fragment 0's averager reduces a remote part
     kill@serving-state:fragment=0           while sending our state to a newcomer (after the first chunk)

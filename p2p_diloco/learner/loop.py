@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.core import data, events, faults
+from p2p_diloco.core import data, events
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.inner import build_optimizer, schedule_step, train_step
 from p2p_diloco.core.model import build_model
@@ -26,6 +26,9 @@ from p2p_diloco.learner.summary import evaluate_weights, final_summary
 from p2p_diloco.learner.swarm import Swarm
 from p2p_diloco.sync.slot import FragmentSlot
 
+if TYPE_CHECKING:
+    from p2p_diloco.transport.network import Network
+
 logger = logging.getLogger(__name__)
 
 EVAL_JOIN_TIMEOUT_S = 60.0
@@ -36,7 +39,8 @@ class Learner:
     """One learner unit on a joined swarm: our data, model and AdamW, driving a :class:`DiLoCo`."""
 
     def __init__(self, cfg: Config, profile: Profile, opts: LearnerOptions, swarm: Swarm,
-                 splits: data.TrainingData | None = None) -> None:
+                 splits: data.TrainingData | None = None, network: Network | None = None) -> None:
+        """``network``: the engine's (None: the swarm's hivemind network, :class:`DiLoCo`'s default)."""
         torch.set_num_threads(profile.threads or 1)
         t_init = time.monotonic()
         self.cfg, self.profile, self.opts, self.joined, self.local = cfg, profile, opts, swarm.joined, swarm.local
@@ -49,7 +53,8 @@ class Learner:
         self.model = build_model(cfg.model, cfg.run.seed).to(self.device)
         self.opt = build_optimizer(self.model, cfg.inner, self.device)
         t_engine = time.monotonic()
-        self.diloco = DiLoCo(self.model, self.opt, swarm, opts.sync, check_model=False)  # built from the run's seed
+        self.diloco = DiLoCo(self.model, self.opt, swarm, opts.sync, check_model=False,  # built from the run's seed
+                             network=network)
         self.stepping_s = 0.0
         self._stop_eval = threading.Event()
         self._eval_thread = threading.Thread(target=self._eval_loop, name="learner-eval", daemon=True)
@@ -85,7 +90,6 @@ class Learner:
 
     def train_once(self) -> None:
         """One turn of the loop (``scripts/bench_overhead.py`` times exactly this against a plain PyTorch loop)."""
-        faults.hit("inner-step")
         t0 = time.monotonic()
         x, y = next(self.batches)
         i = self.cfg.inner

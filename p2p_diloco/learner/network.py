@@ -14,6 +14,7 @@ from p2p_diloco.learner.view import SwarmView
 if TYPE_CHECKING:
     import torch
 
+    from p2p_diloco.averaging.host import FragmentAveragerHost
     from p2p_diloco.core.config import Config
     from p2p_diloco.sync.slot import FragmentSlot
     from p2p_diloco.transport.network import Host, Member, View
@@ -22,12 +23,17 @@ if TYPE_CHECKING:
 class HivemindNetwork:
     """A joined :class:`~p2p_diloco.learner.swarm.Swarm`'s network."""
 
+    host_class: type[FragmentAveragerHost] | None = None
+    """Each fragment's host (None: :func:`start_averagers`' default; :class:`p2p_diloco.learner.faulty.FaultyNetwork`
+    starts faulty ones)."""
+
     def __init__(self, swarm: Member) -> None:
         self.swarm = swarm
 
     def hosts(self, cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size]) -> list[Host]:
         joined = self.swarm.joined
-        return list(start_averagers(cfg, slots, shapes, joined.dht, joined.private_key, self.swarm.membership))
+        return list(start_averagers(cfg, slots, shapes, joined.dht, joined.private_key, self.swarm.membership,
+                                    host_class=self.host_class))
 
     def view(self, engine: Any) -> View:
         return SwarmView(engine)

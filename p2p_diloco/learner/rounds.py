@@ -46,7 +46,7 @@ from p2p_diloco.averaging.linktime import (
     sync_link_s,
 )
 from p2p_diloco.averaging.transfer import state_payload
-from p2p_diloco.core import events, faults
+from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.learner.options import AVERAGER_START_TIMEOUT_S, ROUND_POLL_S
@@ -117,7 +117,6 @@ class AveragerLink:
                          config=r.config_hash, tokens=offer.tokens, steps=offer.steps, weight=offer.weight,
                          due=now, norms=offer.norms)
         meta.check_outgoing()  # raised on the training thread: nothing malformed reaches the wire
-        faults.hit("before-send", offer.fragment)
         slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
         payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
@@ -150,11 +149,13 @@ class AveragerLink:
 
 
 def start_averagers(cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size], dht: Any,
-                    private_key: Any, membership: Any) -> list[FragmentAveragerHost]:
-    """One averager per fragment, their processes started side by side (a newcomer is up sooner); all shut
-    down if one fails to start."""
-    hosts = [FragmentAveragerHost(cfg, s.index, s.names, shapes, dht, private_key, membership=membership,
-                                  state_provider=_state_provider(s), start=False) for s in slots]
+                    private_key: Any, membership: Any,
+                    host_class: type[FragmentAveragerHost] | None = None) -> list[FragmentAveragerHost]:
+    """One averager per fragment (a ``host_class``, None: :class:`FragmentAveragerHost`; a faulty one when faults are
+    armed), their processes started side by side (a newcomer is up sooner); all shut down if one fails to start."""
+    make = host_class or FragmentAveragerHost
+    hosts = [make(cfg, s.index, s.names, shapes, dht, private_key, membership=membership,
+                  state_provider=_state_provider(s), start=False) for s in slots]
     try:
         for host in hosts:
             host.start_background()

@@ -535,6 +535,7 @@ class _FakeDonor:
 
     prefix, fragment, next_chunk_timeout, _p2p = "frag", 1, 5.0, None
     state_compression = NoCompression()
+    _donor_parts = FragmentAveragerProcess._donor_parts
 
     def __init__(self, messages: list[averaging_pb2.DownloadData]) -> None:
         self.messages = messages
