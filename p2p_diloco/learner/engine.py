@@ -337,6 +337,12 @@ class DiLoCo:
         keep it short)."""
         self._subscribers.append(callback)
 
+    def watch(self, metric: str, doc: str, read: Callable[[], float | None]) -> None:
+        """Serve a figure of the loop's own, ``read()`` at each scrape, on the metric sinks that serve gauges
+        (``metrics`` with ``prometheus:PORT``); nothing without one."""
+        if self._events is not None:
+            self._events.watch(metric, doc, read)
+
     def poll_events(self) -> list[events.Event]:
         """The events logged since the last call (at most :data:`RECENT_EVENTS`), oldest first."""
         with self._events_lock:

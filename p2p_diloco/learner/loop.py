@@ -56,6 +56,8 @@ class Learner:
         self.diloco = DiLoCo(self.model, self.opt, swarm, opts.sync, check_model=False,  # built from the run's seed
                              network=network)
         self.stepping_s = 0.0
+        self.diloco.watch("utilization", "share of the training time in inner steps (as the final summary's)",
+                          self.utilization)
         self._stop_eval = threading.Event()
         self._eval_thread = threading.Thread(target=self._eval_loop, name="learner-eval", daemon=True)
         self._priority = priority.SessionPriority(opts.train_nice)  # lowered once we have joined
@@ -152,6 +154,12 @@ class Learner:
         return digest
 
     # -------------------------------------------------------------- evaluation and small helpers
+
+    def utilization(self) -> float | None:
+        """The share of the training time so far spent in inner steps (None before training)."""
+        d = self.diloco
+        train_s = time.monotonic() - d.t_start
+        return self.stepping_s / train_s if d.training and train_s > 0 else None
 
     def evaluate(self, weights: dict[str, torch.Tensor], batches: list[Any] | None = None) -> float:
         """:func:`evaluate_weights` on our device, on ``batches`` (default the whole eval set)."""

@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence, TypeGuard
@@ -232,6 +233,8 @@ class PrometheusSink:
         self.name = ""
         self.values: dict[str, float] = {}
         self.download_bytes = 0
+        self.watched: dict[str, tuple[str, Callable[[], float | None]]] = {}
+        """Figures of the loop's own, read at each scrape (:meth:`watch`)."""
         self._lock = threading.Lock()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)  # prometheus_client duck-types collectors (collect())
@@ -250,16 +253,28 @@ class PrometheusSink:
             if isinstance(event, ResyncEvent) and _number(event.bytes):
                 self.download_bytes += int(event.bytes)
 
+    def watch(self, metric: str, doc: str, read: Callable[[], float | None]) -> None:
+        """Serve ``read()`` as the gauge ``metric`` at every scrape (None: not known yet, left out)."""
+        with self._lock:
+            self.watched[metric] = (doc, read)
+
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         with self._lock:
             values, counts, name = dict(self.values), dict(self.tracker.counts), self.name
             sent, received, download = self.tracker.bytes_sent, self.tracker.bytes_received, self.download_bytes
+            watched = dict(self.watched)
         for tag, (metric, doc) in _GAUGES.items():
             if tag in values:
                 gauge = GaugeMetricFamily(PROMETHEUS_PREFIX + metric, doc, labels=["peer"])
                 gauge.add_metric([name], values[tag])
+                yield gauge
+        for metric, (doc, read) in sorted(watched.items()):
+            value = read()
+            if value is not None and math.isfinite(value):
+                gauge = GaugeMetricFamily(PROMETHEUS_PREFIX + metric, doc, labels=["peer"])
+                gauge.add_metric([name], value)
                 yield gauge
         tokens = CounterMetricFamily(PROMETHEUS_PREFIX + "tokens", "training tokens consumed", labels=["peer"])
         tokens.add_metric([name], values.get("train/tokens", 0.0))
@@ -332,6 +347,12 @@ class EventLog:
         with self._lock:
             for sink in self.sinks:
                 sink.write(event)
+
+    def watch(self, metric: str, doc: str, read: Callable[[], float | None]) -> None:
+        """A figure of the loop's own for the sinks that serve gauges (Prometheus: read at each scrape)."""
+        for sink in self.sinks:
+            if isinstance(sink, PrometheusSink):
+                sink.watch(metric, doc, read)
 
     def close(self) -> None:
         """Close every sink, even if one fails (the first failure is raised after the others are closed)."""

@@ -220,8 +220,10 @@ def test_metrics_of_the_page_and_of_a_learner_parse_with_plausible_values(swarm:
     assert 0 < own[("p2p_diloco_learner_loss", me)] < 10
     assert own[("p2p_diloco_learner_bytes_total", (("direction", "sent"), ("peer", "l0"), ("purpose", "averaging")))] > 0
     assert own[("p2p_diloco_learner_round_group_size", me)] in (1, 2)
+    assert 0 < own[("p2p_diloco_learner_utilization", me)] <= 1
     print(f"metrics: page {len(page)} samples; l0 {len(own)} samples, "
-          f"{own[('p2p_diloco_learner_tokens_per_second', me)]:.0f} tokens/s")
+          f"{own[('p2p_diloco_learner_tokens_per_second', me)]:.0f} tokens/s, utilization "
+          f"{own[('p2p_diloco_learner_utilization', me)]:.2f}")
 
 
 def test_serving_a_private_swarm_without_its_key_is_one_line_and_exit_2(procs: ProcGroup, tmp_path: Path) -> None:

@@ -167,3 +167,26 @@ def test_the_prometheus_sink_serves_a_learners_figures(free_port: int) -> None:
     assert samples[("p2p_diloco_learner_loss", ())] == 2.69
     assert samples[("p2p_diloco_learner_tokens_total", ())] == 3200
     assert samples[("p2p_diloco_learner_tokens_per_second", ())] == pytest.approx(200.0)  # (3200 - 3000) tokens / 1 s
+
+
+def test_the_prometheus_sink_serves_the_loops_own_figures(free_port: int) -> None:
+    """``join --metrics prometheus:PORT`` shows the learner's utilization: a figure of its loop, not of an event,
+    read at each scrape (``DiLoCo.watch``)."""
+    spec = parse_metrics_spec(f"prometheus:{free_port}")
+    assert spec.address is not None
+    sink = PrometheusSink(spec.address)
+    share = [None, 0.25]
+    try:
+        sink.write(_round("committed", 10, 100.0))
+        sink.watch("utilization", "share of the training time in inner steps", lambda: share[0])
+        first = _get(f"http://127.0.0.1:{free_port}/metrics")[2]
+        share[0] = share[1]
+        second = _get(f"http://127.0.0.1:{free_port}/metrics")[2]
+    finally:
+        sink.close()
+
+    def utilization(text: str) -> list[float]:
+        return [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "p2p_diloco_learner_utilization" and s.labels.get("peer") == "l0"]
+
+    assert utilization(first) == [] and utilization(second) == [0.25]
