@@ -48,12 +48,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     check_buildable(cfg.model, device, cfg.sim.learners if args.mode == "diloco" else 1, "sim.learners")
     from p2p_diloco.core.tokenizer import loss_unit
     from p2p_diloco.sim import simulator as sim
-    if args.engines:
+    if args.mode == "diloco" and not args.tick:
         from p2p_diloco.core import data
         from p2p_diloco.sim import engines
 
-        if args.mode != "diloco":
-            raise ValueError(f"--engines: runs the diloco mode only, not --mode {args.mode}")
         engines.check_supported(cfg)
         splits = data.load_training_data(cfg, cfg.sim.learners, args.data)
         result = engines.run(cfg, splits, progress=not args.quiet, device=device)
@@ -109,14 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from p2p_diloco.cli import learner as learner_cli
 
-    p = sub.add_parser("sim", help="simulate K learners in one process (no network) and report eval loss")
+    p = sub.add_parser("sim", help="simulate K learners in one process (real engines on an in-process network) and "
+                                   "report eval loss")
     add_config_args(p)
     p.add_argument("--mode", default="diloco", choices=["diloco", "data-parallel", "single"],
                    help="diloco: the configured algorithm; data-parallel: the reference with K x batch; "
                    "single: one learner alone")
-    p.add_argument("--engines", action="store_true",
-                   help="run the K learners as real DiLoCo engines on the in-process network, in lockstep (the round "
-                   "policy of a networked learner; equal speeds and the step schedule for now)")
+    p.add_argument("--tick", action="store_true",
+                   help="diloco mode on the tick simulator (a fragment state machine per learner and one reducer) "
+                   "instead of K real DiLoCo engines on an in-process network; it also runs outer.error_feedback, "
+                   "outer.final_average and grid groups")
     p.add_argument("--data", metavar="PATH", help="text file or folder (overrides data.path)")
     learner_cli.add_device_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")

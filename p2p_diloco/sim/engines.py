@@ -15,8 +15,9 @@ view, a group it was in fails for all), ``join`` starts it again as a newcomer -
 that downloads the swarm's anchors from its peers and then contributes.
 
 The same :class:`~p2p_diloco.sim.simulator.SimResult` as the tick simulator, so the two can be compared run for run
-(``p2p-diloco sim --engines``). An attack (:class:`~p2p_diloco.sim.simulator.Attack`) is the hub's tamper with what
-the attacker sends, a fault from outside. Not yet here: grid groups, error feedback and the final average.
+(``p2p-diloco sim``; ``--tick`` for the tick simulator). An attack (:class:`~p2p_diloco.sim.simulator.Attack`) is the hub's tamper with what
+the attacker sends, a fault from outside. Not here: grid groups, error feedback and the final average (``p2p-diloco
+sim --tick`` runs the tick simulator, which has them).
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def check_supported(cfg: Config) -> None:
     """Raise ``ValueError`` (one line) for what the engine simulator does not run yet."""
     o = cfg.outer
     if cfg.averaging.groups == "grid":
-        raise ValueError("sim --engines: averaging.groups = \"grid\" is not simulated yet")
+        raise ValueError("sim: averaging.groups = \"grid\" is not simulated on the engines yet: run the tick "
+                         "simulator (--tick)")
     if o.error_feedback or o.final_average:
-        raise ValueError("sim --engines: outer.error_feedback and outer.final_average are not in the engine")
+        raise ValueError("sim: outer.error_feedback and outer.final_average are not in the engine: run the tick "
+                         "simulator (--tick)")
 
 
 class Unit:
@@ -71,6 +74,8 @@ class Unit:
             idx, cfg.inner.batch_size, cfg.model.block_size, seed=cfg.run.seed * 1000 + idx)
         self.steps = self.tokens = 0
         self.alive = True
+        self.engines: list[DiLoCo] = []
+        """Every engine this learner ran (a rejoin starts a new one)."""
         self.start(hub)
 
     def start(self, hub: Hub) -> None:
@@ -81,8 +86,11 @@ class Unit:
         self.swarm = hub.join(self.name)
         self.diloco = DiLoCo(self.model, self.opt, self.swarm, SyncOptions(linger_s=0.0), check_model=False,
                              network=self.swarm.network)
+        for sync in self.diloco.rounds.syncs:
+            sync.measure_ratio = True  # the simulator reports the largest pseudo-gradient sent
         self.diloco.start()
         self.alive = True
+        self.engines.append(self.diloco)
 
     def tick(self) -> None:
         """The steps this learner takes in one tick (``speed`` on average)."""
@@ -202,6 +210,9 @@ class EngineSimulator:
         r.empty_rounds = sum(1 for x in rounds if x.reason == NO_GROUP)
         r.discarded_rounds = sum(1 for x in rounds if x.reason != NO_GROUP and not x.committed)
         r.bytes_sent = float(self.hub.round_bytes)
+        syncs = [sync for u in self.units for e in u.engines for sync in e.rounds.syncs]
+        r.max_delta_ratio = max((sync.max_delta_ratio for sync in syncs), default=0.0)
+        r.local_drops = sum(sync.slot.local_drops for sync in syncs)
         committed = [x for x in rounds if x.committed]
         r.contributed_tokens = sum(x.tokens for x in committed) // max(1, len(self.units[0].diloco.slots))
         names = [u.name for u in self.units]

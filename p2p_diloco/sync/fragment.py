@@ -187,6 +187,8 @@ class FragmentSync:
         self.slot, self.replica, self.cfg, self.transport = slot, replica, cfg, transport
         self.hash_anchor = hash_anchor
         self.measure_ratio = measure_ratio
+        self.max_delta_ratio = 0.0
+        """The largest ``||pseudo-gradient|| / ||anchor||`` handed off so far (measured only with ``measure_ratio``)."""
 
     @property
     def index(self) -> int:
@@ -223,6 +225,8 @@ class FragmentSync:
             self.reanchor()
             return HandOff(DROPPED, reason=problem)
         ratio = outer.delta_ratio(delta, slot.anchor) if self.measure_ratio else math.nan
+        if self.measure_ratio:
+            self.max_delta_ratio = max(self.max_delta_ratio, ratio)
         sent, norms = outer.encode_contribution(delta, self.cfg.merge)
         offer = Offer(fragment=slot.index, version=slot.version, anchor_hash=slot.anchor_hash,
                       tokens=slot.since_tokens, steps=slot.since_steps,

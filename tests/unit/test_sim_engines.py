@@ -101,3 +101,25 @@ def test_an_attacker_poisons_the_engines_rounds_as_it_does_the_tick_simulators(m
           f"{honest.final_eval_loss:.6f}")
     assert real.final_eval_loss == tick.final_eval_loss and real.rounds == tick.rounds
     assert real.final_eval_loss != honest.final_eval_loss  # the attack reached the rounds
+
+
+def test_the_sim_command_runs_the_engines_and_the_tick_simulator_on_request() -> None:
+    """``p2p-diloco sim`` is the engines; what only the tick simulator has is refused in one line naming ``--tick``,
+    and runs with it."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "p2p_diloco.cli.main", "sim", "--config", str(ROOT / "configs" / "tiny.toml"),
+            "--quiet", "--json", "--set", "inner.total_steps=10"]
+    engines_run = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    tick_run = subprocess.run([*base, "--tick"], capture_output=True, text=True, timeout=300)
+    assert engines_run.returncode == tick_run.returncode == 0, engines_run.stderr + tick_run.stderr
+    import json
+
+    a, b = json.loads(engines_run.stdout), json.loads(tick_run.stdout)
+    assert a["final_eval_loss"] == b["final_eval_loss"] and a["rounds"] == b["rounds"] > 0
+    refused = subprocess.run([*base, "--set", "outer.error_feedback=true"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [
+        "p2p-diloco: error: sim: outer.error_feedback and outer.final_average are not in the engine: run the tick "
+        "simulator (--tick)"]
