@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,13 +33,16 @@ boundary on a shared 2-core machine."""
 STALL_S = 60.0
 """How long the other learner's averager stalls: far longer than our exit may take."""
 STALL = f"stall@while-reducing:seconds={STALL_S:g}"
+STACKS_WAIT_S = 2.0
+"""How long a hung learner gets to write its threads' stacks before the test fails with them."""
 
 LEARNER = """
-import logging, sys, time
+import faulthandler, logging, signal, sys, time
 import torch
 from p2p_diloco import DiLoCo, SyncOptions, Swarm, build_model, load_config, training_batches
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test asks for every thread's stack if we hang
 cfg = load_config(sys.argv[2])
 with Swarm.join([sys.argv[1]], cfg, name="api") as swarm:
     model = build_model(cfg)
@@ -86,6 +90,10 @@ def test_sigint_with_a_round_in_flight_exits_at_once(procs: ProcGroup, tmp_path:
     api.kill_group(signal.SIGINT)  # Ctrl+C in a terminal
     try:
         rc = api.popen.wait(timeout=ROUND_DEADLINE_S)
+    except subprocess.TimeoutExpired:  # say where it hangs: every thread's stack (faulthandler, on stderr)
+        os.kill(api.popen.pid, signal.SIGUSR2)
+        time.sleep(STACKS_WAIT_S)
+        pytest.fail(f"no exit {ROUND_DEADLINE_S:g} s after SIGINT; its threads:\n{api.output()}")
     finally:
         took_s = time.monotonic() - signalled
     print(f"exit {rc} {took_s:.2f} s after SIGINT")
