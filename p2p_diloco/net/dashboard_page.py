@@ -69,6 +69,9 @@ function age(now, t) {
   const s = Math.max(0, now - t);
   return s < 120 ? s.toFixed(0) + "s ago" : s < 7200 ? (s / 60).toFixed(0) + "m ago" : (s / 3600).toFixed(1) + "h ago";
 }
+function span(s) {  // an axis tick: seconds up to 10 minutes, then minutes to a tenth (no two ticks alike)
+  return s < 600 ? Math.round(s) + "s" : (s / 60).toFixed(1).replace(/\\.0$/, "") + "m";
+}
 function fmt(n, digits) { return Number(n).toLocaleString("en-US", {maximumFractionDigits: digits || 0}); }
 
 function renderStatus(d, view) {
@@ -144,7 +147,7 @@ function drawChart(svg, series, yLabel) {
   }
   for (let i = 0; i <= 4; i++) {
     const x = x0 + (x1 - x0) * i / 4;
-    label(sx(x), H - 10, "-" + age(x1, x).replace(" ago", ""), "middle");
+    label(sx(x), H - 10, x1 - x < 0.5 ? "now" : "-" + span(x1 - x), "middle");
   }
   label(L, H - 1, yLabel, "start");
   for (const s of series) {
