@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import sys
 from dataclasses import astuple, replace
@@ -28,6 +29,19 @@ CORPUS_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards q
 """The vocabulary of :func:`make_corpus`'s documents."""
 RECORD_TTL_S = 30.0
 """How long past ``now`` a record signed by :func:`sign_record` stays valid."""
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back() -> Iterator[None]:
+    """hivemind's averagers set SIGINT to SIG_IGN in the process that starts them, and an ignored signal is
+    inherited by every process started later: after a test had started hivemind objects in pytest's own
+    process, the learner that ``test_signals_api.py`` sends Ctrl+C to ignored it and trained on (it passed alone
+    and failed in the suite). Each test gets pytest's handlers back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) != handler:
+            signal.signal(s, handler)
 
 
 @pytest.fixture
