@@ -31,15 +31,18 @@ RECORD_TTL_S = 30.0
 """How long past ``now`` a record signed by :func:`sign_record` stays valid."""
 
 
+PYTEST_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+"""pytest's own handlers, before any test (or a module's fixture) started hivemind objects in this process."""
+
+
 @pytest.fixture(autouse=True)
 def _signal_handlers_put_back() -> Iterator[None]:
     """hivemind's averagers set SIGINT to SIG_IGN in the process that starts them, and an ignored signal is
     inherited by every process started later: after a test had started hivemind objects in pytest's own
     process, the learner that ``test_signals_api.py`` sends Ctrl+C to ignored it and trained on (it passed alone
     and failed in the suite). Each test gets pytest's handlers back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
-    for s, handler in saved.items():
+    for s, handler in PYTEST_HANDLERS.items():
         if handler is not None and signal.getsignal(s) != handler:
             signal.signal(s, handler)
 

@@ -43,6 +43,7 @@ from p2p_diloco import DiLoCo, SyncOptions, Swarm, build_model, load_config, tra
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s: %(message)s")
 faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test asks for every thread's stack if we hang
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever the test runner ignores
 cfg = load_config(sys.argv[2])
 with Swarm.join([sys.argv[1]], cfg, name="api") as swarm:
     model = build_model(cfg)
