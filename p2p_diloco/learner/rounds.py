@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,8 +54,7 @@ from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, FragmentSync, Offer, 
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
-    from p2p_diloco.net.clock import SyncClock
-    from p2p_diloco.transport.network import Host
+    from p2p_diloco.transport.network import Host, View
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +66,6 @@ DRAIN_SLICE_S = 0.2
 
 Event = Callable[[events.Event], None]
 """Logs an event: the learner fills its envelope (``Learner._event``)."""
-
-
-class SwarmReads(Protocol):
-    """What the rounds read of the swarm, as the status thread last saw it (:class:`~p2p_diloco.learner.view.SwarmView`
-    is one; a protocol, because the view drives the rounds: it imports this module, not the other way round)."""
-
-    @property
-    def clock(self) -> SyncClock | None: ...
-    @property
-    def swarm_reads(self) -> int: ...
-    @property
-    def peer_ids(self) -> list[str]: ...
-    @property
-    def peer_anchors(self) -> list[list[tuple[int, str]]]: ...
-    @property
-    def peer_states(self) -> list[str]: ...
 
 
 class AveragerLink:
@@ -193,7 +176,7 @@ class Rounds:
     """Every fragment's rounds and downloads on a networked learner (called from the training thread)."""
 
     def __init__(self, cfg: Config, slots: Sequence[FragmentSlot], replica: Replica, hosts: Sequence[Host],
-                 view: SwarmReads, config_hash: str, started_at: float, event: Event,
+                 view: View, config_hash: str, started_at: float, event: Event,
                  dht_time: Callable[[], float], own_id: str) -> None:
         self.cfg, self.view, self.config_hash, self.started_at = cfg, view, config_hash, started_at
         self.event, self.dht_time = event, dht_time
