@@ -41,6 +41,8 @@ LINE_POLL_S = 0.2
 """Longest wait between two looks for an awaited line (a new line ends the wait at once)."""
 REAP_TIMEOUT_S = 10.0
 """After SIGKILL of a child's group and session: how long reaping it may take."""
+SESSION_POLL_S = 0.05
+"""Seconds between two looks at a killed child's session while its processes die."""
 READER_JOIN_S = 5.0
 """After a child exited: how long its output readers may take to read what is left in the pipes."""
 OUTPUT_TAIL_CHARS = 4000
@@ -218,6 +220,14 @@ class ChildProcess:
         self.signal_session(signal.SIGKILL)
         try:
             self.popen.wait(timeout=REAP_TIMEOUT_S)
+            # a killed helper (reparented, not our child) may take a moment to die on a loaded machine: the caller
+            # -- e.g. ``swarm`` exiting on Ctrl+C -- must not return while one still runs
+            deadline = time.monotonic() + REAP_TIMEOUT_S
+            while (left := self.session()) and time.monotonic() < deadline:
+                time.sleep(SESSION_POLL_S)
+            if left:
+                logger.warning("%s: %d processes of its session still run %.0f s after SIGKILL: %s", self.name,
+                               len(left), REAP_TIMEOUT_S, left)
         finally:
             for reader in self._readers:
                 reader.join(timeout=READER_JOIN_S)

@@ -15,8 +15,10 @@ from procs import ProcGroup
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-IDLE_S = 60.0
-"""Seconds the first Swarm sits joined without a DiLoCo: two record TTLs (30 s in llama-tiny)."""
+RECORD_TTL_S = 9.0
+"""The run's record TTL (30 s in llama-tiny; shortened so that the test sits out two of them in 20 s)."""
+IDLE_S = 2 * RECORD_TTL_S + 2
+"""Seconds the first Swarm sits joined without a DiLoCo: past two record TTLs."""
 
 IDLE_SWARM = """
 import json, sys, time
@@ -24,7 +26,7 @@ from hivemind.utils import get_dht_time
 from p2p_diloco import Swarm, load_config
 from p2p_diloco.net.membership import read_swarm
 
-cfg = load_config(sys.argv[1])
+cfg = load_config(sys.argv[1], [f"averaging.record_ttl_s={sys.argv[3]}"])
 with Swarm.bootstrap(cfg, name="idle") as first:
     time.sleep(float(sys.argv[2]))  # building the model, loading the data
     with Swarm.join(first.addresses, cfg, name="watcher") as watcher:
@@ -43,7 +45,8 @@ def test_a_swarm_left_idle_keeps_its_record_fresh_and_its_name(tmp_path: Path) -
     script = tmp_path / "idle_swarm.py"
     script.write_text(IDLE_SWARM)
     with ProcGroup(tmp_path) as procs:
-        proc = procs.start([sys.executable, str(script), str(REPO / "configs" / "llama-tiny.toml"), str(IDLE_S)],
+        proc = procs.start([sys.executable, str(script), str(REPO / "configs" / "llama-tiny.toml"), str(IDLE_S),
+                            str(RECORD_TTL_S)],
                            name="idle")
         seen = json.loads(proc.wait_for(r"^result (\{.*\})$", timeout_s=IDLE_S + 120).group(1))
         assert proc.wait_exit(30) == 0, proc.output()

@@ -132,7 +132,8 @@ def test_a_partition_forks_the_swarm_and_the_fork_heals_when_it_ends(cfg: Config
     """Split 2 | 2: each side sees two live learners, so its groups of two are a quorum and both sides commit the
     same versions of a fragment on different anchors -- a fork. When the network heals, the side whose anchor loses
     (:func:`~p2p_diloco.averaging.decisions.anchor_order`) downloads the winner's and rebases onto it; everyone ends
-    on the same anchors."""
+    on the same anchors. (Replaces the integration test that forked 4 learners with groups capped at 2: the same
+    healing path, decided by what each side holds, not by how the fork came about.)"""
     torch.set_num_threads(1)
     hub = Hub(cfg)
     loops = {name: Loop(hub, cfg, name, seed, steps=200, pace_s=STEP_S, wait_peers=4)
@@ -164,6 +165,15 @@ def test_a_partition_forks_the_swarm_and_the_fork_heals_when_it_ends(cfg: Config
                     f" {hub.rounds[split_at:]}")
     for loop in loops.values():
         print(f"{loop.name}: versions {loop.diloco.versions} anchors {loop.diloco.anchor_hashes}; "
-              f"{len(loop.resyncs())} downloads")
+              f"{len(loop.resyncs())} downloads {[(e.outcome, e.version, e.version_after) for e in loop.resyncs()]}")
+    # the losing side adopts the winner's anchor (the smaller hash, anchor_order) of the version it holds, or a
+    # newer one the winner committed since
+    for e in healed:
+        assert e.version_after is not None and e.version is not None and e.version_after >= e.version, e
+        if e.outcome == "fork healed":
+            assert e.version_after == e.version and e.anchor_hash is not None and e.anchor_hash_before is not None
+            assert e.anchor_hash < e.anchor_hash_before, e
+            assert e.consensus_distance is not None and e.consensus_distance > 0, e  # how far apart the fork was
+    assert any(e.outcome == "fork healed" for e in healed), healed
     assert len({tuple(loop.diloco.versions) for loop in loops.values()}) == 1
     assert len({tuple(loop.diloco.anchor_hashes) for loop in loops.values()}) == 1
