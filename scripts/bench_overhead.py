@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from bench_overhead_page import TARGET, markdown, plot
 
-from p2p_diloco.averaging.host import Contribution, RoundOutcome
+from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
+from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.core import data, outer
 from p2p_diloco.core.config import Config, load_config
 from p2p_diloco.core.identity import config_hash
@@ -113,13 +114,13 @@ class IdleAveraging:
     def bytes_total(self) -> tuple[int, int]:
         return 0, 0
 
-    def start_round(self, contribution: Contribution) -> "Future[RoundOutcome]":
-        meta, o = contribution.meta, self.cfg.outer
-        merged = outer.decode_merged(contribution.tensors, [meta.norms], [meta.weight], o.merge)
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> "Future[RoundOutcome]":
+        c, o = contribution, self.cfg.outer
+        merged = outer.decode_merged(c.tensors, [c.norms], [c.weight], o.merge)
         done: Future[RoundOutcome] = Future()
-        done.set_result(RoundOutcome(fragment=self.index, version=meta.version, committed=True,
+        done.set_result(RoundOutcome(fragment=self.index, version=c.version, committed=True,
                                      reason="benchmark: a group of one", group_size=1, own_share=1.0,
-                                     weights=(meta.weight,), finished_at=time.monotonic(), merged=merged))
+                                     weights=(c.weight,), finished_at=time.monotonic(), merged=merged))
         return done
 
 

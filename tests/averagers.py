@@ -63,14 +63,14 @@ def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]
     the config's); returns every peer's :class:`RoundOutcome`."""
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.decisions import RoundMeta
-    from p2p_diloco.averaging.host import Contribution
-    from p2p_diloco.core.identity import config_hash
+    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.sync.fragment import Contribution
 
     start = get_dht_time() + cfg.averaging.window_s
     futures = []
     for peer, t, n in zip(peers, tensors, tokens, strict=True):
-        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(cfg), tokens=n, steps=10,
-                         weight=float(n), due=get_dht_time(), norms={})
-        futures.append(peer.start_round(Contribution(meta, dict(t), start, cfg.averaging.window_s, timeouts=timeouts)))
+        contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=n, steps=10, weight=float(n),
+                                    tensors=dict(t), norms={})
+        plan = RoundPlan(start, cfg.averaging.window_s, due=get_dht_time(), timeouts=timeouts)
+        futures.append(peer.start_round(contribution, plan))
     return [f.result(timeout=deadline_s) for f in futures]

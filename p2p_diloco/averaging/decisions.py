@@ -13,13 +13,16 @@ import math
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import AveragingConfig
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
+
+if TYPE_CHECKING:
+    from p2p_diloco.sync.fragment import Contribution
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +188,17 @@ class RoundMeta:
     """DHT time at which the fragment became due for this member (arrival spread -> adaptive window)."""
     norms: dict[str, float] = field(default_factory=dict)
     """Radial merge: the norm of each (non-embedding) pseudo-gradient tensor."""
+
+    @classmethod
+    def of(cls, contribution: Contribution, config: str, due: float) -> "RoundMeta":
+        """What a member sends of ``contribution`` (derived at the wire, nowhere else): its gathered fields, our
+        config hash and ``due`` (the DHT time it was handed off); checked (:meth:`check_outgoing`: raises
+        ``ValueError``) so that nothing malformed is ever sent."""
+        c = contribution
+        meta = cls(fragment=c.fragment, version=c.version, anchor=c.anchor_hash, config=config, tokens=c.tokens,
+                   steps=c.steps, weight=c.weight, due=due, norms=c.norms)
+        meta.check_outgoing()
+        return meta
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)

@@ -52,6 +52,7 @@ from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import procguard
 from p2p_diloco.hivemind_ext.compression import get_codec
 from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
+from p2p_diloco.sync.fragment import Contribution
 
 logger = logging.getLogger(__name__)
 
@@ -78,19 +79,19 @@ class Leaving(Exception):
 
 
 @dataclass(frozen=True)
-class Contribution:
-    """What the learner hands to averaging for one round of one fragment."""
+class RoundPlan:
+    """How the transport runs one round of a :class:`~p2p_diloco.sync.fragment.Contribution`: its schedule, its
+    timeouts and its group (planned beside the contribution, which it does not copy)."""
 
-    meta: RoundMeta
-    tensors: dict[str, torch.Tensor]
-    """Encoded pseudo-gradient (:func:`outer.encode_contribution`), by parameter name; with grid groups also the
-    anchor and outer momentum, under ``ANCHOR_TENSOR`` and ``MOMENTUM_TENSOR`` + parameter name."""
     scheduled_time: float
     """DHT time at which the group should start its all-reduce."""
     window_s: float
+    due: float
+    """DHT time at which the contribution was handed off (``RoundMeta.due``: the members' arrival spread)."""
     doomed: Callable[[], bool] | None = None
     """Polled while the round is still matching: True abandons it (a live peer is already past our version,
-    so no group can form at it and waiting out the window only delays our catching up)."""
+    so no group can form at it and waiting out the window only delays our catching up). Read on the round's
+    worker thread: a read-only look at the swarm's records, never the engine's state."""
     timeouts: RoundTimeouts | None = None
     """This round's hivemind timeouts, derived from the link (:func:`~p2p_diloco.averaging.linktime.round_timeouts`);
     None: the config's fixed values (:func:`~p2p_diloco.averaging.linktime.floor_timeouts`)."""
@@ -177,8 +178,7 @@ class FragmentAveragerHost:
     """Owns one fragment's averager and runs its rounds and state downloads in a background thread.
 
     :meth:`start_round` and :meth:`fetch_state` return futures at once; the learner polls them.
-    At most one operation per fragment is in flight (the learner enforces it).
-    """
+    At most one operation per fragment is in flight (the learner enforces it)."""
     averager_class: type[FragmentAveragerProcess] = FragmentAveragerProcess  # averaging/faulty.py's: a subclass
 
     def __init__(self, cfg: Config, fragment: int, names: Sequence[str], shapes: Mapping[str, torch.Size],
@@ -206,7 +206,7 @@ class FragmentAveragerHost:
         """What a round all-reduces (``buffers`` holds one per name, in order): the pseudo-gradient, with grid
         groups the anchor and momentum too."""
         self.buffers = [torch.zeros(shapes[n], dtype=torch.float32) for n in self.names * (3 if self.grid else 1)]
-        floor = floor_timeouts(a)  # until a round sets its own (Contribution.timeouts)
+        floor = floor_timeouts(a)  # until a round sets its own (RoundPlan.timeouts)
         self.averager = self.averager_class(
             self.buffers, dht, start=start, prefix=self.prefix,
             target_group_size=a.target_group_size or None, min_group_size=a.min_group_size,
@@ -251,14 +251,15 @@ class FragmentAveragerHost:
         raise Leaving(LEAVING)
 
     # -- rounds
-    def start_round(self, contribution: Contribution) -> "Future[RoundOutcome]":
-        return self._executor.submit(self._round, contribution)
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> "Future[RoundOutcome]":
+        meta = RoundMeta.of(contribution, self.config_hash, plan.due)  # checked on the caller's thread (its raise)
+        return self._executor.submit(self._round, contribution, meta, plan)
 
-    def _round(self, c: Contribution) -> RoundOutcome:
+    def _round(self, c: Contribution, meta: RoundMeta, plan: RoundPlan) -> RoundOutcome:
         a = self.cfg.averaging
         t0 = time.monotonic()
-        limits = c.timeouts if c.timeouts is not None else floor_timeouts(a)
-        base: dict[str, Any] = dict(fragment=self.fragment, version=c.meta.version, window_s=c.window_s, timeouts=limits)
+        limits = plan.timeouts if plan.timeouts is not None else floor_timeouts(a)
+        base: dict[str, Any] = dict(fragment=self.fragment, version=c.version, window_s=plan.window_s, timeouts=limits)
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
         self.averager.last_allreduce_s.value = math.nan  # the averager process times this round's all-reduce
 
@@ -269,25 +270,25 @@ class FragmentAveragerHost:
                                 bytes_received=self.averager.bytes_received.value - received0,
                                 allreduce_s=self.averager.last_allreduce_s.value, **extra)
 
-        if c.meta.weight <= 0:
+        if c.weight <= 0:
             return failed("no progress since the last sync (weight 0): not joining")
         if self._cancelled.is_set():
             return failed(LEAVING)
-        logger.debug("fragment %d v%d: round timeouts %s", self.fragment, c.meta.version, limits.event())
+        logger.debug("fragment %d v%d: round timeouts %s", self.fragment, c.version, limits.event())
         try:
             self._wait(self.averager.set_round_timeouts(limits), SET_TIMEOUTS_DEADLINE_S)
         except Leaving:
             return failed(LEAVING)
         except Exception as e:  # the averager process is gone or stuck: this round cannot run; say why
             return failed(f"the averager did not take the round's timeouts: {type(e).__name__}: {e}"[:300])
-        self.averager.set_group_bits(c.group_bits or version_group_bits(c.meta.version, c.meta.anchor))
+        self.averager.set_group_bits(plan.group_bits or version_group_bits(c.version, c.anchor_hash))
         with self.averager.get_tensors() as buffers:
             for buf, name in zip(buffers, self.wire_names):
                 buf.copy_(c.tensors[name])
         # a lone peer gives up after two windows past the scheduled start (plus a slow link's join round trips)
-        matchmaking_timeout_s = (max(0.0, c.scheduled_time - get_dht_time()) + 2 * c.window_s
+        matchmaking_timeout_s = (max(0.0, plan.scheduled_time - get_dht_time()) + 2 * plan.window_s
                                  + limits.matchmaking_slack_s)
-        control = self.averager.step(gather=c.meta.to_wire(), weight=c.meta.weight, scheduled_time=c.scheduled_time,
+        control = self.averager.step(gather=meta.to_wire(), weight=meta.weight, scheduled_time=plan.scheduled_time,
                                      timeout=matchmaking_timeout_s, allow_retries=False, wait=False)
         give_up_at = time.monotonic() + matchmaking_timeout_s + limits.allreduce_timeout_s + limits.request_timeout_s
         while True:
@@ -298,9 +299,9 @@ class FragmentAveragerHost:
                 if self._cancelled.is_set():  # we are leaving: do not make the others wait for us
                     control.cancel()
                     return failed(LEAVING)
-                if c.doomed is not None and not control.began_allreduce and c.doomed():
+                if plan.doomed is not None and not control.began_allreduce and plan.doomed():
                     control.cancel()  # still matching: nobody is waiting on our tensors yet
-                    return failed(f"abandoned while matching: a live peer is past v{c.meta.version}")
+                    return failed(f"abandoned while matching: a live peer is past v{c.version}")
                 if time.monotonic() >= give_up_at:
                     control.cancel()
                     return failed(f"round exceeded {matchmaking_timeout_s + limits.allreduce_timeout_s:.1f} s")
@@ -320,9 +321,9 @@ class FragmentAveragerHost:
         weights = tuple(m.weight for m in metas)
         spread = max(m.due for m in metas) - min(m.due for m in metas)
         extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
-        decision = check_group(c.meta, metas, self.radial_names, min_group_size=a.min_group_size,
+        decision = check_group(meta, metas, self.radial_names, min_group_size=a.min_group_size,
                                weighting=self.cfg.outer.weighting, grid=self.grid)
-        quorum = quorum_problem(len(peers), c.at_rank, a.target_group_size) if decision.ok else None
+        quorum = quorum_problem(len(peers), plan.at_rank, a.target_group_size) if decision.ok else None
         if quorum is not None:
             decision = Decision(False, quorum)
         averaged: dict[str, torch.Tensor] = {}
@@ -353,7 +354,7 @@ class FragmentAveragerHost:
                          version_after=grid_version(metas),
                          group_distance=relative_distance({n: c.tensors[ANCHOR_TENSOR + n] for n in self.names}, anchor))
         now = time.monotonic()
-        return RoundOutcome(**base, committed=True, reason="ok", own_share=c.meta.weight / sum(weights),
+        return RoundOutcome(**base, committed=True, reason="ok", own_share=meta.weight / sum(weights),
                             duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
                             bytes_received=self.averager.bytes_received.value - received0,
                             allreduce_s=self.averager.last_allreduce_s.value, merged=merged, **extra)

@@ -24,12 +24,13 @@ from p2p_diloco.learner.network import HivemindNetwork
 if TYPE_CHECKING:
     import torch
 
-    from p2p_diloco.averaging.host import Contribution, Download, RoundOutcome
+    from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
     from p2p_diloco.core.data import TrainingData
     from p2p_diloco.learner.options import LearnerOptions, Profile
     from p2p_diloco.learner.swarm import Swarm
+    from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
     from p2p_diloco.transport.network import Host, Rank
 
@@ -41,9 +42,9 @@ class FaultyHost:
         self.host = host
         self.prefix = host.prefix
 
-    def start_round(self, contribution: Contribution) -> Future[RoundOutcome]:
-        faults.hit("before-send", contribution.meta.fragment)
-        return self.host.start_round(contribution)
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
+        faults.hit("before-send", contribution.fragment)
+        return self.host.start_round(contribution, plan)
 
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.host.fetch_state(ours, link)

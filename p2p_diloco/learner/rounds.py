@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,7 @@ from p2p_diloco.averaging.decisions import (
     relative_distance,
     round_is_doomed,
 )
-from p2p_diloco.averaging.host import Contribution, Download, FragmentAveragerHost, RoundOutcome
+from p2p_diloco.averaging.host import Download, FragmentAveragerHost, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import (
     LinkHistory,
     allreduce_bytes,
@@ -50,7 +51,7 @@ from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.learner.options import AVERAGER_START_TIMEOUT_S, ROUND_POLL_S
-from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, FragmentSync, Offer, Replica
+from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
@@ -69,25 +70,25 @@ Event = Callable[[events.Event], None]
 
 
 class AveragerLink:
-    """A fragment's transport over its averager: an offer becomes a round scheduled on the swarm clock's
+    """A fragment's transport over its averager: a contribution becomes a round scheduled on the swarm clock's
     boundary (everyone due at it starts at the same instant) or one matchmaking window from now, with timeouts
     derived from what it must move and what the link did in earlier rounds (:mod:`~p2p_diloco.averaging.linktime`)."""
 
     def __init__(self, host: Host, rounds: Rounds) -> None:
         self.host, self.rounds = host, rounds
 
-    def start_round(self, offer: Offer) -> Future[Any]:
-        r = self.rounds
+    def start_round(self, contribution: Contribution) -> Future[Any]:
+        r, c = self.rounds, contribution
         now = r.dht_time()
         clock = r.view.clock  # None on the step schedule, or before a derived clock is known
-        boundary = clock.boundary(now, offer.fragment, len(r.syncs)) if clock is not None else None
-        tensors, bits = offer.tensors, ""
+        boundary = clock.boundary(now, c.fragment, len(r.syncs)) if clock is not None else None
+        tensors, bits = c.tensors, ""
         if r.grid:  # Rounds.hand_off starts no grid round without a clock
             assert clock is not None and boundary is not None
-            bits = self.grid_bits(boundary, clock.round_index(now, offer.fragment, len(r.syncs)))
-            slot = r.syncs[offer.fragment].slot
+            bits = self.grid_bits(boundary, clock.round_index(now, c.fragment, len(r.syncs)))
+            slot = r.syncs[c.fragment].slot
             with slot.lock:  # the anchor and momentum are averaged too: the group's members hold different ones
-                tensors = {**offer.tensors, **{ANCHOR_TENSOR + n: slot.anchor[n].clone() for n in slot.names},
+                tensors = {**c.tensors, **{ANCHOR_TENSOR + n: slot.anchor[n].clone() for n in slot.names},
                            **{MOMENTUM_TENSOR + n: slot.state.momentum[n].clone() if n in slot.state.momentum
                               else torch.zeros_like(slot.anchor[n]) for n in slot.names}}
         window_s = r.window_s  # derived from the link and the fragments' sizes: once per round
@@ -96,18 +97,16 @@ class AveragerLink:
                             now + r.cfg.averaging.request_timeout_s)
         else:
             scheduled = now + window_s
-        meta = RoundMeta(fragment=offer.fragment, version=offer.version, anchor=offer.anchor_hash,
-                         config=r.config_hash, tokens=offer.tokens, steps=offer.steps, weight=offer.weight,
-                         due=now, norms=offer.norms)
-        meta.check_outgoing()  # raised on the training thread: nothing malformed reaches the wire
-        slot, ours = r.syncs[offer.fragment].slot, (offer.version, offer.anchor_hash)
+        RoundMeta.of(c, r.config_hash, now)  # checked on the training thread: nothing malformed reaches the wire
+        slot, ours = r.syncs[c.fragment].slot, (c.version, c.anchor_hash)
         payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
         group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
         timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, window_s)
         doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
         at_rank = 0 if r.grid else peers_at_rank(ours, r.peer_ranks(slot))
-        return self.host.start_round(Contribution(meta, tensors, scheduled, window_s, doomed=doomed,
-                                                  timeouts=timeouts, group_bits=bits, at_rank=at_rank))
+        plan = RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits,
+                         at_rank=at_rank)
+        return self.host.start_round(replace(c, tensors=tensors), plan)
 
     def grid_group(self, round_index: int) -> tuple[str, ...]:
         """Grid groups: our group of this round among the live learners we know of

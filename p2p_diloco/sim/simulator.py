@@ -53,7 +53,7 @@ from p2p_diloco.core.devices import load_into
 from p2p_diloco.core.inner import CPU, InnerOptimizer, build_optimizer, train_step
 from p2p_diloco.core.model import build_model
 from p2p_diloco.hivemind_ext import compression
-from p2p_diloco.sync.fragment import BUSY, DROPPED, FragmentSync, Offer
+from p2p_diloco.sync.fragment import BUSY, DROPPED, Contribution, FragmentSync
 from p2p_diloco.sync.slot import FragmentSlot
 
 log = logging.getLogger(__name__)
@@ -233,9 +233,9 @@ class _Port:
     def __init__(self, sim: Simulator, learner: _Learner, fragment: int) -> None:
         self.sim, self.learner, self.fragment = sim, learner, fragment
 
-    def start_round(self, offer: Offer) -> Future[Any]:
+    def start_round(self, contribution: Contribution) -> Future[Any]:
         done: Future[Any] = Future()
-        self.sim.gathered.append((self.learner, offer, done))
+        self.sim.gathered.append((self.learner, contribution, done))
         return done
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
@@ -287,8 +287,8 @@ class Simulator:
         for m in self.learners:
             m.syncs = [FragmentSync(FragmentSlot(fr.index, fr.names, {n: self.anchor[n].clone() for n in fr.names}),
                                     m, o, _Port(self, m, fr.index), measure_ratio=True) for fr in self.fragments]
-        self.gathered: list[tuple[_Learner, Offer, Future[Any]]] = []
-        """Offers handed off to the round being formed: (learner, offer, its outcome's future)."""
+        self.gathered: list[tuple[_Learner, Contribution, Future[Any]]] = []
+        """Contributions handed off to the round being formed: (learner, contribution, its outcome's future)."""
         # the anchors are evaluated where the learners compute (a copy of the global model there, fp32)
         self.eval_model = self.global_model if device.type == "cpu" else build_model(cfg.model, cfg.run.seed).to(device)
         self.events = sorted(events, key=lambda e: e.tick)
@@ -310,16 +310,16 @@ class Simulator:
         return [record.slot.state for record in self.swarm]
 
     # ------------------------------------------------------------ one round of one fragment
-    def _merge_round(self, f: int, gathered: Sequence[tuple[_Learner, Offer, Any]]) -> SimOutcome:
-        """The in-process reducer: the merged pseudo-gradient of the gathered offers for fragment f (codec,
+    def _merge_round(self, f: int, gathered: Sequence[tuple[_Learner, Contribution, Any]]) -> SimOutcome:
+        """The in-process reducer: the merged pseudo-gradient of the gathered contributions for fragment f (codec,
         merge and robust merge as configured; error feedback and an attack applied to what each member
         sends); not committed if it is not finite (the members keep their progress)."""
         o = self.cfg.outer
         names = self.fragments[f].names
-        weights = [offer.weight for _, offer, _ in gathered]
+        weights = [c.weight for _, c, _ in gathered]
         encoded = []
-        for m, offer, _ in gathered:
-            sent, meta = offer.tensors, offer.norms
+        for m, c, _ in gathered:
+            sent, meta = c.tensors, c.norms
             if m.error_feedback is not None:
                 sent = {n: m.error_feedback.encode(n, t) for n, t in sent.items()}
             if self.attack is not None and m.idx == self.attack.learner:
@@ -345,7 +345,7 @@ class Simulator:
         total = sum(weights)
         share = {m.idx: w / total for (m, _, _), w in zip(gathered, weights)}
         self.result.weight_shares.append([share.get(i, 0.0) for i in range(len(self.learners))])
-        self.result.contributed_tokens += sum(offer.tokens for _, offer, _ in gathered) // len(self.fragments)
+        self.result.contributed_tokens += sum(c.tokens for _, c, _ in gathered) // len(self.fragments)
         return SimOutcome(committed=True, merged=merged)
 
     def _start_round(self, f: int, tick: int, final: bool = False) -> None:
@@ -360,8 +360,8 @@ class Simulator:
             if handed.status == DROPPED:
                 log.debug("learner %d fragment %d: %s; dropped, fragment re-anchored", m.idx, f, handed.reason)
                 self.result.local_drops += 1
-            elif handed.offer is not None:
-                self.result.max_delta_ratio = max(self.result.max_delta_ratio, handed.offer.delta_ratio)
+            elif handed.contribution is not None:
+                self.result.max_delta_ratio = max(self.result.max_delta_ratio, handed.contribution.delta_ratio)
         gathered, self.gathered = self.gathered, []
         if not gathered:
             if not final:  # at the final flush a fragment synced on the last tick has nothing left

@@ -6,8 +6,9 @@ weights of f) and its outer Nesterov state. :class:`FragmentSync` moves one frag
 1. **hand off** (:meth:`FragmentSync.hand_off`): the pseudo-gradient ``anchor - theta`` is checked
    locally (:func:`~p2p_diloco.core.outer.local_problem`); a non-finite or absurd one is never sent:
    it is dropped and the fragment re-anchored (weights <- anchor, fresh AdamW moments for them, no
-   unsynced progress). Otherwise it is encoded into an :class:`Offer` and handed to the transport,
-   which returns a future of the round's outcome; at most one round or download is in flight.
+   unsynced progress). Otherwise it is encoded into a :class:`Contribution` -- the one form a round's contribution
+   takes from here to its outcome -- and handed to the transport, which returns a future of the round's outcome; at
+   most one round or download is in flight.
 2. **collect** (:meth:`FragmentSync.finished`): a finished round is applied at least ``tau`` steps
    after it was sent (committed ones; a discarded one at once).
 3. **apply a round** (:meth:`FragmentSync.apply_round`): committed -> outer Nesterov step on the anchor
@@ -54,8 +55,11 @@ STARTED, BUSY, DROPPED = "started", "busy", "dropped"
 
 
 @dataclass(frozen=True)
-class Offer:
-    """One fragment's contribution to a round, as the state machine hands it to its transport."""
+class Contribution:
+    """One fragment's contribution to a round, as the state machine hands it to its transport: what the members
+    gather of each other (the fragment, the version and anchor hash it starts from, the progress and its weight, the
+    radial norms) and the tensors. Every transport takes this one form; the hivemind one derives its wire metadata
+    from it (``averaging.decisions.RoundMeta.of``) and plans the round beside it (``averaging.host.RoundPlan``)."""
 
     fragment: int
     version: int
@@ -73,11 +77,11 @@ class Offer:
 
 @dataclass(frozen=True)
 class HandOff:
-    """How :meth:`FragmentSync.hand_off` ended: ``started`` (``offer`` sent), ``busy`` (something is in
+    """How :meth:`FragmentSync.hand_off` ended: ``started`` (``contribution`` sent), ``busy`` (something is in
     flight: the progress waits for the next round) or ``dropped`` (``reason``: the local check refused it)."""
 
     status: str
-    offer: Offer | None = None
+    contribution: Contribution | None = None
     reason: str = ""
 
 
@@ -134,8 +138,8 @@ class SwarmState:
 class Transport(Protocol):
     """How a fragment's rounds and downloads reach the other learners."""
 
-    def start_round(self, offer: Offer) -> Future[Any]:
-        """Start a round with ``offer``; the future's result is an :class:`Outcome`. Never waits."""
+    def start_round(self, contribution: Contribution) -> Future[Any]:
+        """Start a round with ``contribution``; the future's result is an :class:`Outcome`. Never waits."""
         ...
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
@@ -228,14 +232,15 @@ class FragmentSync:
         if self.measure_ratio:
             self.max_delta_ratio = max(self.max_delta_ratio, ratio)
         sent, norms = outer.encode_contribution(delta, self.cfg.merge)
-        offer = Offer(fragment=slot.index, version=slot.version, anchor_hash=slot.anchor_hash,
-                      tokens=slot.since_tokens, steps=slot.since_steps,
-                      weight=outer.contribution_weight(slot.since_tokens, slot.since_steps, self.cfg.weighting),
-                      tensors=sent, norms=norms, delta_ratio=ratio)
+        contribution = Contribution(fragment=slot.index, version=slot.version, anchor_hash=slot.anchor_hash,
+                                    tokens=slot.since_tokens, steps=slot.since_steps,
+                                    weight=outer.contribution_weight(slot.since_tokens, slot.since_steps,
+                                                                     self.cfg.weighting),
+                                    tensors=sent, norms=norms, delta_ratio=ratio)
         slot.sent_step, slot.sent_tokens, slot.sent_steps = step, slot.since_tokens, slot.since_steps
-        slot.inflight = self._transport().start_round(offer)
+        slot.inflight = self._transport().start_round(contribution)
         slot.inflight_kind = ROUND
-        return HandOff(STARTED, offer=offer)
+        return HandOff(STARTED, contribution=contribution)
 
     def reanchor(self) -> None:
         """Drop this fragment's progress: weights <- anchor, fresh AdamW moments for them (never sent)."""

@@ -34,7 +34,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sync": frozenset({"core"}),
     "hivemind_ext": frozenset({"core"}),
     "net": frozenset({"core", "hivemind_ext"}),
-    "averaging": frozenset({"core", "net", "hivemind_ext"}),
+    "averaging": frozenset({"core", "sync", "net", "hivemind_ext"}),  # sync: the round's Contribution
     "transport": frozenset({"core", "sync", "net", "averaging", "hivemind_ext"}),
     "sim": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "hivemind_ext"}),
     "learner": frozenset({"core", "sync", "net", "averaging", "transport", "hivemind_ext"}),

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2p_diloco.averaging.decisions import anchor_order, is_ahead, quorum_problem
-from p2p_diloco.averaging.host import Contribution, Download, RoundOutcome
+from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core import outer
@@ -47,6 +47,7 @@ from p2p_diloco.hivemind_ext import compression
 if TYPE_CHECKING:
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.net.clock import SyncClock
+    from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
     from p2p_diloco.transport.network import Host, Rank, View
 
@@ -98,6 +99,7 @@ class Member:
 class _Offer:
     member: Member
     contribution: Contribution
+    plan: RoundPlan
     done: Future[RoundOutcome]
     arrived: float = field(default_factory=time.monotonic)
 
@@ -200,20 +202,20 @@ class Hub:
 
     # ------------------------------------------------------------ rounds
 
-    def offer(self, member: Member, fragment: int, c: Contribution) -> Future[RoundOutcome]:
+    def offer(self, member: Member, fragment: int, c: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
         """Add ``member``'s contribution to the open group of its fragment and rank; a new group closes at its
         scheduled time."""
         done: Future[RoundOutcome] = Future()
         with self._lock:
-            key = (fragment, c.meta.version, c.meta.anchor, member.side)
+            key = (fragment, c.version, c.anchor_hash, member.side)
             group = self._open.get(key)
             if group is None:
                 group = self._open[key] = _Group(key, [])
                 if not self.manual:
-                    timer = threading.Timer(max(0.0, c.scheduled_time - time.time()), self._close, (group,))
+                    timer = threading.Timer(max(0.0, plan.scheduled_time - time.time()), self._close, (group,))
                     timer.daemon = True
                     timer.start()
-            group.offers.append(_Offer(member, c, done))
+            group.offers.append(_Offer(member, c, plan, done))
         return done
 
     def close_open(self) -> int:
@@ -250,8 +252,8 @@ class Hub:
         outcomes = self._failed(group, offers, reason) if reason else self._reduced(group, offers)
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers),
                                        not reason and outcomes[0].committed, outcomes[0].reason,
-                                       tuple(o.contribution.meta.weight for o in offers),
-                                       sum(o.contribution.meta.tokens for o in offers)))
+                                       tuple(o.contribution.weight for o in offers),
+                                       sum(o.contribution.tokens for o in offers)))
         for o, outcome in zip(offers, outcomes):
             o.done.set_result(outcome)
 
@@ -261,7 +263,7 @@ class Hub:
         if len(offers) < max(2, a.min_group_size):
             return NO_GROUP
         for o in offers:
-            problem = quorum_problem(len(offers), o.contribution.at_rank, a.target_group_size)
+            problem = quorum_problem(len(offers), o.plan.at_rank, a.target_group_size)
             if problem is not None:
                 return problem
         return ""
@@ -270,15 +272,15 @@ class Hub:
         now = time.monotonic()
         return [RoundOutcome(fragment=group.key[0], version=group.key[1], committed=False, reason=reason,
                              group_size=len(offers) if reason != NO_GROUP else 0, finished_at=now,
-                             window_s=o.contribution.window_s) for o in offers]
+                             window_s=o.plan.window_s) for o in offers]
 
     def _reduced(self, group: _Group, offers: Sequence[_Offer]) -> list[RoundOutcome]:
         """The weighted average of the group's contributions through the run's codec, merged: the same for all."""
         o_cfg, t0 = self.cfg.outer, time.monotonic()
-        weights = [o.contribution.meta.weight for o in offers]
+        weights = [o.contribution.weight for o in offers]
         names = list(offers[0].contribution.tensors)
-        sent = [(o.contribution.tensors, o.contribution.meta.norms) if self.tamper is None
-                else self.tamper(o.member, o.contribution.tensors, o.contribution.meta.norms) for o in offers]
+        sent = [(o.contribution.tensors, o.contribution.norms) if self.tamper is None
+                else self.tamper(o.member, o.contribution.tensors, o.contribution.norms) for o in offers]
         averaged: dict[str, torch.Tensor] = {}
         for n in names:
             tensors = [t[n] for t, _ in sent]
@@ -294,7 +296,7 @@ class Hub:
             return self._failed(group, offers, "averaged tensors are not finite")
         merged = outer.decode_merged(averaged, [norms for _, norms in sent], weights, o_cfg.merge, self.robust)
         total, peers = sum(weights), tuple(o.member.peer_id for o in offers)
-        dues = [o.contribution.meta.due for o in offers]
+        dues = [o.plan.due for o in offers]
         moved = int(2 * (len(offers) - 1) / len(offers)
                     * payload_bytes(sum(t.numel() for t in averaged.values()), o_cfg.codec))
         outcomes = []
@@ -306,9 +308,9 @@ class Hub:
                 o.member.bytes_received += moved
             outcomes.append(RoundOutcome(
                 fragment=group.key[0], version=group.key[1], committed=True, reason="committed", group_size=len(offers),
-                peers=peers, own_share=o.contribution.meta.weight / total, weights=tuple(weights), bytes_sent=moved,
+                peers=peers, own_share=o.contribution.weight / total, weights=tuple(weights), bytes_sent=moved,
                 bytes_received=moved, duration_s=now - o.arrived, finished_at=now,
-                arrival_spread_s=max(dues) - min(dues), window_s=o.contribution.window_s, allreduce_s=now - t0,
+                arrival_spread_s=max(dues) - min(dues), window_s=o.plan.window_s, allreduce_s=now - t0,
                 merged={n: t.clone() for n, t in merged.items()}))
         return outcomes
 
@@ -387,8 +389,8 @@ class InProcessHost:
         self.hub, self.member, self.fragment = hub, member, fragment
         self.prefix = f"{hub.cfg.run.run_id}_f{fragment}"
 
-    def start_round(self, contribution: Contribution) -> Future[RoundOutcome]:
-        return self.hub.offer(self.member, self.fragment, contribution)
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
+        return self.hub.offer(self.member, self.fragment, contribution, plan)
 
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.hub.fetch(self.member, self.fragment, ours)

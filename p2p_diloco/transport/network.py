@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from p2p_diloco.averaging.host import Contribution, Download, RoundOutcome
+    from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
     from p2p_diloco.net.clock import SyncClock
+    from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
 
 Rank = tuple[int, str]
@@ -38,7 +39,7 @@ class Host(Protocol):
     prefix: str
     """The fragment's key in its network (grid groups salt their groups with it)."""
 
-    def start_round(self, contribution: Contribution) -> Future[RoundOutcome]: ...
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]: ...
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]: ...
     def set_anchor(self, version: int, anchor: str) -> None: ...
     def vouch(self, version: int, anchor: str) -> None: ...

@@ -18,11 +18,11 @@ import pytest
 import torch
 from averagers import wait_declared
 
-from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost
-from p2p_diloco.averaging.decisions import RoundMeta, anchor_hash
+from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
+from p2p_diloco.averaging.decisions import anchor_hash
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import load_config
-from p2p_diloco.core.identity import config_hash
+from p2p_diloco.sync.fragment import Contribution
 
 pytestmark = pytest.mark.integration
 
@@ -47,10 +47,10 @@ def round_of(peers: list[FragmentAveragerHost]) -> list[Any]:
     start = get_dht_time() + CFG.averaging.window_s
     futures = []
     for i, peer in enumerate(peers):
-        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(CFG), tokens=1000 * (i + 1),
-                         steps=10, weight=1000.0 * (i + 1), due=get_dht_time(), norms={})
-        tensors = {n: torch.full(SHAPES[n], float(i)) for n in NAMES}
-        futures.append(peer.start_round(Contribution(meta, tensors, start, CFG.averaging.window_s)))
+        contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=1000 * (i + 1), steps=10,
+                                    weight=1000.0 * (i + 1), tensors={n: torch.full(SHAPES[n], float(i)) for n in NAMES},
+                                    norms={})
+        futures.append(peer.start_round(contribution, RoundPlan(start, CFG.averaging.window_s, due=get_dht_time())))
     return [f.result(timeout=DEADLINE_S) for f in futures]
 
 

@@ -14,18 +14,18 @@ import asyncio
 import ctypes
 import multiprocessing as mp
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import pytest
 import torch
 from averagers import averaging_swarm, run_round
 
-from p2p_diloco.averaging.host import Contribution
+from p2p_diloco.averaging.host import RoundPlan
+from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
-from p2p_diloco.averaging.decisions import RoundMeta
 from p2p_diloco.hivemind_ext.compression import error_bound
 from p2p_diloco.core.config import load_config
-from p2p_diloco.core.identity import config_hash
 
 pytestmark = pytest.mark.integration
 
@@ -142,11 +142,11 @@ def test_a_round_still_matching_is_abandoned_once_a_peer_is_past_its_version(tmp
 
     with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):
         tensors = {n: torch.ones(SHAPES[n]) for n in NAMES}
-        meta = RoundMeta(fragment=0, version=3, anchor="0" * 16, config=config_hash(CFG), tokens=TOKENS[0], steps=10,
-                         weight=float(TOKENS[0]), due=get_dht_time(), norms={})
+        at_v3 = Contribution(fragment=0, version=3, anchor_hash="0" * 16, tokens=TOKENS[0], steps=10,
+                             weight=float(TOKENS[0]), tensors=tensors, norms={})
         late_start_s = 20.0  # a lone peer would match until then plus two windows
-        outcome = peer.start_round(Contribution(meta, tensors, get_dht_time() + late_start_s, CFG.averaging.window_s,
-                                                doomed=doomed)).result(timeout=ROUND_DEADLINE_S)
+        outcome = peer.start_round(at_v3, RoundPlan(get_dht_time() + late_start_s, CFG.averaging.window_s,
+                                                    due=get_dht_time(), doomed=doomed)).result(timeout=ROUND_DEADLINE_S)
         print(f"\nabandoned after {outcome.duration_s:.2f} s and {len(polls)} looks: {outcome.reason}")
         assert not outcome.committed and outcome.merged is None
         assert outcome.reason == "abandoned while matching: a live peer is past v3", outcome.reason
@@ -154,10 +154,9 @@ def test_a_round_still_matching_is_abandoned_once_a_peer_is_past_its_version(tmp
         assert outcome.duration_s < late_start_s  # ended by the third look, not by the deadline
 
         # the averager is free again: a normal round from the same peer runs (and, alone, finds nobody)
-        meta = RoundMeta(fragment=0, version=4, anchor="0" * 16, config=config_hash(CFG), tokens=TOKENS[0], steps=10,
-                         weight=float(TOKENS[0]), due=get_dht_time(), norms={})
-        alone = peer.start_round(Contribution(meta, tensors, get_dht_time() + CFG.averaging.window_s,
-                                              CFG.averaging.window_s)).result(timeout=ROUND_DEADLINE_S)
+        alone = peer.start_round(replace(at_v3, version=4), RoundPlan(
+            get_dht_time() + CFG.averaging.window_s, CFG.averaging.window_s, due=get_dht_time())
+        ).result(timeout=ROUND_DEADLINE_S)
         # it ran (a busy averager would refuse it) and found nobody: hivemind says so, or -- on a machine so loaded
         # that its matchmaking outlives the round's own limit -- the round's deadline ends it first
         assert not alone.committed, alone.reason

@@ -197,10 +197,9 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
     """In process: a round waiting for its group ends within a poll period of cancel(), as 'cancelled'."""
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import Contribution
+    from p2p_diloco.averaging.host import RoundPlan
     from p2p_diloco.averaging.runner import ExactAllReduceRunner
-    from p2p_diloco.averaging.decisions import RoundMeta
-    from p2p_diloco.core.identity import config_hash
+    from p2p_diloco.sync.fragment import Contribution
     from test_learner_faults import CFG, NAMES, SHAPES, swarm
 
     with swarm(tmp_path, (ExactAllReduceRunner,)) as (peer,):
@@ -213,10 +212,10 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
             return control
 
         peer.averager.step = step_and_tell
-        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(CFG), tokens=100, steps=1,
-                         weight=100.0, due=get_dht_time(), norms={})
-        tensors = {n: torch.ones(SHAPES[n]) for n in NAMES}
-        future = peer.start_round(Contribution(meta, tensors, get_dht_time() + 60.0, CFG.averaging.window_s))
+        contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=100, steps=1, weight=100.0,
+                                    tensors={n: torch.ones(SHAPES[n]) for n in NAMES}, norms={})
+        future = peer.start_round(contribution, RoundPlan(get_dht_time() + 60.0, CFG.averaging.window_s,
+                                                          due=get_dht_time()))
         assert matchmaking.wait(MATCHMAKING_DEADLINE_S), "the round never started matchmaking"
         assert not future.done()  # alone, scheduled a minute ahead: it waits for its group
         t0 = time.monotonic()

@@ -26,9 +26,8 @@ def test_a_round_cancelled_mid_allreduce_leaves_no_unretrieved_exception(tmp_pat
     from hivemind.utils import get_dht_time
     from test_learner_faults import CFG, NAMES, SHAPES, swarm
 
-    from p2p_diloco.averaging.decisions import RoundMeta
-    from p2p_diloco.averaging.host import Contribution
-    from p2p_diloco.core.identity import config_hash
+    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.sync.fragment import Contribution
 
     log = tmp_path / "averagers.log"
     handler = logging.FileHandler(log)  # before the averagers fork: they log there too
@@ -39,10 +38,11 @@ def test_a_round_cancelled_mid_allreduce_leaves_no_unretrieved_exception(tmp_pat
             start = get_dht_time() + CFG.averaging.window_s
             rounds = []
             for peer, tokens in ((leaving, 100), (staying, 200)):
-                meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(CFG), tokens=tokens,
-                                 steps=10, weight=float(tokens), due=get_dht_time(), norms={})
-                tensors = {n: torch.ones(SHAPES[n]) for n in NAMES}
-                rounds.append(peer.start_round(Contribution(meta, tensors, start, CFG.averaging.window_s)))
+                contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=tokens, steps=10,
+                                            weight=float(tokens), tensors={n: torch.ones(SHAPES[n]) for n in NAMES},
+                                            norms={})
+                rounds.append(peer.start_round(contribution, RoundPlan(start, CFG.averaging.window_s,
+                                                                       due=get_dht_time())))
             poll_until(lambda: SLOWED.value >= 1, 60, "an all-reduce running")
             leaving.cancel()  # what a SIGTERM does
             assert "cancelled" in rounds[0].result(timeout=30).reason

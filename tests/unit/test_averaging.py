@@ -19,6 +19,7 @@ from p2p_diloco.averaging.decisions import (
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core.config import AveragingConfig
+from p2p_diloco.sync.fragment import Contribution
 
 RADIAL = ("blocks.0.fc.weight",)
 
@@ -28,6 +29,18 @@ def meta(**kw: object) -> RoundMeta:
                                    weight=2560.0, due=100.0, norms={"blocks.0.fc.weight": 0.5})
     base.update(kw)
     return RoundMeta(**base)  # type: ignore[arg-type]
+
+
+def contribution_of(m: RoundMeta, tensors: dict[str, torch.Tensor] | None = None) -> Contribution:
+    """The contribution whose wire metadata is ``m`` (:meth:`RoundMeta.of` with its config and due)."""
+    return Contribution(fragment=m.fragment, version=m.version, anchor_hash=m.anchor, tokens=m.tokens, steps=m.steps,
+                        weight=m.weight, tensors=tensors or {}, norms=m.norms)
+
+
+def test_the_wire_metadata_is_derived_from_the_contribution() -> None:
+    m = meta()
+    assert RoundMeta.of(contribution_of(m), m.config, m.due) == m
+    assert RoundMeta.of(contribution_of(m), m.config, m.due).to_wire() == m.to_wire()
 
 
 def decide(own: RoundMeta, members: list[RoundMeta], min_group_size: int = 2) -> tuple[bool, str]:
@@ -277,7 +290,7 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
 
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import Contribution, FragmentAveragerHost
+    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
     from p2p_diloco.core.config import load_config
 
     steps: list[dict[str, Any]] = []
@@ -305,7 +318,8 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
     host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic
     host.cfg, host.fragment, host.averager, host.names, host.wire_names, host._cancelled = (
         load_config(None, []), 0, averager, (), (), threading.Event())
-    outcome = host._round(Contribution(meta(weight=10.0), {}, get_dht_time() + 1.0, 1.0))
+    own = meta(weight=10.0)
+    outcome = host._round(contribution_of(own), own, RoundPlan(get_dht_time() + 1.0, 1.0, due=own.due))
     assert len(steps) == 1, "the fault did not fire"
     assert not outcome.committed and outcome.reason == "CancelledError: the averager cancelled the step", outcome
 

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from p2p_diloco import DiLoCo, SyncOptions, Swarm, build_model, events, load_config, training_batches
-from p2p_diloco.averaging.host import Contribution, RoundOutcome
+from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.learner import rounds
+from p2p_diloco.sync.fragment import Contribution
 
 OVERRIDES = ["outer.sync_every=4", "outer.fragments=2", "averaging.schedule=steps", "inner.batch_size=4"]
 
@@ -44,12 +45,12 @@ class GroupOfOne:
     def bytes_total(self) -> tuple[int, int]:
         return 0, 0
 
-    def start_round(self, contribution: Contribution) -> Future[RoundOutcome]:
-        meta = contribution.meta
-        merged = outer.decode_merged(contribution.tensors, [meta.norms], [meta.weight], self.cfg.outer.merge)
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
+        c = contribution
+        merged = outer.decode_merged(c.tensors, [c.norms], [c.weight], self.cfg.outer.merge)
         done: Future[RoundOutcome] = Future()
-        done.set_result(RoundOutcome(fragment=self.index, version=meta.version, committed=True, reason="a group of one",
-                                     group_size=1, own_share=1.0, weights=(meta.weight,), finished_at=time.monotonic(),
+        done.set_result(RoundOutcome(fragment=self.index, version=c.version, committed=True, reason="a group of one",
+                                     group_size=1, own_share=1.0, weights=(c.weight,), finished_at=time.monotonic(),
                                      merged=merged))
         return done
 

@@ -58,8 +58,8 @@ class _Host:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def start_round(self, contribution: Any) -> Future[Any]:
-        self.calls.append(("start_round", contribution.meta.fragment))
+    def start_round(self, contribution: Any, plan: Any) -> Future[Any]:
+        self.calls.append(("start_round", contribution.fragment))
         return _done("outcome")
 
     def fetch_state(self, ours: Any, link: Any = None) -> Future[Any]:
@@ -87,11 +87,12 @@ def test_faulty_host_hits_before_send_then_passes_everything_through(armed: Any,
     armed("raise@before-send:fragment=1:at=2")
     inner = _Host()
     host = FaultyHost(inner)
-    offer = [SimpleNamespace(meta=SimpleNamespace(fragment=f)) for f in (0, 1, 2)]
-    assert host.start_round(offer[0]).result() == "outcome"  # another fragment: not counted
-    assert host.start_round(offer[1]).result() == "outcome"  # hit 1 of fragment 1
+    offer = [SimpleNamespace(fragment=f) for f in (0, 1, 2)]
+    plan: Any = SimpleNamespace()
+    assert host.start_round(offer[0], plan).result() == "outcome"  # another fragment: not counted
+    assert host.start_round(offer[1], plan).result() == "outcome"  # hit 1 of fragment 1
     with pytest.raises(faults.FaultInjected, match=r"raise@before-send:fragment=1:at=2 \(hit 2\)"):
-        host.start_round(offer[1])  # raised on the training thread, before the host sees the contribution
+        host.start_round(offer[1], plan)  # raised on the training thread, before the host sees the contribution
     assert "FAULT fired: raise@before-send:fragment=1:at=2 (hit 2" in capfd.readouterr().err
     assert host.fetch_state((3, "ab"), None).result() == "download"
     host.set_anchor(3, "ab")

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from p2p_diloco.averaging.decisions import CANCEL_POLL_S, RoundMeta
-from p2p_diloco.averaging.host import LEAVING, Contribution, FragmentAveragerHost, Leaving
+from p2p_diloco.averaging.host import LEAVING, FragmentAveragerHost, Leaving, RoundPlan
 from p2p_diloco.core.config import load_config
+from p2p_diloco.sync.fragment import Contribution
 
 ENDED_WITHIN_S = 10 * CANCEL_POLL_S
 """A cancelled wait ends at its next look; generous for a loaded machine."""
@@ -40,7 +41,7 @@ def host_of(averager: Any, dht: Any = None) -> FragmentAveragerHost:
     host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the host's logic
     host.cfg, host.fragment, host.averager, host.names, host.wire_names = load_config(None, []), 0, averager, (), ()
     host.dht, host.prefix, host.report_subkey, host.radial_names, host.grid = dht, "run_f0", b"us", (), False
-    host.state_bytes = 1 << 20
+    host.state_bytes, host.config_hash = 1 << 20, "c" * 16
     host._cancelled = threading.Event()
     host._executor = ThreadPoolExecutor(max_workers=1)
     return host
@@ -56,11 +57,21 @@ def averager(step: Any, download: Any = None) -> SimpleNamespace:
 
 
 def contribution() -> Contribution:
+    return Contribution(fragment=0, version=3, anchor_hash="a" * 16, tokens=100, steps=10, weight=10.0, tensors={},
+                        norms={})
+
+
+def plan() -> RoundPlan:
     from hivemind.utils import get_dht_time
 
-    meta = RoundMeta(fragment=0, version=3, anchor="a" * 16, config="c" * 16, tokens=100, steps=10, weight=10.0,
-                     due=get_dht_time(), norms={})
-    return Contribution(meta, {}, get_dht_time() + 1.0, 1.0)
+    return RoundPlan(get_dht_time() + 1.0, 1.0, due=get_dht_time())
+
+
+def meta() -> RoundMeta:
+    """What a member gathers of :func:`contribution`."""
+    from hivemind.utils import get_dht_time
+
+    return RoundMeta.of(contribution(), "c" * 16, get_dht_time())
 
 
 def cancelled_after(host: FragmentAveragerHost, future: Future[Any], delay_s: float = 0.3) -> float:
@@ -77,7 +88,7 @@ def cancelled_after(host: FragmentAveragerHost, future: Future[Any], delay_s: fl
 def test_a_round_waiting_on_a_stopped_averager_ends_when_the_learner_leaves() -> None:
     step = NeverResolved()
     host = host_of(averager(lambda **_kw: step))
-    running = host.start_round(contribution())
+    running = host.start_round(contribution(), plan())
     took_s = cancelled_after(host, running)
     outcome = running.result(timeout=0)
     assert not outcome.committed and outcome.reason == LEAVING, outcome
@@ -92,7 +103,7 @@ def test_a_round_reading_verdicts_from_a_stopped_dht_ends_when_the_learner_leave
 
     gathered: Future[Any] = Future()
     gathered.set_result({"peer-a": b"", "peer-b": b""})
-    monkeypatch.setattr(host_module, "parse_gathered", lambda g: [contribution().meta, contribution().meta])
+    monkeypatch.setattr(host_module, "parse_gathered", lambda g: [meta(), meta()])
     monkeypatch.setattr(host_module, "check_group", lambda *a, **kw: Decision(True, "ok"))
     posted: Future[Any] = Future()
     posted.set_result(True)
@@ -105,7 +116,7 @@ def test_a_round_reading_verdicts_from_a_stopped_dht_ends_when_the_learner_leave
 
     dht = SimpleNamespace(store=lambda *a, **kw: posted, get=get)
     host = host_of(averager(lambda **_kw: gathered), dht)
-    running = host.start_round(contribution())
+    running = host.start_round(contribution(), plan())
     took_s = cancelled_after(host, running)
     outcome = running.result(timeout=0)
     assert reads, "the round never reached its verdicts"
@@ -146,8 +157,8 @@ class Hanging:
     def set_anchor(self, version: int, anchor: str) -> None: ...
     def vouch(self, version: int, anchor: str) -> None: ...
 
-    def start_round(self, contribution: Contribution) -> Future[Any]:
-        self.pending.append((Future(), contribution.meta.version))
+    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[Any]:
+        self.pending.append((Future(), contribution.version))
         return self.pending[-1][0]
 
     def cancel(self) -> None:

@@ -15,7 +15,6 @@ from p2p_diloco.hivemind_ext import compression
 from p2p_diloco.core import data, outer
 from p2p_diloco.sim import simulator as sim
 from p2p_diloco.core.config import ConfigError, load_config
-from p2p_diloco.core.identity import config_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIP = outer.Robust(clip_factor=2.0)
@@ -190,13 +189,13 @@ ROUND_DEADLINE_S = 60.0
 def _run_round(peers: list[Any], encoded: list[tuple[dict[str, torch.Tensor], dict[str, float]]], cfg: Any) -> list[Any]:
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import Contribution
-    from p2p_diloco.averaging.decisions import RoundMeta
+    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.sync.fragment import Contribution
 
     start = get_dht_time() + cfg.averaging.window_s
     futures = []
     for peer, (sent, norms) in zip(peers, encoded):
-        meta = RoundMeta(fragment=0, version=0, anchor="0" * 16, config=config_hash(cfg), tokens=2560, steps=10,
-                         weight=2560.0, due=get_dht_time(), norms=norms)
-        futures.append(peer.start_round(Contribution(meta, sent, start, cfg.averaging.window_s)))
+        contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=2560, steps=10, weight=2560.0,
+                                    tensors=sent, norms=norms)
+        futures.append(peer.start_round(contribution, RoundPlan(start, cfg.averaging.window_s, due=get_dht_time())))
     return [f.result(timeout=ROUND_DEADLINE_S) for f in futures]

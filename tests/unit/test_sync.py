@@ -14,12 +14,12 @@ from p2p_diloco.core import outer
 from p2p_diloco.core.config import OuterConfig
 from p2p_diloco.sync.fragment import (
     BUSY,
+    Contribution,
     DROPPED,
     FETCH,
     ROUND,
     STARTED,
     FragmentSync,
-    Offer,
     SwarmState,
 )
 from p2p_diloco.sync.slot import FragmentSlot
@@ -29,15 +29,15 @@ NAMES = ("a", "b")
 
 @dataclass
 class FakeTransport:
-    """Records offers and fetches; the test resolves their futures."""
+    """Records contributions and fetches; the test resolves their futures."""
 
-    offers: list[tuple[Offer, Future[Any]]] = field(default_factory=list)
+    offers: list[tuple[Contribution, Future[Any]]] = field(default_factory=list)
     fetches: list[tuple[tuple[int, str], Future[Any]]] = field(default_factory=list)
     advertised: list[tuple[int, str]] = field(default_factory=list)
 
-    def start_round(self, offer: Offer) -> Future[Any]:
+    def start_round(self, contribution: Contribution) -> Future[Any]:
         done: Future[Any] = Future()
-        self.offers.append((offer, done))
+        self.offers.append((contribution, done))
         return done
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
@@ -76,8 +76,8 @@ def make(theta: float = 0.5, anchor: float = 1.0, **cfg: Any) -> tuple[FragmentS
 def test_hand_off_sends_the_pseudo_gradient_and_marks_what_went_out() -> None:
     sync, transport, _ = make()
     handed = sync.hand_off(step=7)
-    assert handed.status == STARTED and handed.offer is not None
-    offer = handed.offer
+    assert handed.status == STARTED and handed.contribution is not None
+    offer = handed.contribution
     assert offer.tokens == 100 and offer.steps == 4 and offer.weight == 100.0 and offer.version == 0
     assert all(torch.equal(offer.tensors[n], torch.full((3,), 0.5)) for n in NAMES)  # anchor - theta
     assert sync.slot.inflight_kind == ROUND and sync.slot.sent_step == 7 and len(transport.offers) == 1
