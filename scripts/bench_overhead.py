@@ -56,7 +56,8 @@ from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.devices import autocast, machine_device
 from p2p_diloco.core.inner import lr_at
 from p2p_diloco.core.model import build_model, count_parameters
-from p2p_diloco.learner import loop, options, rounds
+from p2p_diloco.learner import loop, options
+from p2p_diloco.transport import hivemind
 
 LLAMA_3M = ["model.block_size=128", "model.hf_config.hidden_size=256", "model.hf_config.intermediate_size=768",
             "model.hf_config.num_hidden_layers=4", "model.hf_config.num_attention_heads=4",
@@ -89,6 +90,8 @@ class IdleAveraging:
     """Stands in for :class:`p2p_diloco.averaging.host.FragmentAveragerHost` without a network: every round commits at
     once, the merged pseudo-gradient being the learner's own (a group of one), so the learner's loop applies a
     real outer step."""
+
+    prefix = "bench_f0"
 
     def __init__(self, cfg: Config, index: int, *_args: Any, **_kwargs: Any) -> None:
         self.cfg, self.index = cfg, index
@@ -174,7 +177,7 @@ def learner_loop(cfg: Config, device: torch.device, threads: int, batches: list[
     swarm = SimpleNamespace(config=cfg, joined=joined, local=local, membership=None)
     opts = options.LearnerOptions(name="bench", shard=None, num_shards=1, max_steps=10**9,
                                   sync=options.SyncOptions(events_path=events), train_nice=0, device=str(device))
-    with mock.patch.object(rounds, "FragmentAveragerHost", IdleAveraging):
+    with mock.patch.object(hivemind, "FragmentAveragerHost", IdleAveraging):
         unit = loop.Learner(cfg, options.Profile(name="bench", threads=threads), opts, swarm, splits=splits)
     unit.batches = itertools.cycle(batches)  # the same batches as the plain loop
     d = unit.diloco

@@ -24,7 +24,7 @@ from p2p_diloco.learner.network import HivemindNetwork
 if TYPE_CHECKING:
     import torch
 
-    from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
+    from p2p_diloco.averaging.host import Download, RoundOutcome
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
     from p2p_diloco.core.data import TrainingData
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from p2p_diloco.learner.swarm import Swarm
     from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
-    from p2p_diloco.transport.network import Host, Rank
+    from p2p_diloco.transport.network import Host, Rank, RoundContext
 
 
 class FaultyHost:
@@ -42,9 +42,9 @@ class FaultyHost:
         self.host = host
         self.prefix = host.prefix
 
-    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
+    def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
         faults.hit("before-send", contribution.fragment)
-        return self.host.start_round(contribution, plan)
+        return self.host.start_round(contribution, context)
 
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.host.fetch_state(ours, link)

@@ -1,15 +1,15 @@
-"""The hivemind network of an engine (:class:`~p2p_diloco.transport.network.Network`): one averager process per
-fragment on the swarm's DHT (:func:`~p2p_diloco.learner.rounds.start_averagers`) and the status thread that reads
-the records and tends the clock (:class:`~p2p_diloco.learner.view.SwarmView`). What :class:`DiLoCo` uses unless it
-is given another network."""
+"""The hivemind network of an engine (:class:`~p2p_diloco.transport.network.Network`): the hivemind transport's hosts,
+one averager process per fragment on the swarm's DHT (:func:`~p2p_diloco.transport.hivemind.averager_hosts`), and the
+learner's status thread that reads the records and tends the clock (:class:`~p2p_diloco.learner.view.SwarmView`).
+What :class:`DiLoCo` uses unless it is given another network."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco.learner.rounds import start_averagers
 from p2p_diloco.learner.view import SwarmView
+from p2p_diloco.transport.hivemind import averager_hosts
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +24,7 @@ class HivemindNetwork:
     """A joined :class:`~p2p_diloco.learner.swarm.Swarm`'s network."""
 
     host_class: type[FragmentAveragerHost] | None = None
-    """Each fragment's host (None: :func:`start_averagers`' default; :class:`p2p_diloco.learner.faulty.FaultyNetwork`
+    """Each fragment's averager (None: :func:`~p2p_diloco.transport.hivemind.start_averagers`' default; :class:`p2p_diloco.learner.faulty.FaultyNetwork`
     starts faulty ones)."""
 
     def __init__(self, swarm: Member) -> None:
@@ -32,8 +32,8 @@ class HivemindNetwork:
 
     def hosts(self, cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size]) -> list[Host]:
         joined = self.swarm.joined
-        return list(start_averagers(cfg, slots, shapes, joined.dht, joined.private_key, self.swarm.membership,
-                                    host_class=self.host_class))
+        return list(averager_hosts(cfg, slots, shapes, joined.dht, joined.private_key, self.swarm.membership,
+                                   host_class=self.host_class))
 
     def view(self, engine: Any) -> View:
         return SwarmView(engine)

@@ -65,8 +65,6 @@ ROUND_POLL_S = 0.25
 """Blocking mode: how often a wait for a round checks for a stop signal."""
 QUICK_EVAL_BATCHES = 2
 """Held-out batches of a periodic evaluation (``--eval-every``): a quarter of the default eval set, cheap."""
-AVERAGER_START_TIMEOUT_S = 120.0
-"""How long a fragment's averager process may take to come up (generous: a loaded 2-core machine)."""
 LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
 """Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
 

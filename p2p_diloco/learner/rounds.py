@@ -2,59 +2,51 @@
 catching up from donors, and what the learner logs about them.
 
 Each fragment's state machine is a :class:`~p2p_diloco.sync.fragment.FragmentSync` (the same one the
-simulator drives); its transport here is an :class:`AveragerLink` over the fragment's
-:class:`~p2p_diloco.averaging.host.FragmentAveragerHost`. :class:`Rounds` adds what only a networked
-learner knows: the other learners' records (a round nobody can join is not started; a fragment a peer
+simulator drives); its transport here is a :class:`FragmentLink` to the fragment's
+:class:`~p2p_diloco.transport.network.Host` (the hivemind one: :mod:`p2p_diloco.transport.hivemind`), the only way
+the engine reaches its network. :class:`Rounds` adds what only a networked learner knows: the other learners' records (a round nobody can join is not started; a fragment a peer
 is ahead on is downloaded), the swarm clock's boundaries, the adaptive matchmaking window, events.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from p2p_diloco.averaging.decisions import (
-    ANCHOR_TENSOR,
-    MOMENTUM_TENSOR,
-    RoundMeta,
     adapt_window,
     anchor_hash,
     anchor_order,
-    grid_group_bits,
     is_ahead,
-    peers_at_rank,
     relative_distance,
     round_is_doomed,
 )
-from p2p_diloco.averaging.host import Download, FragmentAveragerHost, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import (
     LinkHistory,
     allreduce_bytes,
     expected_group_size,
     link_window_s,
     payload_bytes,
-    round_timeouts,
     sync_link_s,
 )
-from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
-from p2p_diloco.learner.options import AVERAGER_START_TIMEOUT_S, ROUND_POLL_S
+from p2p_diloco.learner.options import ROUND_POLL_S
 from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
+from p2p_diloco.transport.network import RoundContext, fragment_ranks
 
 if TYPE_CHECKING:
+    from p2p_diloco.averaging.host import Download, RoundOutcome
     from p2p_diloco.transport.network import Host, View
 
 logger = logging.getLogger(__name__)
@@ -69,54 +61,27 @@ Event = Callable[[events.Event], None]
 """Logs an event: the learner fills its envelope (``Learner._event``)."""
 
 
-class AveragerLink:
-    """A fragment's transport over its averager: a contribution becomes a round scheduled on the swarm clock's
-    boundary (everyone due at it starts at the same instant) or one matchmaking window from now, with timeouts
-    derived from what it must move and what the link did in earlier rounds (:mod:`~p2p_diloco.averaging.linktime`)."""
+class FragmentLink:
+    """A fragment's transport as its state machine sees it (:class:`~p2p_diloco.sync.fragment.Transport`): its
+    :class:`~p2p_diloco.transport.network.Host`, given with each contribution the engine's snapshot at the hand-off
+    (:meth:`context`: the host plans the round from it) and with each download our link estimate. Called on the
+    training thread only."""
 
     def __init__(self, host: Host, rounds: Rounds) -> None:
         self.host, self.rounds = host, rounds
 
     def start_round(self, contribution: Contribution) -> Future[Any]:
-        r, c = self.rounds, contribution
-        now = r.dht_time()
-        clock = r.view.clock  # None on the step schedule, or before a derived clock is known
-        boundary = clock.boundary(now, c.fragment, len(r.syncs)) if clock is not None else None
-        tensors, bits = c.tensors, ""
-        if r.grid:  # Rounds.hand_off starts no grid round without a clock
-            assert clock is not None and boundary is not None
-            bits = self.grid_bits(boundary, clock.round_index(now, c.fragment, len(r.syncs)))
-            slot = r.syncs[c.fragment].slot
-            with slot.lock:  # the anchor and momentum are averaged too: the group's members hold different ones
-                tensors = {**c.tensors, **{ANCHOR_TENSOR + n: slot.anchor[n].clone() for n in slot.names},
-                           **{MOMENTUM_TENSOR + n: slot.state.momentum[n].clone() if n in slot.state.momentum
-                              else torch.zeros_like(slot.anchor[n]) for n in slot.names}}
-        window_s = r.window_s  # derived from the link and the fragments' sizes: once per round
-        if boundary is not None:
-            scheduled = max((boundary if boundary <= now else now) + window_s,
-                            now + r.cfg.averaging.request_timeout_s)
-        else:
-            scheduled = now + window_s
-        RoundMeta.of(c, r.config_hash, now)  # checked on the training thread: nothing malformed reaches the wire
-        slot, ours = r.syncs[c.fragment].slot, (c.version, c.anchor_hash)
-        payload = payload_bytes(sum(t.numel() for t in tensors.values()), r.cfg.outer.codec)
-        group = expected_group_size(len(r.peer_ranks(slot)), r.cfg.averaging)
-        timeouts = round_timeouts(allreduce_bytes(payload, group), r.link.estimate(), r.cfg.averaging, window_s)
-        doomed = None if r.grid else lambda: round_is_doomed(ours, r.peer_ranks(slot))
-        at_rank = 0 if r.grid else peers_at_rank(ours, r.peer_ranks(slot))
-        plan = RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits,
-                         at_rank=at_rank)
-        return self.host.start_round(replace(c, tensors=tensors), plan)
+        return self.host.start_round(contribution, self.context(contribution.fragment))
 
-    def grid_group(self, round_index: int) -> tuple[str, ...]:
-        """Grid groups: our group of this round among the live learners we know of
-        (:func:`~p2p_diloco.core.groups.group_of`, salted with the fragment's averager prefix)."""
+    def context(self, fragment: int) -> RoundContext:
+        """What a round of ``fragment`` handed off now is planned from: the time, our matchmaking window and link
+        estimate, and the view's clock, roster and ranks; the round's doomed check polls the view's ranks
+        (:func:`~p2p_diloco.transport.network.fragment_ranks`), never the engine's state."""
         r = self.rounds
-        return group_of(r.own_id, r.roster(), round_index, r.cfg.averaging.target_group_size, self.host.prefix)
-
-    def grid_bits(self, boundary: float, round_index: int) -> str:
-        """The group key of our grid group at a clock boundary: everyone on the same clock derives the same."""
-        return grid_group_bits(round(boundary * 1000), self.grid_group(round_index)[0])
+        return RoundContext(due=r.dht_time(), window_s=r.window_s, link=r.link.estimate(), clock=r.view.clock,
+                            fragments=len(r.syncs), own_id=r.own_id, roster=tuple(r.roster()),
+                            peer_ranks=tuple(fragment_ranks(r.view, fragment)),
+                            live_ranks=functools.partial(fragment_ranks, r.view, fragment))
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
         return self.host.fetch_state(ours, self.rounds.link.estimate())
@@ -128,34 +93,6 @@ class AveragerLink:
         self.host.set_anchor(version, anchor_hash)
         if version > 0:
             self.host.vouch(version, anchor_hash)
-
-
-def start_averagers(cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size], dht: Any,
-                    private_key: Any, membership: Any,
-                    host_class: type[FragmentAveragerHost] | None = None) -> list[FragmentAveragerHost]:
-    """One averager per fragment (a ``host_class``, None: :class:`FragmentAveragerHost`; a faulty one when faults are
-    armed), their processes started side by side (a newcomer is up sooner); all shut down if one fails to start."""
-    make = host_class or FragmentAveragerHost
-    hosts = [make(cfg, s.index, s.names, shapes, dht, private_key, membership=membership,
-                  state_provider=_state_provider(s), start=False) for s in slots]
-    try:
-        for host in hosts:
-            host.start_background()
-        for host in hosts:
-            host.wait_ready(AVERAGER_START_TIMEOUT_S)
-    except BaseException:
-        for host in hosts:
-            host.shutdown()
-        raise
-    return hosts
-
-
-def _state_provider(slot: FragmentSlot) -> Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]:
-    """What our averager sends a peer that downloads this fragment (read under the slot's lock)."""
-    def provide() -> tuple[dict[str, Any], list[torch.Tensor]]:
-        with slot.lock:
-            return state_payload(slot.index, slot.version, slot.anchor, slot.state.momentum, slot.names)
-    return provide
 
 
 def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, steps_sent: int) -> events.RoundEvent:
@@ -182,7 +119,7 @@ class Rounds:
         self.own_id = own_id
         """Our peer id."""
         self.hosts = list(hosts)
-        self.links = [AveragerLink(h, self) for h in hosts]
+        self.links = [FragmentLink(h, self) for h in hosts]
         self.syncs = [FragmentSync(s, replica, cfg.outer, link, hash_anchor=anchor_hash)
                       for s, link in zip(slots, self.links)]
         self.spread_window_s = cfg.averaging.window_s
@@ -281,7 +218,8 @@ class Rounds:
                         "round", slot.index, step)
             return False
         now = self.dht_time()
-        group = self.links[slot.index].grid_group(clock.round_index(now, slot.index, len(self.syncs)))
+        group = group_of(self.own_id, self.roster(), clock.round_index(now, slot.index, len(self.syncs)),
+                         self.cfg.averaging.target_group_size, self.hosts[slot.index].prefix)
         if len(group) < max(2, self.cfg.averaging.min_group_size):
             slot.behind_skips += 1
             logger.info("fragment %d due at step %d: our grid group this round is %d learner(s); its progress waits "
@@ -432,7 +370,7 @@ class Rounds:
 
     def peer_ranks(self, slot: FragmentSlot) -> list[tuple[int, str]]:
         """This fragment's (version, anchor hash) in the other live learners' records."""
-        return [v[slot.index] for v in self.view.peer_anchors if len(v) > slot.index]
+        return fragment_ranks(self.view, slot.index)
 
     def _best_peer_rank(self, slot: FragmentSlot) -> tuple[int, str]:
         """The most advanced (version, anchor hash) of this fragment among the live learners' records (ours if
@@ -465,7 +403,7 @@ class Rounds:
         return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
     def shutdown(self) -> None:
-        """Stop every averager; what is still in flight is cancelled first (:meth:`FragmentAveragerHost.shutdown`)."""
+        """Stop every fragment's host; what is still in flight is cancelled first (:meth:`Host.shutdown`)."""
         for h in self.hosts:
             h.cancel()  # all at once: each averager's stop takes a while
         for h in self.hosts:

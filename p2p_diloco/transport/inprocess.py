@@ -3,7 +3,8 @@
 Each member is a real :class:`~p2p_diloco.learner.engine.DiLoCo` with its own loop (usually a thread): its round
 policy, catch-up, late commits and events are the engine's own; only what crosses the network is replaced here.
 
-- **Rounds.** A round's contribution (what the engine's fragment link would hand its averager) goes to the hub,
+- **Rounds.** A round's contribution (the engine's :class:`~p2p_diloco.sync.fragment.Contribution`, planned as the
+  hivemind host plans it: :func:`~p2p_diloco.transport.planning.plan_round`) goes to the hub,
   which groups the contributions of one fragment at one (version, anchor hash) -- as hivemind's group key does --
   that arrive before the first one's scheduled time (its matchmaking window). At that time the group closes: with
   fewer than ``max(2, averaging.min_group_size)`` members it fails for all ("could not find a group"); if any
@@ -43,13 +44,14 @@ from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import compression
+from p2p_diloco.transport.planning import plan_round
 
 if TYPE_CHECKING:
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.net.clock import SyncClock
     from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
-    from p2p_diloco.transport.network import Host, Rank, View
+    from p2p_diloco.transport.network import Host, Rank, RoundContext, View
 
 Tamper = Callable[["Member", dict[str, torch.Tensor], dict[str, float]],
                   tuple[dict[str, torch.Tensor], dict[str, float]]]
@@ -389,8 +391,11 @@ class InProcessHost:
         self.hub, self.member, self.fragment = hub, member, fragment
         self.prefix = f"{hub.cfg.run.run_id}_f{fragment}"
 
-    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
-        return self.hub.offer(self.member, self.fragment, contribution, plan)
+    def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
+        """Planned as the hivemind host plans it (:func:`~p2p_diloco.transport.planning.plan_round`): the hub closes
+        the group at its scheduled time and checks its quorum."""
+        return self.hub.offer(self.member, self.fragment, contribution,
+                              plan_round(contribution, context, self.hub.cfg, self.prefix))
 
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.hub.fetch(self.member, self.fragment, ours)

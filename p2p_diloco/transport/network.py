@@ -3,26 +3,30 @@
 An engine needs two things from its network, and nothing else of it:
 
 - per fragment, a :class:`Host` that runs rounds and state downloads in the background (futures, never waited for on
-  the training thread) and is told when our anchor moves;
+  the training thread) and is told when our anchor moves. A round is the fragment's
+  :class:`~p2p_diloco.sync.fragment.Contribution` (the one form it has from the hand-off to its outcome) and a
+  :class:`RoundContext`: the engine's read-only snapshot at the hand-off, from which the host plans the round;
 - a :class:`View` of the swarm: the other live learners' fragment ranks, states and steps, and the sync clock -- a
   read-only snapshot the engine's round policy decides from (who can form a group, who is ahead).
 
 :class:`Network` makes both for one engine. The hivemind network (:class:`p2p_diloco.learner.network.HivemindNetwork`)
-starts an averager process per fragment and reads the DHT; the in-process one
+starts an averager process per fragment (its hosts: :mod:`p2p_diloco.transport.hivemind`) and reads the DHT; the
+in-process one
 (:class:`p2p_diloco.transport.inprocess.Hub`) groups and reduces the rounds of N engines in one process.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
+    from p2p_diloco.averaging.host import Download, RoundOutcome
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
     from p2p_diloco.net.clock import SyncClock
@@ -33,13 +37,48 @@ Rank = tuple[int, str]
 """A fragment's (version, anchor hash)."""
 
 
+@dataclass(frozen=True)
+class RoundContext:
+    """What the engine knows as it hands a contribution off, beside the contribution: a read-only snapshot (taken on the
+    training thread) from which the fragment's host plans the round (:func:`~p2p_diloco.transport.planning.plan_round`:
+    its schedule, timeouts and group)."""
+
+    due: float
+    """DHT time of the hand-off."""
+    window_s: float
+    """The matchmaking window the engine's measured arrival spreads and link call for."""
+    link: LinkEstimate
+    """What the engine's earlier rounds measured of its link."""
+    clock: SyncClock | None
+    """The sync clock (None: the step schedule, or before a derived clock is known)."""
+    fragments: int
+    """How many fragments the model has (the clock staggers their boundaries)."""
+    own_id: str
+    """Our peer id."""
+    roster: tuple[str, ...]
+    """The live learners we know of, us included (the cells of the grid groups), sorted."""
+    peer_ranks: tuple[Rank, ...]
+    """This fragment's rank in the other live learners' records, at the hand-off."""
+    live_ranks: Callable[[], Sequence[Rank]]
+    """The same as the view holds it when called (:func:`fragment_ranks` of the view): a read-only look that the
+    round's worker polls while it matches (its doomed check), never the engine's state."""
+
+
+def fragment_ranks(view: View, fragment: int) -> list[Rank]:
+    """``fragment``'s (version, anchor hash) in the other live learners' records, as ``view`` holds them now."""
+    return [ranks[fragment] for ranks in view.peer_anchors if len(ranks) > fragment]
+
+
 class Host(Protocol):
-    """One fragment's rounds and downloads on one learner (``averaging.host.FragmentAveragerHost`` is one)."""
+    """One fragment's rounds and downloads on one learner (``transport.hivemind.AveragerLink`` is one,
+    ``transport.inprocess.InProcessHost`` another)."""
 
-    prefix: str
-    """The fragment's key in its network (grid groups salt their groups with it)."""
+    @property
+    def prefix(self) -> str:
+        """The fragment's key in its network (grid groups salt their groups with it)."""
+        ...
 
-    def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[RoundOutcome]: ...
+    def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]: ...
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]: ...
     def set_anchor(self, version: int, anchor: str) -> None: ...
     def vouch(self, version: int, anchor: str) -> None: ...

@@ -20,7 +20,7 @@ from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
-from p2p_diloco.learner import rounds
+from p2p_diloco.transport import hivemind
 from p2p_diloco.sync.fragment import Contribution
 
 OVERRIDES = ["outer.sync_every=4", "outer.fragments=2", "averaging.schedule=steps", "inner.batch_size=4"]
@@ -28,6 +28,8 @@ OVERRIDES = ["outer.sync_every=4", "outer.fragments=2", "averaging.schedule=step
 
 class GroupOfOne:
     """A fragment averager whose every round commits at once with the sender's own pseudo-gradient."""
+
+    prefix = "run_f0"
 
     def __init__(self, cfg: Config, index: int, *_args: Any, **_kwargs: Any) -> None:
         self.cfg, self.index = cfg, index
@@ -67,9 +69,14 @@ def fake_swarm(cfg: Config, name: str = "me") -> SimpleNamespace:
     return SimpleNamespace(config=cfg, joined=joined, local=local, membership=None)
 
 
+def averagers(d: DiLoCo) -> list[GroupOfOne]:
+    """The stand-in averagers behind ``d``'s hosts (:class:`~p2p_diloco.transport.hivemind.AveragerLink`\\ s)."""
+    return [h.averager for h in d.rounds.hosts]  # type: ignore[attr-defined]
+
+
 def engine(cfg: Config, model: torch.nn.Module, opt: Any, **kwargs: Any) -> Iterator[DiLoCo]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rounds, "FragmentAveragerHost", GroupOfOne)
+        mp.setattr(hivemind, "FragmentAveragerHost", GroupOfOne)
         d = DiLoCo(model, opt, fake_swarm(cfg), **kwargs)  # type: ignore[arg-type]
     d.view.swarm_reads = 1  # as if the status thread had looked at the swarm (none here): rounds are handed off
     d.training = True  # start() reads the DHT; there is none
@@ -114,7 +121,7 @@ def test_a_plain_loop_commits_rounds_and_its_state_dict_restores_into_another_en
         d2.load_state_dict(state)
         assert (d2.versions, d2.anchor_hashes, d2.inner_step) == (versions, hashes, 24)
         assert all(torch.equal(anchors[n], t) for n, t in d2.anchors().items())
-        assert all(h.vouched[-1] == (v, a) for h, v, a in zip(d2.rounds.hosts, versions, hashes))  # type: ignore[attr-defined]
+        assert all(h.vouched[-1] == (v, a) for h, v, a in zip(averagers(d2), versions, hashes))
         with pytest.raises(ValueError, match="config hash"):
             d2.load_state_dict({**state, "config_hash": "0" * 16})
 

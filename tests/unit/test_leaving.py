@@ -147,6 +147,8 @@ def test_a_wait_that_is_not_cancelled_keeps_its_bound_and_its_result() -> None:
 class Hanging:
     """A fragment averager whose rounds end only when cancelled (as a real one's with no group yet)."""
 
+    prefix = "run_f0"
+
     def __init__(self, cfg: Any, index: int, *_args: Any, **_kwargs: Any) -> None:
         self.index = index
         self.calls: list[str] = []
@@ -181,13 +183,14 @@ def test_leaving_the_block_on_ctrl_c_cancels_the_rounds_in_flight(caplog: pytest
 
     from p2p_diloco import DiLoCo, build_model, training_batches
     from p2p_diloco.learner import rounds
+    from p2p_diloco.transport import hivemind
 
     cfg = load_config("llama-tiny", OVERRIDES)
     torch.set_num_threads(1)
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rounds, "FragmentAveragerHost", Hanging)
+        mp.setattr(hivemind, "FragmentAveragerHost", Hanging)
         d = DiLoCo(model, opt, fake_swarm(cfg))  # type: ignore[arg-type]
     d.view.swarm_reads, d.training = 1, True  # as after start(), which reads the DHT (there is none)
     caplog.set_level(logging.INFO, logger=rounds.__name__)
@@ -196,7 +199,7 @@ def test_leaving_the_block_on_ctrl_c_cancels_the_rounds_in_flight(caplog: pytest
         in_flight = [s.index for s in d.slots if s.inflight is not None and not s.inflight.done()]
         assert in_flight, "no round in flight: the interrupt would test nothing"
         raise KeyboardInterrupt
-    hosts: list[Hanging] = d.rounds.hosts  # type: ignore[assignment]
+    hosts: list[Hanging] = [h.averager for h in d.rounds.hosts]  # type: ignore[attr-defined, misc]
     assert all(h.calls[:1] == ["cancel"] and "shutdown" in h.calls for h in hosts), [h.calls for h in hosts]
     assert all(f.done() for h in hosts for f, _ in h.pending)
     said = [r.getMessage() for r in caplog.records if "leaving: cancelled the round in flight" in r.getMessage()]

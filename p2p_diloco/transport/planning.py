@@ -1,0 +1,62 @@
+"""How a transport plans a round of a :class:`~p2p_diloco.sync.fragment.Contribution`: pure functions of the
+contribution and the engine's snapshot at its hand-off (:class:`~p2p_diloco.transport.network.RoundContext`).
+
+A round is scheduled on the swarm clock's boundary (everyone due at it starts at the same instant) or one matchmaking
+window from now; its timeouts are derived from what it must move and what the link did in earlier rounds
+(:mod:`~p2p_diloco.averaging.linktime`); a grid round meets under its grid group's key; a round at a rank no live peer
+holds any more is abandoned while it still matches (:func:`~p2p_diloco.averaging.decisions.round_is_doomed`, polled
+on the round's worker thread through the view's read-only ranks, never the engine's state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from p2p_diloco.averaging.decisions import grid_group_bits, peers_at_rank, round_is_doomed
+from p2p_diloco.averaging.host import RoundPlan
+from p2p_diloco.averaging.linktime import allreduce_bytes, expected_group_size, payload_bytes, round_timeouts
+from p2p_diloco.core.config import Config
+from p2p_diloco.core.groups import group_of
+from p2p_diloco.sync.fragment import Contribution
+from p2p_diloco.transport.network import Rank, RoundContext
+
+
+def grid_group(context: RoundContext, round_index: int, target_group_size: int, prefix: str) -> tuple[str, ...]:
+    """Grid groups: our group of this round among the live learners the engine knew of
+    (:func:`~p2p_diloco.core.groups.group_of`, salted with the fragment's key ``prefix``)."""
+    return group_of(context.own_id, context.roster, round_index, target_group_size, prefix)
+
+
+def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, prefix: str) -> RoundPlan:
+    """The plan of a round of ``contribution`` (its ``tensors`` are what the round moves): scheduled on the clock's
+    boundary when there is a clock (at least a join request's time from now), else one window from now; timeouts from
+    the bytes it moves and the engine's link estimate; with grid groups, the group key of our grid group at the
+    boundary (raises ``ValueError`` without a clock: the engine starts no grid round then); otherwise the doomed check
+    and the quorum's count of live learners at our rank."""
+    a, c, now = cfg.averaging, contribution, context.due
+    clock = context.clock
+    boundary = clock.boundary(now, c.fragment, context.fragments) if clock is not None else None
+    bits, grid = "", a.groups == "grid"
+    if grid:
+        if clock is None or boundary is None:
+            raise ValueError(f"fragment {c.fragment}: a grid round needs the sync clock (its boundary names the group)")
+        group = grid_group(context, clock.round_index(now, c.fragment, context.fragments), a.target_group_size, prefix)
+        bits = grid_group_bits(round(boundary * 1000), group[0])
+    window_s = context.window_s
+    if boundary is not None:
+        scheduled = max((boundary if boundary <= now else now) + window_s, now + a.request_timeout_s)
+    else:
+        scheduled = now + window_s
+    payload = payload_bytes(sum(t.numel() for t in c.tensors.values()), cfg.outer.codec)
+    group_size = expected_group_size(len(context.peer_ranks), a)
+    timeouts = round_timeouts(allreduce_bytes(payload, group_size), context.link, a, window_s)
+    ours = (c.version, c.anchor_hash)
+    doomed = None if grid else doomed_check(ours, context.live_ranks)
+    at_rank = 0 if grid else peers_at_rank(ours, context.peer_ranks)
+    return RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits, at_rank=at_rank)
+
+
+def doomed_check(ours: Rank, live_ranks: Callable[[], Sequence[Rank]]) -> Callable[[], bool]:
+    """The round's doomed check (:attr:`RoundPlan.doomed`): :func:`round_is_doomed` of ``ours`` against the ranks the
+    view holds when it is polled (a read-only look, from the round's worker thread)."""
+    return lambda: round_is_doomed(ours, live_ranks())
