@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.averaging.decisions import anchor_order, is_ahead, quorum_problem
+from p2p_diloco.averaging.decisions import RoundMeta, anchor_order, is_ahead, quorum_problem
 from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -393,7 +393,9 @@ class InProcessHost:
 
     def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
         """Planned as the hivemind host plans it (:func:`~p2p_diloco.transport.planning.plan_round`): the hub closes
-        the group at its scheduled time and checks its quorum."""
+        the group at its scheduled time and checks its quorum. Its wire metadata is checked as the hivemind host's
+        is (:meth:`RoundMeta.of`: raises on the training thread), though nothing is sent."""
+        RoundMeta.of(contribution, self.hub.config_hash, context.due)
         return self.hub.offer(self.member, self.fragment, contribution,
                               plan_round(contribution, context, self.hub.cfg, self.prefix))
 
