@@ -100,6 +100,12 @@ class RoundPlan:
     at_rank: int = 0
     """The live learners, us included, at our (version, anchor hash) of the fragment when the round started (0:
     not checked): a group of at most half of them does not commit (:func:`~p2p_diloco.averaging.decisions.quorum_problem`)."""
+    group_id: str = ""
+    """Groups from the clock (``averaging.matchmaking = "clock"``): the group's id
+    (:func:`~p2p_diloco.core.groups.clock_group`); empty: matchmaking finds the group."""
+    members: tuple[str, ...] = ()
+    """Groups from the clock: the group's members, us included, in their order; the round starts once all of them
+    are in and fails for all alike if one is not by ``scheduled_time``."""
 
 
 @dataclass(frozen=True)

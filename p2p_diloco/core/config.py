@@ -128,6 +128,7 @@ CODECS = ("fp32", "fp16", "int8", "int4")
 ROBUST = ("none", "clip", "trim")
 SCHEDULES = ("clock", "steps")
 GROUPINGS = ("heal", "grid")
+MATCHMAKINGS = ("dht", "clock")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,10 @@ class AveragingConfig:
     groups: str = _f("heal", "'heal': capped groups that commit side by side are forks, the losing side adopts the "
                      "winner's anchor; 'grid': each round's groups of at most target_group_size lie on a grid that "
                      "changes every round, every group keeps its update and anchors converge (docs/design.md).")
+    matchmaking: str = _f("dht", "How a round's group forms: 'dht' (hivemind's matchmaking: a DHT search and a leader's "
+                          "window) or 'clock' (the group is a pure function of the sync clock's round and the live "
+                          "records every member holds: no search, no window; needs averaging.schedule = 'clock'; "
+                          "in-process network only so far, docs/design.md 'Rounds that cost their bytes').")
     window_s: float = _f(2.0, "Initial matchmaking window: how long the first peer of a round waits for the others.")
     window_min_s: float = _f(1.0, "Lower bound of the adaptive matchmaking window.")
     window_max_s: float = _f(10.0, "Upper bound of the adaptive matchmaking window.")
@@ -519,6 +524,11 @@ def validate(cfg: Config) -> None:
     _require(a.state_timeout_s > 0, "averaging.state_timeout_s", f"must be > 0, got {a.state_timeout_s}")
     _require(a.commit_timeout_s > 0, "averaging.commit_timeout_s", f"must be > 0, got {a.commit_timeout_s}")
     _require(a.shutdown_timeout_s > 0, "averaging.shutdown_timeout_s", f"must be > 0, got {a.shutdown_timeout_s}")
+    _require(a.matchmaking in MATCHMAKINGS, "averaging.matchmaking",
+             f"must be one of {', '.join(MATCHMAKINGS)}, got {a.matchmaking!r}")
+    _require(a.matchmaking != "clock" or (a.schedule == "clock" and a.groups != "grid"), "averaging.matchmaking",
+             f"'clock' needs averaging.schedule = 'clock' and averaging.groups = 'heal' (grid cells: not yet), got "
+             f"{a.schedule!r} and {a.groups!r}")
     _require(a.schedule in SCHEDULES, "averaging.schedule", f"must be one of {', '.join(SCHEDULES)}, got {a.schedule!r}")
     _require(a.sync_period_s == 0 or a.sync_period_s > a.window_max_s, "averaging.sync_period_s",
              f"must be 0 or exceed averaging.window_max_s={a.window_max_s} (a round must fit in a period), "

@@ -197,3 +197,17 @@ def swarm_distance_estimate(per_axis_rms: Sequence[float]) -> float:
     global mean split into orthogonal parts (an analysis of variance over the axes) and each part is seen by
     at least one axis's groups, so the sum over axes is at least the total."""
     return math.sqrt(sum(d * d for d in per_axis_rms))
+
+
+def clock_group(run_id: str, fragment: int, rank: tuple[int, str], round_index: int, own_id: str,
+                peers: Mapping[str, tuple[int, str]]) -> tuple[str, tuple[str, ...]]:
+    """Groups from the clock: the group of our round ``round_index`` of ``fragment`` at ``rank`` (our version and
+    anchor hash), from what every member already holds -- the clock's round and the live records (``peers``: the
+    other live learners' rank of the fragment, by peer id). Returns ``(group id, members)``: the members are us and
+    every peer at exactly our rank, sorted by peer id; the id hashes the run, the fragment, the rank, the round and
+    the member list, so members whose views agree derive the same group and members whose views differ (a record
+    that lagged, a peer that just left) derive different ids -- their round fails for all of them alike, never
+    half-applied (docs/design.md, "Rounds that cost their bytes")."""
+    members = tuple(sorted({own_id, *(p for p, r in peers.items() if tuple(r) == tuple(rank))}))
+    blob = "\n".join((run_id, str(fragment), str(rank[0]), rank[1], str(round_index), *members))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16], members

@@ -43,7 +43,7 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.learner.options import ROUND_POLL_S
 from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
-from p2p_diloco.transport.network import RoundContext, fragment_ranks
+from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks
 
 if TYPE_CHECKING:
     from p2p_diloco.averaging.host import Download, RoundOutcome
@@ -81,6 +81,7 @@ class FragmentLink:
         return RoundContext(due=r.dht_time(), window_s=r.window_s, link=r.link.estimate(), clock=r.view.clock,
                             fragments=len(r.syncs), own_id=r.own_id, roster=tuple(r.roster()),
                             peer_ranks=tuple(fragment_ranks(r.view, fragment)),
+                            peers=tuple(fragment_peers(r.view, fragment)),
                             live_ranks=functools.partial(fragment_ranks, r.view, fragment))
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:

@@ -19,8 +19,16 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
 - **The view** each engine reads is the members' live state: their fragment ranks, states and steps; the clock is
   the run's fixed period (``averaging.schedule = "clock"`` with ``sync_period_s``) or none (``"steps"``).
 
+- **Groups from the clock** (``averaging.matchmaking = "clock"``): each member names its group as a pure function of
+  the clock's round and the ranks its view holds (:func:`~p2p_diloco.core.groups.clock_group`); the hub groups the
+  contributions by that id -- as hivemind's runner refuses streams of another group id -- and starts the all-reduce
+  as soon as every member named is in (no window); a member named that is not in by the scheduled time fails the
+  round for all alike (``incomplete group``).
+
 Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side
-sees and averages only with itself), :attr:`Hub.tamper` (a member that poisons what it sends). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
+sees and averages only with itself), :attr:`Hub.tamper` (a member that poisons what it sends), :meth:`Hub.blind` (a
+member's view misses some live members: records that lag), :meth:`Hub.lose_verdicts` (a member's all-reduce completes
+but the others' verdicts never reach it). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ Tamper = Callable[["Member", dict[str, torch.Tensor], dict[str, float]],
 NO_GROUP = "could not find a group"
 """Why a round of one member fails (hivemind's words for it)."""
 LEAVING = "cancelled: this peer is leaving"
+MISSING = "incomplete group"
+"""Why a group from the clock fails when a member it names did not show by its scheduled time."""
+VERDICTS_LOST = "verdicts missing"
+"""Why a member whose verdicts were lost (:meth:`Hub.lose_verdicts`) discards a round the others commit."""
 KILLED = "partial all-reduce: a member of the group died"
 WAIT_POLL_S = 0.05
 """How often a wait for peers looks at the members."""
@@ -108,10 +120,14 @@ class _Offer:
 
 @dataclass(eq=False)
 class _Group:
-    key: tuple[int, int, str, int]
-    """(fragment, version, anchor hash, side of a partition): who can average together."""
+    key: tuple[int, int, str, int, str]
+    """(fragment, version, anchor hash, side of a partition, group id from the clock or ""): who can average
+    together."""
     offers: list[_Offer]
     closed: bool = False
+    members: tuple[str, ...] = ()
+    """Groups from the clock: the peer ids the group's id names (it starts once all are in)."""
+    complete: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,8 @@ class RoundRecord:
     """The members' weights (their progress), in ``members`` order."""
     tokens: int = 0
     """The tokens of progress the members sent."""
+    complete: bool = False
+    """Groups from the clock: it started as soon as every member its id names was in (no window waited out)."""
 
 
 class Hub:
@@ -144,7 +162,7 @@ class Hub:
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
-        self._open: dict[tuple[int, int, str, int], _Group] = {}
+        self._open: dict[tuple[int, int, str, int, str], _Group] = {}
         self._ids = itertools.count()
         self.rounds: list[RoundRecord] = []
         """Every round that ended, in order."""
@@ -153,6 +171,8 @@ class Hub:
         attacker), given its encoded tensors and radial norms; None: everyone is honest."""
         self.round_bytes = 0
         """Bytes the committed rounds' members sent together, as hivemind's butterfly all-reduce would."""
+        self._blind: dict[str, set[str]] = {}  # name -> names its view misses
+        self._lost_verdicts: dict[str, int] = {}  # name -> how many more committed rounds lose their verdicts
 
     # ------------------------------------------------------------ members
 
@@ -185,6 +205,22 @@ class Hub:
         for group in split:
             self._close(group, failure="partial all-reduce: the network split under the group")
 
+    def blind(self, name: str, *hidden: str) -> None:
+        """``name``'s view misses the live members ``hidden`` (their records lag behind for it), until :meth:`unblind`:
+        with groups from the clock, its group differs from theirs."""
+        with self._lock:
+            self._blind[name] = set(hidden)
+
+    def unblind(self, name: str) -> None:
+        with self._lock:
+            self._blind.pop(name, None)
+
+    def lose_verdicts(self, name: str, rounds: int = 1) -> None:
+        """The verdicts of ``name``'s next ``rounds`` complete all-reduces do not reach it: it discards each (keeping
+        the result as its pending round) while the others commit it."""
+        with self._lock:
+            self._lost_verdicts[name] = rounds
+
     def heal(self) -> None:
         """End a partition: everyone sees everyone again."""
         with self._lock:
@@ -202,6 +238,11 @@ class Hub:
             return [m for m in self._members.values() if m is not member and m.alive and m.state != "left"
                     and m.engine is not None and m.side == member.side]
 
+    def seen_by(self, member: Member) -> list[Member]:
+        """:meth:`others` as ``member``'s view has them (:meth:`blind`)."""
+        hidden = self._blind.get(member.name, set())
+        return [m for m in self.others(member) if m.name not in hidden]
+
     # ------------------------------------------------------------ rounds
 
     def offer(self, member: Member, fragment: int, c: Contribution, plan: RoundPlan) -> Future[RoundOutcome]:
@@ -209,15 +250,18 @@ class Hub:
         scheduled time."""
         done: Future[RoundOutcome] = Future()
         with self._lock:
-            key = (fragment, c.version, c.anchor_hash, member.side)
+            key = (fragment, c.version, c.anchor_hash, member.side, plan.group_id)
             group = self._open.get(key)
             if group is None:
-                group = self._open[key] = _Group(key, [])
+                group = self._open[key] = _Group(key, [], members=plan.members)
                 if not self.manual:
                     timer = threading.Timer(max(0.0, plan.scheduled_time - time.time()), self._close, (group,))
                     timer.daemon = True
                     timer.start()
             group.offers.append(_Offer(member, c, plan, done))
+            group.complete = bool(group.members) and set(group.members) <= {o.member.peer_id for o in group.offers}
+        if group.complete:  # groups from the clock: everyone named is in, the all-reduce starts (no window to wait out)
+            self._close(group)
         return done
 
     def close_open(self) -> int:
@@ -253,15 +297,21 @@ class Hub:
         reason = failure or self._refusal(offers)
         outcomes = self._failed(group, offers, reason) if reason else self._reduced(group, offers)
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers),
-                                       not reason and outcomes[0].committed, outcomes[0].reason,
+                                       not reason and any(o.committed for o in outcomes),
+                                       "committed" if any(o.committed for o in outcomes) else outcomes[0].reason,
                                        tuple(o.contribution.weight for o in offers),
-                                       sum(o.contribution.tokens for o in offers)))
+                                       sum(o.contribution.tokens for o in offers), group.complete))
         for o, outcome in zip(offers, outcomes):
             o.done.set_result(outcome)
 
     def _refusal(self, offers: Sequence[_Offer]) -> str:
         """Why the group cannot commit, before reducing (empty: it may)."""
         a = self.cfg.averaging
+        members = offers[0].plan.members
+        if members:  # groups from the clock: whoever the id names and did not show fails it for all alike
+            missing = set(members) - {o.member.peer_id for o in offers}
+            if missing:
+                return f"{MISSING}: {len(members) - len(missing)} of {len(members)} members showed"
         if len(offers) < max(2, a.min_group_size):
             return NO_GROUP
         for o in offers:
@@ -308,6 +358,15 @@ class Hub:
             with self._lock:
                 o.member.bytes_sent += moved
                 o.member.bytes_received += moved
+                lost = self._lost_verdicts.get(o.member.name, 0) > 0
+                if lost:
+                    self._lost_verdicts[o.member.name] -= 1
+            if lost:  # its all-reduce was complete, the others' "ok" never came: keep the result, as hivemind's host
+                outcomes.append(RoundOutcome(
+                    fragment=group.key[0], version=group.key[1], committed=False, reason=VERDICTS_LOST,
+                    group_size=len(offers), peers=peers, finished_at=now, window_s=o.plan.window_s,
+                    pending={n: t.clone() for n, t in merged.items()}))
+                continue
             outcomes.append(RoundOutcome(
                 fragment=group.key[0], version=group.key[1], committed=True, reason="committed", group_size=len(offers),
                 peers=peers, own_share=o.contribution.weight / total, weights=tuple(weights), bytes_sent=moved,
@@ -433,21 +492,21 @@ class InProcessView:
 
     @property
     def peer_anchors(self) -> list[list[Rank]]:
-        return [m.ranks() for m in self.hub.others(self.member)]
+        return [m.ranks() for m in self.hub.seen_by(self.member)]
 
     @property
     def peer_ids(self) -> list[str]:
-        return [m.peer_id for m in self.hub.others(self.member)]
+        return [m.peer_id for m in self.hub.seen_by(self.member)]
 
     @property
     def peer_states(self) -> list[str]:
-        return [m.state for m in self.hub.others(self.member)]
+        return [m.state for m in self.hub.seen_by(self.member)]
 
     @property
     def peer_steps(self) -> list[tuple[int, float, float]]:
         """(inner step, now, seconds per step) of the members that train."""
         out = []
-        for m in self.hub.others(self.member):
+        for m in self.hub.seen_by(self.member):
             e = m.engine
             steps = e.inner_step - e.start_step
             if m.state in ("training", "averaging") and steps > 0:

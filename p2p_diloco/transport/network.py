@@ -62,6 +62,13 @@ class RoundContext:
     live_ranks: Callable[[], Sequence[Rank]]
     """The same as the view holds it when called (:func:`fragment_ranks` of the view): a read-only look that the
     round's worker polls while it matches (its doomed check), never the engine's state."""
+    peers: tuple[tuple[str, Rank], ...] = ()
+    """(peer id, this fragment's rank) of the other live learners, at the hand-off (groups from the clock)."""
+
+
+def fragment_peers(view: View, fragment: int) -> list[tuple[str, Rank]]:
+    """(peer id, ``fragment``'s (version, anchor hash)) of the other live learners, as ``view`` holds them now."""
+    return [(peer, ranks[fragment]) for peer, ranks in zip(view.peer_ids, view.peer_anchors) if len(ranks) > fragment]
 
 
 def fragment_ranks(view: View, fragment: int) -> list[Rank]:

@@ -16,7 +16,7 @@ from p2p_diloco.averaging.decisions import grid_group_bits, peers_at_rank, round
 from p2p_diloco.averaging.host import RoundPlan
 from p2p_diloco.averaging.linktime import allreduce_bytes, expected_group_size, payload_bytes, round_timeouts
 from p2p_diloco.core.config import Config
-from p2p_diloco.core.groups import group_of
+from p2p_diloco.core.groups import clock_group, group_of
 from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.transport.network import Rank, RoundContext
 
@@ -43,6 +43,11 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
         group = grid_group(context, clock.round_index(now, c.fragment, context.fragments), a.target_group_size, prefix)
         bits = grid_group_bits(round(boundary * 1000), group[0])
     window_s = context.window_s
+    group_id, members = "", tuple[str, ...]()
+    if a.matchmaking == "clock" and clock is not None and boundary is not None:  # the group is known: no window
+        group_id, members = clock_group(prefix, c.fragment, (c.version, c.anchor_hash),
+                                        clock.round_index(now, c.fragment, context.fragments), context.own_id,
+                                        dict(context.peers))
     if boundary is not None:
         scheduled = max((boundary if boundary <= now else now) + window_s, now + a.request_timeout_s)
     else:
@@ -53,7 +58,8 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     ours = (c.version, c.anchor_hash)
     doomed = None if grid else doomed_check(ours, context.live_ranks)
     at_rank = 0 if grid else peers_at_rank(ours, context.peer_ranks)
-    return RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits, at_rank=at_rank)
+    return RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits, at_rank=at_rank,
+                     group_id=group_id, members=members)
 
 
 def doomed_check(ours: Rank, live_ranks: Callable[[], Sequence[Rank]]) -> Callable[[], bool]:

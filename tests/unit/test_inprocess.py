@@ -47,6 +47,8 @@ class Loop:
         self.diloco.subscribe(self.heard.append)
         self.batches = training_batches(cfg, seed=seed)
         self.killed = threading.Event()
+        self.pauses: dict[int, float] = {}
+        """Step -> seconds the loop stops before it (a learner paused while its record still shows it live)."""
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
 
@@ -54,7 +56,8 @@ class Loop:
         try:
             d = self.diloco
             d.start()
-            for _ in range(self.steps):
+            for step in range(self.steps):
+                time.sleep(self.pauses.get(step, 0.0))
                 if self.killed.is_set():
                     d.close()  # a dead process's engine does nothing more; nobody hears from it
                     return
