@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Poisoning benchmark: one of 4 learners sends 1000x pseudo-gradients every round.
 
-Every run uses the in-process simulator (the same fragment, codec, merge, robust-merge and outer code
-as the networked learner) on configs/bench.toml with 4 learners and the same number of steps. One
+Every run is the simulator users run (``p2p-diloco sim``: 4 real DiLoCo engines on the in-process network, the
+same fragment, codec, merge, robust-merge and outer code as the networked learner) on configs/bench.toml with 4 learners and the same number of steps. One
 learner (``--attacker``) poisons every contribution it sends, on every surface a peer controls (its
 streamed tensors and the radial norms in its metadata; see :class:`p2p_diloco.sim.simulator.Attack`):
 
@@ -38,7 +38,8 @@ import _bench
 from p2p_diloco.core.config import Config, load_config
 
 BENCH = _bench.Bench("poison", "poison", "Poisoned contributions", "scripts/bench_poison.py", """\
-The in-process simulator (the same fragment, codec, merge, robust-merge and outer code as the networked learner) on
+`p2p-diloco sim`'s engines (4 real DiLoCo engines on the in-process network: the networked learner's fragment, codec,
+merge, robust-merge and outer code) on
 `configs/bench.toml`, 4 learners x 300 inner steps each (`--steps`). One learner (`--attacker`, default 3) poisons
 every contribution it sends, on every surface a peer controls -- its streamed tensors and the radial norms in its
 metadata; its claimed progress is honest:
@@ -87,6 +88,7 @@ def _worker(job: tuple[Run, argparse.Namespace]) -> dict[str, Any]:
     import torch
 
     from p2p_diloco.core import data
+    from p2p_diloco.sim import engines
     from p2p_diloco.sim import simulator as sim
 
     torch.set_num_threads(1)
@@ -95,7 +97,7 @@ def _worker(job: tuple[Run, argparse.Namespace]) -> dict[str, Any]:
     splits = data.split_corpus(data.load_corpus(cfg.data), cfg.sim.learners, cfg.data.eval_fraction)
     attack = sim.Attack(args.attacker, run.attack, args.scale) if run.attack else None
     t0 = time.monotonic()
-    result = sim.run(cfg, splits, "diloco", eval_points=args.eval_points, attack=attack)
+    result = engines.run(cfg, splits, eval_points=args.eval_points, attack=attack)
     out = result.summary()
     out.update(name=run.name, robust=run.robust, attack=run.attack or None, scale=args.scale if run.attack else None,
                attacker=args.attacker if run.attack else None, total_steps=cfg.inner.total_steps,
