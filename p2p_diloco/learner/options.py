@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,13 @@ class LearnerOptions:
     device: str = "cpu"
     """Where the model and the inner optimizer live (``--device``, resolved: ``cpu`` or ``cuda:N``); anchors,
     outer momentum and the outer step stay fp32 on the CPU whatever it is (:mod:`p2p_diloco.core.devices`)."""
+
+
+def swarm_started(peer_states: Sequence[str]) -> bool:
+    """Whether a live learner already trains (or averages): then waiting for peers to start together is moot -- the
+    swarm has started without us (e.g. a learner killed while the others waited at the start barrier was replaced by
+    one that joined the running swarm, which proposes no start) -- and we join it now."""
+    return any(state in ("training", "averaging", "syncing") for state in peer_states)
 
 
 def wait_verdict(now: float, waited_from: float, started_at: float, max_time_s: float, timeout_s: float) -> str:

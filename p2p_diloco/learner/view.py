@@ -29,6 +29,7 @@ from p2p_diloco.learner.options import (
     published_key,
     read_period_s,
     view_due,
+    swarm_started,
     wait_verdict,
     waiting_line,
 )
@@ -405,8 +406,14 @@ class SwarmView:
                 logger.info("%s", waiting_line(self.live_learners, n, now - waited_from))
             return not stop.is_set()
 
+        def started_without_us() -> bool:
+            if swarm_started(self.peer_states):
+                logger.info("a live learner already trains: starting now, without waiting for %d peers", n)
+                return True
+            return False
+
         while self.live_learners < n:
-            if not keep_waiting(f"only {self.live_learners} of {n} learners came up"):
+            if not keep_waiting(f"only {self.live_learners} of {n} learners came up") or started_without_us():
                 return
             time.sleep(START_BARRIER_POLL_S)
         key = f"{me.local.run_id}_start_barrier"
@@ -418,7 +425,7 @@ class SwarmView:
             start = start_instant(proposals, n)
             if start is not None:
                 break
-            if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start"):
+            if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start") or started_without_us():
                 return
             time.sleep(START_BARRIER_POLL_S)
         wait_s = start - me.dht_time()

@@ -160,3 +160,40 @@ def test_a_member_whose_verdicts_are_lost_commits_the_round_late(cfg: Config) ->
     assert len(lost) == 1, b.rounds("discarded")  # the fault fired once
     assert any(e.fragment == lost[0].fragment and e.version == lost[0].version for e in late), late
     assert len(b.resyncs()) == downloads_before, b.resyncs()  # committed late: no download
+
+
+def test_a_straggler_is_in_the_groups_and_ends_on_the_one_model(cfg: Config) -> None:
+    """A learner 8x slower than the others hands each fragment off up to one of its steps (0.4 s) after the
+    boundary: within the window, so the groups that name it wait for it and commit with it."""
+    torch.set_num_threads(1)
+    hub = Hub(cfg)
+    loops = {n: Loop(hub, cfg, n, seed, steps=steps, pace_s=pace, wait_peers=4)
+             for seed, (n, steps, pace) in enumerate((("a", 160, STEP_S), ("b", 160, STEP_S), ("c", 160, STEP_S),
+                                                       ("slow", 20, 8 * STEP_S)), start=1)}
+    for loop in loops.values():
+        loop.thread.start()
+    finish(loops)
+    print([(r.fragment, r.version, r.members, r.reason) for r in hub.rounds])
+    with_slow = [r for r in hub.rounds if r.committed and "slow" in r.members]
+    assert with_slow, "the straggler never averaged"
+    assert all(r.complete for r in hub.rounds if r.committed), hub.rounds
+
+
+def test_a_partition_forks_under_groups_from_the_clock_and_heals(cfg: Config) -> None:
+    """Split 2 | 2: each side's records show two live learners, so each names a group of two and commits (a
+    quorum of what it sees): a fork, as with matchmaking; when the network heals, the losing side downloads the
+    winner's anchors and everyone ends on them."""
+    hub = Hub(cfg)
+    loops = start(hub, cfg, "abcd", steps=200)
+    a = loops["a"]
+    wait_for(lambda: len(a.rounds("committed")) >= 2 or a.error is not None, RUN_DEADLINE_S, "the first rounds")
+    split_at = len(hub.rounds)
+    hub.partition(("a", "b"), ("c", "d"))
+    before = {n: len(loop.rounds("committed")) for n, loop in loops.items()}
+    wait_for(lambda: all(len(loop.rounds("committed")) >= before[n] + 2 for n, loop in loops.items())
+             or any(loop.error is not None for loop in loops.values()), RUN_DEADLINE_S, "rounds on both sides")
+    hub.heal()
+    finish(loops)
+    during = [r for r in hub.rounds[split_at:] if r.committed]
+    assert any(set(r.members) == {"a", "b"} for r in during) and any(set(r.members) == {"c", "d"} for r in during)
+    assert any(e.outcome == "fork healed" for loop in loops.values() for e in loop.resyncs()), "no fork healed"

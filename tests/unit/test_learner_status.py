@@ -114,3 +114,15 @@ def test_the_view_probes_a_fragment_from_its_boundary_until_it_advances() -> Non
     assert view._settled(f1, 39.5) and not view._settled(f1, 50.0)
     view.clock = None  # the step schedule: no shared instants, every fragment probed
     assert not view._settled(f0, 26.0)
+
+
+def test_a_learner_waiting_for_peers_joins_a_swarm_that_already_trains() -> None:
+    """A learner killed while the others waited at the start barrier, replaced by one that joined the running swarm
+    (no start proposal): the waiting ones start when a live learner trains, instead of waiting out --max-time."""
+    from p2p_diloco.learner.options import swarm_started
+
+    assert not swarm_started([])
+    assert not swarm_started(["joining", "joining"])
+    assert not swarm_started(["leaving"])  # a swarm that ended is no swarm to join
+    assert swarm_started(["joining", "training"])
+    assert swarm_started(["averaging"]) and swarm_started(["syncing"])
