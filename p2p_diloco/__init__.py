@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 from p2p_diloco.core.version import VERSION as __version__
 
 _EXPORTS = {
-    "Swarm": "p2p_diloco.learner.swarm",
-    "DiLoCo": "p2p_diloco.learner.engine",
-    "SyncOptions": "p2p_diloco.learner.options",
-    "build_model": "p2p_diloco.learner.engine",
-    "training_batches": "p2p_diloco.learner.engine",
+    "Swarm": "p2p_diloco.engine.swarm",
+    "DiLoCo": "p2p_diloco.engine.engine",
+    "SyncOptions": "p2p_diloco.engine.options",
+    "build_model": "p2p_diloco.engine.engine",
+    "training_batches": "p2p_diloco.engine.engine",
     "Config": "p2p_diloco.core.config",
     "load_config": "p2p_diloco.core.config",
     "events": "p2p_diloco.core.events",
@@ -41,9 +41,9 @@ __all__ = ["__version__", "Swarm", "DiLoCo", "SyncOptions", "build_model", "trai
 if TYPE_CHECKING:
     from p2p_diloco.core import events
     from p2p_diloco.core.config import Config, load_config
-    from p2p_diloco.learner.engine import DiLoCo, build_model, training_batches
-    from p2p_diloco.learner.options import SyncOptions
-    from p2p_diloco.learner.swarm import Swarm
+    from p2p_diloco.engine.engine import DiLoCo, build_model, training_batches
+    from p2p_diloco.engine.options import SyncOptions
+    from p2p_diloco.engine.swarm import Swarm
 
 
 def __getattr__(name: str) -> Any:

@@ -56,7 +56,8 @@ from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.devices import autocast, machine_device
 from p2p_diloco.core.inner import lr_at
 from p2p_diloco.core.model import build_model, count_parameters
-from p2p_diloco.learner import loop, options
+from p2p_diloco.engine import options
+from p2p_diloco.learner import loop
 from p2p_diloco.transport import hivemind
 
 LLAMA_3M = ["model.block_size=128", "model.hf_config.hidden_size=256", "model.hf_config.intermediate_size=768",

@@ -1,7 +1,7 @@
 """The averaging side's fault points (``p2p-diloco join --fault``, :mod:`p2p_diloco.core.faults`): subclasses of the
 runner, the averager process and the host that hit their points and otherwise do exactly what their parents do.
 
-They are built only when faults are armed (:class:`p2p_diloco.learner.faulty.FaultyNetwork`, before the averager
+They are built only when faults are armed (:class:`p2p_diloco.engine.faulty.FaultyNetwork`, before the averager
 processes are forked, so those inherit the armed faults); the production classes hold no fault code. Points:
 
 - ``while-sending`` (:class:`FaultyRunner`, averager process): after the first part went out to a reducer;

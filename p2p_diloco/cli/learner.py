@@ -2,7 +2,7 @@
 
 Only the standard library is imported here; torch and hivemind load when the command runs, so
 ``p2p-diloco --help`` stays fast. Joining, the compatibility check (config hash, protocol) and the
-graceful leave are the library's (:class:`p2p_diloco.learner.swarm.Swarm`), the loop a client of its engine.
+graceful leave are the library's (:class:`p2p_diloco.engine.swarm.Swarm`), the loop a client of its engine.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco.core.devices import check_precision, machine_device
 
     device = machine_device(args.device)  # --device cuda on a machine without one: one line, nothing started
-    from p2p_diloco.learner.options import Profile
+    from p2p_diloco.engine.options import Profile
     from p2p_diloco.net.records import LocalRun
 
     # the flags first: a bad one fails before anything is looked up in the DHT
@@ -90,7 +90,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from p2p_diloco.core import faults
 
     armed = [faults.parse_fault(spec) for spec in args.faults]  # a bad spec fails before we join
-    from p2p_diloco.learner import metrics
+    from p2p_diloco.engine import metrics
 
     metrics_specs = tuple(metrics.parse_metrics_spec(spec) for spec in args.metrics)
     metrics.check_available(metrics_specs)  # tensorboard missing: fail now, not after joining
@@ -119,7 +119,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         from p2p_diloco.learner.checkpoint import load_checkpoint
 
         resume = load_checkpoint(Path(args.resume), expect={"config_hash": local.config_hash, "run_id": local.run_id})
-    from p2p_diloco.learner.options import check_network_supported, check_supported, load_splits
+    from p2p_diloco.engine.options import check_network_supported, check_supported, load_splits
 
     check_supported(cfg)
     check_network_supported(cfg)
@@ -128,12 +128,12 @@ def cmd_join(args: argparse.Namespace) -> int:
     check_buildable(cfg.model, device)  # a model that cannot be built, or does not fit this machine, fails here
     splits = load_splits(cfg, num_shards)  # missing, empty, binary or too small data fails here, before we join
     incarnation = time.time_ns()
-    from p2p_diloco.learner.swarm import Swarm
+    from p2p_diloco.engine.swarm import Swarm
 
     with StopOnSignal() as stop, Swarm.from_options(swarm_options(args, client_mode=False), cfg, name=args.name,
                                                     profile=profile.name) as swarm:
         from p2p_diloco.learner.loop import Learner
-        from p2p_diloco.learner.options import LearnerOptions, SyncOptions
+        from p2p_diloco.engine.options import LearnerOptions, SyncOptions
 
         sync = SyncOptions(
             events_path=Path(args.events) if args.events else None, metrics=metrics_specs,
@@ -153,7 +153,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         if armed:  # before the averagers start: their processes are forked with the faults armed
             faults.arm(armed)
             out(f"faults armed: {', '.join(f.spec for f in armed)}")
-            from p2p_diloco.learner.faulty import FaultyLearner
+            from p2p_diloco.learner.loop import FaultyLearner
 
             make = FaultyLearner  # the fault points wrap the loop and the transport: only here
         learner = make(cfg, profile, opts, swarm, splits=splits)

@@ -14,7 +14,7 @@ from p2p_diloco.core import resources
 from p2p_diloco.core.config import override_arg  # standard library only: --help stays fast
 from p2p_diloco.core.console import out
 from p2p_diloco.core.tokenizer import loss_unit  # standard library only: --help stays fast
-from p2p_diloco.learner.metrics import check_listen  # standard library only: --help stays fast
+from p2p_diloco.engine.metrics import check_listen  # standard library only: --help stays fast
 from p2p_diloco.local.launcher import NO_STEP_LIMIT, Child, LocalSwarm, unlimited_steps
 from p2p_diloco.net.dashboard import parse_serve_address  # standard library only: --help stays fast
 from p2p_diloco.local.run import (
@@ -74,7 +74,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     check_buildable(cfg.model, machine_device("auto"), args.peers, "--peers")
     profiles = ([resources.find(p, resources.PEERS) for p in args.profiles.split(",")] if args.profiles
                 else [resources.bundled(resources.PEERS, p) for p in DEFAULT_PROFILES])
-    from p2p_diloco.learner.options import Profile
+    from p2p_diloco.engine.options import Profile
 
     loaded = [Profile.load(p) for p in profiles]  # a bad profile fails before anything starts
     out_dir = Path(args.out)

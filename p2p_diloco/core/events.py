@@ -2,7 +2,7 @@
 
 A learner logs what happens to it as events (``Learner._event``): ``--events FILE`` appends each one's
 :meth:`Event.to_json` as a JSON line, and every ``--metrics`` sink receives the same :class:`Event`
-(:mod:`p2p_diloco.learner.metrics`). Every record starts with the learner's envelope (:class:`Event`:
+(:mod:`p2p_diloco.engine.metrics`). Every record starts with the learner's envelope (:class:`Event`:
 ``name``, ``step``, ``tokens``, ``time``, ``loss``), then ``"event": KIND``, then the kind's own fields:
 
 ``round`` :class:`RoundEvent`, ``resync`` :class:`ResyncEvent`, ``late_commit`` :class:`LateCommitEvent`,

@@ -1,7 +1,7 @@
 """Deterministic fault injection: make a learner fail at a chosen point (tests and chaos drills).
 
 ``p2p-diloco join --fault SPEC`` arms a fault and builds the fault wrappers, which call :func:`hit` at each point
-(:mod:`p2p_diloco.learner.faulty`: the loop and each fragment's host; :mod:`p2p_diloco.averaging.faulty`: the
+(:mod:`p2p_diloco.engine.faulty`: the loop and each fragment's host; :mod:`p2p_diloco.averaging.faulty`: the
 runner, the averager process and the averager host); the production classes never do. A fault fires on the
 ``at``-th hit of its point (counted in the process that reaches it), optionally only for one fragment, so a test
 knows exactly when it fires -- no timers, no randomness::

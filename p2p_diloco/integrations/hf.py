@@ -1,7 +1,7 @@
 """Hugging Face ``Trainer`` on a p2p-diloco swarm: :class:`DiLoCoCallback`.
 
 ``Trainer(model=build_model(cfg), ..., callbacks=[DiLoCoCallback(swarm)])``: at the start of training the
-callback wraps the Trainer's model and optimizer in a :class:`~p2p_diloco.learner.engine.DiLoCo`; after every
+callback wraps the Trainer's model and optimizer in a :class:`~p2p_diloco.engine.engine.DiLoCo`; after every
 optimizer step it calls ``diloco.step``; at the end of training it runs the final rounds and the linger and
 closes the engine (the swarm stays the caller's to close). Needs ``accelerate`` (``pip install
 p2p-diloco[hf]``), as the Trainer does: without it, importing this module fails (a script imports it before it
@@ -16,13 +16,13 @@ from transformers import TrainerCallback
 from transformers.utils import is_accelerate_available
 from transformers.utils.import_utils import ACCELERATE_MIN_VERSION
 
-from p2p_diloco.learner.engine import DiLoCo
-from p2p_diloco.learner.options import SyncOptions
+from p2p_diloco.engine.engine import DiLoCo
+from p2p_diloco.engine.options import SyncOptions
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from p2p_diloco.learner.swarm import Swarm
+    from p2p_diloco.engine.swarm import Swarm
 
 
 def check_trainer_ready() -> None:

@@ -47,8 +47,8 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.core.devices import load_into, state_to_device, state_to_host, to_host
 
 if TYPE_CHECKING:
-    from p2p_diloco.learner.engine import DiLoCo
-    from p2p_diloco.learner.options import LearnerOptions
+    from p2p_diloco.engine.engine import DiLoCo
+    from p2p_diloco.engine.options import LearnerOptions
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ ENGINE_KEYS = ("config_hash", "inner_step", "tokens", "versions", "since_tokens"
 
 
 def engine_files(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict` as a checkpoint lays it out: ``anchor/<name>`` and
+    """A :meth:`~p2p_diloco.engine.engine.DiLoCo.state_dict` as a checkpoint lays it out: ``anchor/<name>`` and
     ``momentum/<name>`` tensors, and the manifest's :data:`ENGINE_KEYS` (one list entry per fragment)."""
     frags = state["fragments"]
     tensors: dict[str, torch.Tensor] = {}
@@ -345,7 +345,7 @@ def engine_files(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dic
 
 
 def engine_state(ckpt: Checkpoint, layout: Sequence[Sequence[str]]) -> dict[str, Any]:
-    """The :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict` a checkpoint holds, its fragments laid out as
+    """The :meth:`~p2p_diloco.engine.engine.DiLoCo.state_dict` a checkpoint holds, its fragments laid out as
     ``layout`` (each fragment's tensor names: the engine's), for :meth:`DiLoCo.load_state_dict`, which checks it.
     Raises ``ValueError`` (one line) for a checkpoint that lacks a field, a fragment or an anchor."""
     m, t = ckpt.manifest, ckpt.tensors
@@ -369,7 +369,7 @@ def checkpoint_state(diloco: DiLoCo, optimizer: Any, meta: Mapping[str, Any]) ->
                                                                                          dict[str, Any]]:
     """Everything a resumed unit needs, as flat host tensors (copies) and JSON metadata: the weights
     (``model/<name>``), the inner optimizer's state by parameter name (``adam/<name>/<key>``) and the engine's
-    :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict` (:func:`engine_files`); ``meta`` adds the unit's own fields
+    :meth:`~p2p_diloco.engine.engine.DiLoCo.state_dict` (:func:`engine_files`); ``meta`` adds the unit's own fields
     (``p2p-diloco join``'s name and shard). One format for ``join`` and a library loop (:func:`save`)."""
     params = diloco.params
     tensors: dict[str, torch.Tensor] = {}
@@ -393,7 +393,7 @@ def model_digest(params: Mapping[str, torch.Tensor]) -> str:
 
 def restore(diloco: DiLoCo, optimizer: Any, ckpt: Checkpoint) -> str:
     """Resume a unit from a verified checkpoint of this run (:func:`load_checkpoint`): the engine's state through
-    :meth:`~p2p_diloco.learner.engine.DiLoCo.load_state_dict` (checked whole, then applied to every fragment or none,
+    :meth:`~p2p_diloco.engine.engine.DiLoCo.load_state_dict` (checked whole, then applied to every fragment or none,
     then advertised), the weights, and the inner optimizer's state by parameter name. The anchors must hash to the
     manifest's before anything is applied (nothing unverified is advertised), and the restored weights after; returns
     the weights' digest."""

@@ -1,4 +1,4 @@
-"""``p2p-diloco join``'s loop: a client of the engine (:class:`~p2p_diloco.learner.engine.DiLoCo`).
+"""``p2p-diloco join``'s loop: a client of the engine (:class:`~p2p_diloco.engine.engine.DiLoCo`).
 
 Batch, forward and backward, the inner AdamW step, ``diloco.step``, a checkpoint when one is due: the
 rest -- rounds, downloads, the schedule, the swarm view -- is the engine's. The loss stays on the device
@@ -18,12 +18,12 @@ from p2p_diloco.core import data, events
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.inner import build_optimizer, schedule_step, train_step
 from p2p_diloco.core.model import build_model
+from p2p_diloco.engine.engine import DiLoCo
+from p2p_diloco.engine.options import LearnerOptions, Profile, load_splits
+from p2p_diloco.engine.swarm import Swarm
 from p2p_diloco.learner import checkpoint, priority
 from p2p_diloco.learner.checkpoint import Checkpointer
-from p2p_diloco.learner.engine import DiLoCo
-from p2p_diloco.learner.options import LearnerOptions, Profile, load_splits
 from p2p_diloco.learner.summary import evaluate_weights, final_summary
-from p2p_diloco.learner.swarm import Swarm
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
@@ -199,3 +199,19 @@ class Learner:
         """``--max-time`` is counted from the learner's start: waiting for peers and starting up use it too."""
         s = self.opts.sync
         return s.max_time_s > 0 and time.monotonic() - s.started_at > s.max_time_s
+
+
+class FaultyLearner(Learner):
+    """A :class:`Learner` on a :class:`~p2p_diloco.engine.faulty.FaultyNetwork`, with the ``inner-step`` point
+    (``p2p-diloco join --fault``: built instead of a :class:`Learner` only when faults are armed)."""
+
+    def __init__(self, cfg: Config, profile: Profile, opts: LearnerOptions, swarm: Swarm,
+                 splits: data.TrainingData | None = None) -> None:
+        from p2p_diloco.engine.faulty import FaultyNetwork, hit_inner_step  # loaded only when a fault is armed
+
+        self._hit_inner_step = hit_inner_step
+        super().__init__(cfg, profile, opts, swarm, splits, network=FaultyNetwork(swarm))
+
+    def train_once(self) -> None:
+        self._hit_inner_step()
+        super().train_once()

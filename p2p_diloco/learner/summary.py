@@ -14,8 +14,8 @@ from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.model import build_model
 
 if TYPE_CHECKING:
-    from p2p_diloco.learner.engine import DiLoCo
-    from p2p_diloco.learner.rounds import Rounds
+    from p2p_diloco.engine.engine import DiLoCo
+    from p2p_diloco.engine.rounds import Rounds
 
 
 def final_consensus(rounds: Rounds) -> list[float | None]:

@@ -518,7 +518,7 @@ class RecordPublisher:
             retry_interval_s = min(2 * retry_interval_s, 8.0)
 
     def start(self) -> None:
-        """Start the keep-alive thread (a joined :class:`~p2p_diloco.learner.swarm.Swarm`'s, from join to leave)."""
+        """Start the keep-alive thread (a joined :class:`~p2p_diloco.engine.swarm.Swarm`'s, from join to leave)."""
         self._thread = threading.Thread(target=self._loop, name="record-publisher", daemon=True)
         self._thread.start()
 

@@ -1,4 +1,4 @@
-"""The simulator as N real engines: K :class:`~p2p_diloco.learner.engine.DiLoCo` engines on one in-process network
+"""The simulator as N real engines: K :class:`~p2p_diloco.engine.engine.DiLoCo` engines on one in-process network
 (:class:`~p2p_diloco.transport.inprocess.Hub`), driven in lockstep from one thread, deterministically.
 
 Every round, download, late commit and catch-up is the engine's own -- the round policy the networked learner runs
@@ -35,8 +35,8 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.core.devices import load_into
 from p2p_diloco.core.inner import CPU, build_optimizer, train_step
 from p2p_diloco.core.model import build_model
-from p2p_diloco.learner.engine import DiLoCo
-from p2p_diloco.learner.options import SyncOptions
+from p2p_diloco.engine.engine import DiLoCo
+from p2p_diloco.engine.options import SyncOptions
 from p2p_diloco.sim.simulator import Attack, Event, SimResult, dp_fp32_bytes, evaluate_on, poison, progress_line
 from p2p_diloco.transport.inprocess import NO_GROUP, Hub, Member, Tamper
 

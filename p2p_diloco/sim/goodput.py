@@ -13,7 +13,7 @@ Failures (the same for both protocols)
     exponential with that mean), then is up again and its process restarts. At t = 0 every unit is
     up, trained to the same point and synced (steady state; no start-up charged).
 
-Our protocol (what ``p2p_diloco.learner.options`` / ``averaging`` do; see the README)
+Our protocol (what ``p2p_diloco.engine.options`` / ``averaging`` do; see the README)
     * A unit trains without ever waiting for anyone; a fixed share ``blocked_share`` of its
       training time is its inner loop blocked on averaging (measured, ~0.3%).
     * The model has F fragments; fragment j's rounds fall on the swarm clock every

@@ -29,20 +29,22 @@ PACKAGE = "p2p_diloco"
 ROOT = Path(__file__).resolve().parents[1]
 
 ALLOWED: dict[str, frozenset[str]] = {
-    "": frozenset({"core", "learner"}),  # the package's __init__: the public API, re-exported
+    "": frozenset({"core", "engine"}),  # the package's __init__: the public API, re-exported
     "core": frozenset(),
     "sync": frozenset({"core"}),
     "hivemind_ext": frozenset({"core"}),
     "net": frozenset({"core", "hivemind_ext"}),
     "averaging": frozenset({"core", "sync", "net", "hivemind_ext"}),  # sync: the round's Contribution
     "transport": frozenset({"core", "sync", "net", "averaging", "hivemind_ext"}),
-    "sim": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "hivemind_ext"}),
-    "learner": frozenset({"core", "sync", "net", "averaging", "transport", "hivemind_ext"}),
-    "integrations": frozenset({"core", "learner"}),
-    "local": frozenset({"core", "net", "learner", "sim", "hivemind_ext"}),
-    "tools": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "sim", "local", "hivemind_ext"}),
-    "cli": frozenset({"core", "sync", "net", "averaging", "transport", "learner", "sim", "local", "hivemind_ext",
-                      "tools"}),
+    "engine": frozenset({"core", "sync", "net", "averaging", "transport", "hivemind_ext"}),  # the library engine
+    "learner": frozenset({"core", "sync", "net", "averaging", "transport", "engine", "hivemind_ext"}),  # join's process
+    "sim": frozenset({"core", "sync", "net", "averaging", "transport", "engine", "hivemind_ext"}),
+    "integrations": frozenset({"core", "engine"}),
+    "local": frozenset({"core", "net", "engine", "learner", "sim", "hivemind_ext"}),
+    "tools": frozenset({"core", "sync", "net", "averaging", "transport", "engine", "learner", "sim", "local",
+                        "hivemind_ext"}),
+    "cli": frozenset({"core", "sync", "net", "averaging", "transport", "engine", "learner", "sim", "local",
+                      "hivemind_ext", "tools"}),
 }
 """Which subpackages each subpackage may import (besides itself and the top-level ``p2p_diloco``)."""
 

@@ -1,6 +1,6 @@
 """N engines in one process: an in-process network (:class:`Hub`) for the simulator and protocol tests.
 
-Each member is a real :class:`~p2p_diloco.learner.engine.DiLoCo` with its own loop (usually a thread): its round
+Each member is a real :class:`~p2p_diloco.engine.engine.DiLoCo` with its own loop (usually a thread): its round
 policy, catch-up, late commits and events are the engine's own; only what crosses the network is replaced here.
 
 - **Rounds.** A round's contribution (the engine's :class:`~p2p_diloco.sync.fragment.Contribution`, planned as the
@@ -95,7 +95,7 @@ class Member:
     state: str = "joining"
     alive: bool = True
     engine: Any = None
-    """Its :class:`~p2p_diloco.learner.engine.DiLoCo` (set when the engine makes its view)."""
+    """Its :class:`~p2p_diloco.engine.engine.DiLoCo` (set when the engine makes its view)."""
     side: int = 0
     """Its side of a network partition (:meth:`Hub.partition`): members see and average only with their side."""
     bytes_sent: int = 0

@@ -1,4 +1,4 @@
-"""The seam between the engine (:class:`~p2p_diloco.learner.engine.DiLoCo`) and a network: what it asks of one.
+"""The seam between the engine (:class:`~p2p_diloco.engine.engine.DiLoCo`) and a network: what it asks of one.
 
 An engine needs two things from its network, and nothing else of it:
 
@@ -9,7 +9,7 @@ An engine needs two things from its network, and nothing else of it:
 - a :class:`View` of the swarm: the other live learners' fragment ranks, states and steps, and the sync clock -- a
   read-only snapshot the engine's round policy decides from (who can form a group, who is ahead).
 
-:class:`Network` makes both for one engine. The hivemind network (:class:`p2p_diloco.learner.network.HivemindNetwork`)
+:class:`Network` makes both for one engine. The hivemind network (:class:`p2p_diloco.engine.network.HivemindNetwork`)
 starts an averager process per fragment (its hosts: :mod:`p2p_diloco.transport.hivemind`) and reads the DHT; the
 in-process one
 (:class:`p2p_diloco.transport.inprocess.Hub`) groups and reduces the rounds of N engines in one process.
@@ -95,7 +95,7 @@ class Host(Protocol):
 
 
 class View(Protocol):
-    """What an engine reads of the swarm (``learner.view.SwarmView`` is one)."""
+    """What an engine reads of the swarm (``engine.view.SwarmView`` is one)."""
 
     @property
     def clock(self) -> SyncClock | None: ...
@@ -117,7 +117,7 @@ class View(Protocol):
 
 
 class Member(Protocol):
-    """What an engine needs of a joined swarm (``learner.swarm.Swarm`` is one, ``transport.inprocess.LocalSwarm``
+    """What an engine needs of a joined swarm (``engine.swarm.Swarm`` is one, ``transport.inprocess.LocalSwarm``
     another): the run's config, our identity and record publisher (``joined``: ``peer_id``, ``name``, ``dht``,
     ``private_key``, ``publisher.update(state=...)``), the run (``local``: ``run_id``, ``config_hash``) and the private
     swarm's member check (``membership``, None in an open swarm)."""

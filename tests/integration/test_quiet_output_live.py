@@ -93,7 +93,7 @@ def test_a_learner_without_v_after_a_kill_9_and_a_sigterm(tmp_path: Path) -> Non
     assert all(line.startswith("p2p-diloco: SIGTERM") or " [WARN] " in line or " WARNING " in line
                for line in err["quiet"]), err["quiet"]
     # with -v: the round lines (hivemind's tracebacks too: test_a_failed_round_is_one_warning_line_and_whole_with_v)
-    assert any(" INFO p2p_diloco.learner.rounds: round f" in line for line in err["loud"]), err["loud"]
+    assert any(" INFO p2p_diloco.engine.rounds: round f" in line for line in err["loud"]), err["loud"]
     # SIGTERM: no asyncio or thread traceback on either
     for n, lines in err.items():
         text = "\n".join(lines)

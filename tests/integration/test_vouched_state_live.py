@@ -10,7 +10,7 @@ from averagers import averaging_swarm, wait_declared
 from p2p_diloco.averaging.decisions import anchor_hash, sharing_priority, vouch_key
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import state_payload
-from p2p_diloco.learner.view import vouched_heads
+from p2p_diloco.engine.view import vouched_heads
 from p2p_diloco.net.membership import owned_values, read_many
 from test_vouched_state import CFG, DEADLINE_S, FAKE, HONEST, MOMENTUM, NAMES, SHAPES
 

@@ -16,7 +16,7 @@ import torch
 from p2p_diloco import build_model, load_config
 from p2p_diloco.averaging.decisions import RoundMeta
 from p2p_diloco.core.config import Config
-from p2p_diloco.learner import checks
+from p2p_diloco.engine import checks
 
 from test_engine import OVERRIDES, engine, train
 from p2p_diloco import training_batches

@@ -15,7 +15,7 @@ from test_inprocess import RUN_DEADLINE_S, STEP_S, Loop, wait_for
 from p2p_diloco.core.config import Config, ConfigError, load_config
 from p2p_diloco.core.groups import clock_group
 from p2p_diloco.core.identity import config_hash
-from p2p_diloco.learner.options import check_network_supported
+from p2p_diloco.engine.options import check_network_supported
 from p2p_diloco.transport.inprocess import MISSING, NO_GROUP, VERDICTS_LOST, Hub
 
 CLOCK = ["outer.sync_every=8", "outer.fragments=2", "inner.batch_size=4", "averaging.schedule=clock",

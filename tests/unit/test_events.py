@@ -32,7 +32,7 @@ from p2p_diloco.core.events import (
     parse_event,
     read_events,
 )
-from p2p_diloco.learner.rounds import _round_event
+from p2p_diloco.engine.rounds import _round_event
 
 ENVELOPE = {"name", "step", "tokens", "time", "loss", "event"}
 ROUND_KEYS = ENVELOPE | {

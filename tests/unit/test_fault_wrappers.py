@@ -1,4 +1,4 @@
-"""The fault wrappers (``learner/faulty.py``, ``averaging/faulty.py``): each hits its point where the production code
+"""The fault wrappers (``engine/faulty.py``, ``averaging/faulty.py``): each hits its point where the production code
 used to, passes everything else through, and they are the only modules that hit a point (issue 47)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from p2p_diloco.averaging.faulty import FaultyAveragerHost, FaultyAveragerProces
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.core import faults
 from p2p_diloco.hivemind_ext.compression import get_codec
-from p2p_diloco.learner.faulty import FaultyHost
+from p2p_diloco.engine.faulty import FaultyHost
 
 OURS, THEIRS = PeerID(b"\x00\x05peerA"), PeerID(b"\x00\x05peerB")
 REDUCE_DEADLINE_S = 10.0
@@ -41,7 +41,7 @@ def test_only_the_fault_wrappers_hit_fault_points() -> None:
     root = Path(p2p_diloco.__file__).parent
     hitting = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if re.search(r"\bfaults\.(hit|after_first)\(", p.read_text()))
-    assert hitting == ["averaging/faulty.py", "learner/faulty.py"]
+    assert hitting == ["averaging/faulty.py", "engine/faulty.py"]
 
 
 def _done(value: Any) -> Future[Any]:

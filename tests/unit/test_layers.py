@@ -29,8 +29,10 @@ def test_a_forbidden_import_is_named_with_its_line(tmp_path: Path) -> None:
         "core/maths.py": "import torch\n\n\ndef f():\n    from p2p_diloco.net import records\n",
         "net/records.py": "from p2p_diloco.core import maths\n",
         "learner/loop.py": "from p2p_diloco.cli.common import out\n",
+        "engine/rounds.py": "def f():\n    from p2p_diloco.learner import loop\n",  # the engine never imports join's
     })
     problems = layers.violations(modules)
+    assert any("engine/rounds.py:2: engine/ may not import learner/" in p for p in problems), problems
     assert any("core/maths.py:5: core/ may not import net/" in p for p in problems), problems
     assert any("learner/loop.py:1: learner/ may not import cli/" in p for p in problems), problems
     assert not any("net/records.py" in p for p in problems)  # net may import core

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from p2p_diloco.core import fragments
-from p2p_diloco.learner.engine import DiLoCo
+from p2p_diloco.engine.engine import DiLoCo
 
 
 def stand_in(peer_steps: list[tuple[int, float, float]], now: float) -> SimpleNamespace:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from p2p_diloco.learner.options import published_key, publish_due, read_period_s, view_due
-from p2p_diloco.learner.view import SwarmView, known_past, settled, vouched_heads, with_heads
+from p2p_diloco.engine.options import published_key, publish_due, read_period_s, view_due
+from p2p_diloco.engine.view import SwarmView, known_past, settled, vouched_heads, with_heads
 
 KEY = ("training", (3, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -39,7 +39,7 @@ def test_view_is_read_at_every_tick_when_not_training() -> None:
 
 
 def test_waiting_for_peers_counts_inside_max_time() -> None:
-    from p2p_diloco.learner.options import wait_verdict, waiting_line
+    from p2p_diloco.engine.options import wait_verdict, waiting_line
 
     # started at t=100, began waiting at t=110 (start-up took 10 s); --max-time 60, --wait-peers gives up after 120 s
     assert wait_verdict(130.0, 110.0, 100.0, 60.0, 120.0) == "wait"

@@ -182,7 +182,7 @@ def test_leaving_the_block_on_ctrl_c_cancels_the_rounds_in_flight(caplog: pytest
     from test_engine import OVERRIDES, fake_swarm, train
 
     from p2p_diloco import DiLoCo, build_model, training_batches
-    from p2p_diloco.learner import rounds
+    from p2p_diloco.engine import rounds
     from p2p_diloco.transport import hivemind
 
     cfg = load_config("llama-tiny", OVERRIDES)

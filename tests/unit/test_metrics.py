@@ -18,8 +18,8 @@ import pytest
 from p2p_diloco.cli import main as cli
 from p2p_diloco.net import joined as joined_module
 from p2p_diloco.core.events import EvalEvent, Event, ResyncEvent, RoundEvent
-from p2p_diloco.learner.engine import DiLoCo
-from p2p_diloco.learner.metrics import (
+from p2p_diloco.engine.engine import DiLoCo
+from p2p_diloco.engine.metrics import (
     EventLog, JsonlSink, MetricsSpec, ScalarTracker, open_event_log, parse_metrics_spec,
 )
 

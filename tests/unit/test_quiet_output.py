@@ -70,8 +70,8 @@ import logging, os, sys
 sys.path.insert(0, {root!r})
 from p2p_diloco.cli.common import setup_logging
 setup_logging({verbose!r})
-logging.getLogger("p2p_diloco.learner.rounds").info("round f0 v1 committed")
-logging.getLogger("p2p_diloco.learner.rounds").warning("a warning of ours")
+logging.getLogger("p2p_diloco.engine.rounds").info("round f0 v1 committed")
+logging.getLogger("p2p_diloco.engine.rounds").warning("a warning of ours")
 import hivemind.utils.logging as hl
 hl.get_logger("hivemind.averaging.averager").info("hivemind info")
 hl.get_logger("hivemind.averaging.averager").warning("hivemind warning")

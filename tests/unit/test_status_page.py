@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from p2p_diloco.cli.serve import StatusServer
 from p2p_diloco.core.events import EvalEvent, ResyncEvent, RoundEvent
-from p2p_diloco.learner.metrics import PrometheusSink, parse_metrics_spec
+from p2p_diloco.engine.metrics import PrometheusSink, parse_metrics_spec
 from p2p_diloco.net.dashboard import ServeAddress, parse_serve_address
 from p2p_diloco.net.records import LocalRun, PeerRecord, PeerView
 from p2p_diloco.net.report import snapshot_json

@@ -1,6 +1,6 @@
 """The hivemind network of an engine (:class:`~p2p_diloco.transport.network.Network`): the hivemind transport's hosts,
 one averager process per fragment on the swarm's DHT (:func:`~p2p_diloco.transport.hivemind.averager_hosts`), and the
-learner's status thread that reads the records and tends the clock (:class:`~p2p_diloco.learner.view.SwarmView`).
+learner's status thread that reads the records and tends the clock (:class:`~p2p_diloco.engine.view.SwarmView`).
 What :class:`DiLoCo` uses unless it is given another network."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco.learner.options import check_network_supported
-from p2p_diloco.learner.view import SwarmView
+from p2p_diloco.engine.options import check_network_supported
+from p2p_diloco.engine.view import SwarmView
 from p2p_diloco.transport.hivemind import averager_hosts
 
 if TYPE_CHECKING:
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 
 
 class HivemindNetwork:
-    """A joined :class:`~p2p_diloco.learner.swarm.Swarm`'s network."""
+    """A joined :class:`~p2p_diloco.engine.swarm.Swarm`'s network."""
 
     host_class: type[FragmentAveragerHost] | None = None
-    """Each fragment's averager (None: :func:`~p2p_diloco.transport.hivemind.start_averagers`' default; :class:`p2p_diloco.learner.faulty.FaultyNetwork`
+    """Each fragment's averager (None: :func:`~p2p_diloco.transport.hivemind.start_averagers`' default; :class:`p2p_diloco.engine.faulty.FaultyNetwork`
     starts faulty ones)."""
 
     def __init__(self, swarm: Member) -> None:

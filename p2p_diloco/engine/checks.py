@@ -1,4 +1,4 @@
-"""Checks of what a user hands the engine (:class:`~p2p_diloco.learner.engine.DiLoCo`): ``step``'s tokens and
+"""Checks of what a user hands the engine (:class:`~p2p_diloco.engine.engine.DiLoCo`): ``step``'s tokens and
 loss, the model and its optimizer, a state dict to restore. Pure functions: each returns the checked value or
 raises one line -- ``TypeError`` for a wrong type, ``ValueError`` for a wrong value -- naming the argument and what
 it must be, before anything reaches the fragments, our record or the wire.
@@ -89,7 +89,7 @@ class FragmentState:
 
 @dataclass(frozen=True)
 class EngineState:
-    """A checked :meth:`~p2p_diloco.learner.engine.DiLoCo.state_dict`: every fragment's state, copied, and the
+    """A checked :meth:`~p2p_diloco.engine.engine.DiLoCo.state_dict`: every fragment's state, copied, and the
     step and token counts."""
 
     step: int

@@ -40,7 +40,7 @@ from p2p_diloco.averaging.linktime import (
 from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
-from p2p_diloco.learner.options import ROUND_POLL_S
+from p2p_diloco.engine.options import ROUND_POLL_S
 from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks

@@ -39,7 +39,7 @@ import tomllib
 
 from p2p_diloco.core import data
 from p2p_diloco.core.config import Config
-from p2p_diloco.learner.metrics import MetricsSpec
+from p2p_diloco.engine.metrics import MetricsSpec
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class Profile:
 
 @dataclass(frozen=True)
 class SyncOptions:
-    """A unit's choices for its engine (:class:`~p2p_diloco.learner.engine.DiLoCo`) that are not part of the run's
+    """A unit's choices for its engine (:class:`~p2p_diloco.engine.engine.DiLoCo`) that are not part of the run's
     config (they do not change its hash). Every default suits a library user's own loop."""
 
     events_path: Path | None = None
@@ -165,7 +165,7 @@ class SyncOptions:
                 raise TypeError(f"SyncOptions.events_path must be a path or None, got {type(self.events_path).__name__}")
             object.__setattr__(self, "events_path", Path(self.events_path))
         if not isinstance(self.metrics, (tuple, list)) or not all(isinstance(m, MetricsSpec) for m in self.metrics):
-            raise TypeError("SyncOptions.metrics must be a tuple of MetricsSpec (p2p_diloco.learner.metrics)")
+            raise TypeError("SyncOptions.metrics must be a tuple of MetricsSpec (p2p_diloco.engine.metrics)")
         object.__setattr__(self, "metrics", tuple(self.metrics))
         if not isinstance(self.wait_peers, int) or isinstance(self.wait_peers, bool):
             raise TypeError(f"SyncOptions.wait_peers must be an int, got {type(self.wait_peers).__name__}")

@@ -1,11 +1,11 @@
-"""The sync engine: Decoupled DiLoCo around any PyTorch training loop (see :mod:`p2p_diloco.learner.options`).
+"""The sync engine: Decoupled DiLoCo around any PyTorch training loop (see :mod:`p2p_diloco.engine.options`).
 
 :class:`DiLoCo` owns a model's fragments, the schedule and the round policy. The user's loop does its own
 forward, backward and ``optimizer.step()``, then calls :meth:`DiLoCo.step`, which hands the due fragments'
 pseudo-gradients off to their averagers, applies the rounds that came back and starts downloads of the
 fragments a peer is ahead on -- never waiting for the network. Behind it: each fragment's state machine
-(:class:`~p2p_diloco.sync.fragment.FragmentSync`), driven by :class:`~p2p_diloco.learner.rounds.Rounds` over the
-fragment averagers, and the status thread (:class:`~p2p_diloco.learner.view.SwarmView`) that publishes our
+(:class:`~p2p_diloco.sync.fragment.FragmentSync`), driven by :class:`~p2p_diloco.engine.rounds.Rounds` over the
+fragment averagers, and the status thread (:class:`~p2p_diloco.engine.view.SwarmView`) that publishes our
 record, reads the others' and tends the sync clock. ``p2p-diloco join`` (:mod:`p2p_diloco.learner.loop`) is one
 client of it; ``examples/`` and :mod:`p2p_diloco.integrations` are others.
 """
@@ -28,16 +28,16 @@ from p2p_diloco.core import data, events, fragments, outer
 from p2p_diloco.core.devices import to_host
 from p2p_diloco.core.model import build_model as model_of
 from p2p_diloco.core.model import unwrapped
-from p2p_diloco.learner import checks
-from p2p_diloco.learner.metrics import open_event_log
-from p2p_diloco.learner.options import SyncOptions, check_supported
-from p2p_diloco.learner.network import HivemindNetwork
-from p2p_diloco.learner.rounds import Rounds
+from p2p_diloco.engine import checks
+from p2p_diloco.engine.metrics import open_event_log
+from p2p_diloco.engine.options import SyncOptions, check_supported
+from p2p_diloco.engine.network import HivemindNetwork
+from p2p_diloco.engine.rounds import Rounds
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
     from p2p_diloco.core.config import Config
-    from p2p_diloco.learner.swarm import Swarm
+    from p2p_diloco.engine.swarm import Swarm
     from p2p_diloco.net.clock import SyncClock
     from p2p_diloco.transport.network import Member, Network
 
@@ -92,7 +92,7 @@ def check_start(model: torch.nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
 
 
 class DiLoCo:
-    """Decoupled DiLoCo for one learner unit on a joined :class:`~p2p_diloco.learner.swarm.Swarm`.
+    """Decoupled DiLoCo for one learner unit on a joined :class:`~p2p_diloco.engine.swarm.Swarm`.
 
     ``model`` holds the local weights (on any device) and ``optimizer`` is the inner optimizer that steps them; the
     engine reads ``optimizer.state`` only to reset a fragment's moments when its progress is dropped. With
@@ -298,7 +298,7 @@ class DiLoCo:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (of this run: the config hash must match), then advertise the anchors and
         vouch for them. The whole state is checked first (keys, shapes, fp32, finite values, non-negative counts:
-        :func:`~p2p_diloco.learner.checks.check_state`), then every fragment is replaced, or none. Load the model's
+        :func:`~p2p_diloco.engine.checks.check_state`), then every fragment is replaced, or none. Load the model's
         weights and the optimizer's state too: the engine does not."""
         checked = checks.check_state(state, self.local.config_hash, [s.names for s in self.slots],
                                      {n: p.shape for n, p in self.params.items()})

@@ -1,10 +1,12 @@
-"""The learner's fault points (``p2p-diloco join --fault``, :mod:`p2p_diloco.core.faults`): a loop, a network and a
-host that wrap the production ones from outside, hit their points and otherwise do exactly what they do.
+"""The engine's fault points (``p2p-diloco join --fault``, :mod:`p2p_diloco.core.faults`): a network and a host that
+wrap the production ones from outside, hit their points and otherwise do exactly what they do.
 
-``p2p-diloco join`` builds a :class:`FaultyLearner` instead of a :class:`~p2p_diloco.learner.loop.Learner` only when
-faults are armed, after :func:`faults.arm` and so before the averager processes are forked. Points:
+``p2p-diloco join`` builds a :class:`~p2p_diloco.learner.loop.FaultyLearner` (a loop on a :class:`FaultyNetwork`)
+instead of a :class:`~p2p_diloco.learner.loop.Learner` only when faults are armed, after :func:`faults.arm` and so
+before the averager processes are forked. Points:
 
-- ``inner-step`` (:class:`FaultyLearner`): before each turn of the loop;
+- ``inner-step`` (:func:`hit_inner_step`, which the join command's ``FaultyLearner`` calls): before each turn of
+  the loop;
 - ``before-send`` (:class:`FaultyHost`): as a round's contribution is handed to its fragment's host;
 - the averaging side's points (``while-sending``, ``while-reducing``, ``serving-state``, ``fetching-state``,
   ``reading-verdicts``): :class:`FaultyNetwork` starts :class:`~p2p_diloco.averaging.faulty.FaultyAveragerHost`\\ s.
@@ -18,8 +20,7 @@ from typing import TYPE_CHECKING
 
 from p2p_diloco.averaging.faulty import FaultyAveragerHost
 from p2p_diloco.core import faults
-from p2p_diloco.learner.loop import Learner
-from p2p_diloco.learner.network import HivemindNetwork
+from p2p_diloco.engine.network import HivemindNetwork
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
     from p2p_diloco.averaging.host import Download, RoundOutcome
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
-    from p2p_diloco.core.data import TrainingData
-    from p2p_diloco.learner.options import LearnerOptions, Profile
-    from p2p_diloco.learner.swarm import Swarm
     from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
     from p2p_diloco.transport.network import Host, Rank, RoundContext
@@ -74,13 +72,7 @@ class FaultyNetwork(HivemindNetwork):
         return [FaultyHost(host) for host in super().hosts(cfg, slots, shapes)]
 
 
-class FaultyLearner(Learner):
-    """A :class:`~p2p_diloco.learner.loop.Learner` on a :class:`FaultyNetwork`, with the ``inner-step`` point."""
-
-    def __init__(self, cfg: Config, profile: Profile, opts: LearnerOptions, swarm: Swarm,
-                 splits: TrainingData | None = None) -> None:
-        super().__init__(cfg, profile, opts, swarm, splits, network=FaultyNetwork(swarm))
-
-    def train_once(self) -> None:
-        faults.hit("inner-step")
-        super().train_once()
+def hit_inner_step() -> None:
+    """The ``inner-step`` point: the join command's loop (:class:`~p2p_diloco.learner.loop.FaultyLearner`) hits it
+    before each turn, so that only the fault wrappers' modules name a point."""
+    faults.hit("inner-step")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
 from p2p_diloco.core import events
 from p2p_diloco.core.logs import log_handled
-from p2p_diloco.learner.options import (
+from p2p_diloco.engine.options import (
     CLOCK_REPUBLISH_S,
     CLOCK_SKIP_STEPS,
     CLOCK_START_MARGIN_S,
@@ -50,8 +50,8 @@ from p2p_diloco.net.clock import (
 
 if TYPE_CHECKING:
     from p2p_diloco.core.config import Config
-    from p2p_diloco.learner.options import SyncOptions
-    from p2p_diloco.learner.rounds import Rounds
+    from p2p_diloco.engine.options import SyncOptions
+    from p2p_diloco.engine.rounds import Rounds
     from p2p_diloco.net.joined import Joined
     from p2p_diloco.net.records import LocalRun
     from p2p_diloco.sync.slot import FragmentSlot
@@ -105,7 +105,7 @@ def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str
 
 
 class Owner(Protocol):
-    """What the status thread reads of its engine (:class:`~p2p_diloco.learner.engine.DiLoCo` is one; a protocol,
+    """What the status thread reads of its engine (:class:`~p2p_diloco.engine.engine.DiLoCo` is one; a protocol,
     because the engine builds its view: it imports this module, not the other way round)."""
 
     cfg: Config
