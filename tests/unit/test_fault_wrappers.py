@@ -23,8 +23,10 @@ import p2p_diloco
 from p2p_diloco.averaging.faulty import FaultyAveragerHost, FaultyAveragerProcess, FaultyRunner
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.core import faults
+from p2p_diloco.core.config import load_config
+from p2p_diloco.engine.faulty import FaultyHost, FaultyNetwork
 from p2p_diloco.hivemind_ext.compression import get_codec
-from p2p_diloco.engine.faulty import FaultyHost
+from p2p_diloco.learner.loop import FaultyLearner, Learner
 
 OURS, THEIRS = PeerID(b"\x00\x05peerA"), PeerID(b"\x00\x05peerB")
 REDUCE_DEADLINE_S = 10.0
@@ -102,6 +104,31 @@ def test_faulty_host_hits_before_send_then_passes_everything_through(armed: Any,
     assert host.bytes_total() == (3, 4) and host.prefix == "run-f0"
     assert inner.calls == [("start_round", 0), ("start_round", 1), ("fetch_state", (3, "ab"), None),
                            ("set_anchor", 3, "ab"), ("vouch", 3, "ab"), ("cancel",), ("shutdown",)]
+
+
+def test_the_join_loops_faulty_learner_runs_on_a_faulty_network_and_hits_inner_step_first(
+        armed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``learner.loop.FaultyLearner`` (join's process) takes the engine's ``FaultyNetwork`` and hits ``inner-step``
+    through ``engine.faulty`` before each turn of the loop."""
+    seen: dict[str, Any] = {"turns": 0}
+
+    def fake_init(self: Any, cfg: Any, profile: Any, opts: Any, swarm: Any, splits: Any = None,
+                  network: Any = None) -> None:
+        seen["network"] = network
+
+    def fake_turn(self: Any) -> None:
+        seen["turns"] += 1
+
+    monkeypatch.setattr(Learner, "__init__", fake_init)
+    monkeypatch.setattr(Learner, "train_once", fake_turn)
+    armed("raise@inner-step:at=2")
+    swarm: Any = SimpleNamespace(config=load_config("tiny"))
+    learner = FaultyLearner(swarm.config, SimpleNamespace(), SimpleNamespace(), swarm)
+    assert isinstance(seen["network"], FaultyNetwork) and seen["network"].swarm is swarm
+    learner.train_once()
+    with pytest.raises(faults.FaultInjected, match=r"raise@inner-step:at=2 \(hit 2\)"):
+        learner.train_once()
+    assert seen["turns"] == 1  # the point fires before the loop's turn
 
 
 def test_faulty_averager_host_blinds_its_reads_of_verdicts(armed: Any) -> None:
