@@ -376,59 +376,64 @@ class SwarmView:
             logger.warning("publishing the sync clock was not accepted by any DHT node; retrying next period")
 
     def wait_for_peers(self, stop: threading.Event) -> None:
-        """Start together: wait until ``wait_peers`` learners (us included) are live, then agree on a start
-        instant. Each learner proposes ``now + START_MARGIN_S`` (DHT time, signed subkey) and all start at
-        the latest of the first ``wait_peers`` proposals -- the same instant for everyone, which keeps
-        step-count schedules in phase (seeing the records at different moments would not)."""
-        from p2p_diloco.averaging.decisions import start_instant
-        from p2p_diloco.net.membership import owned_values, owner_subkey
+        """Start together with ``wait_peers`` learners (:func:`start_together`)."""
+        start_together(self, stop)
 
-        me = self.learner
-        opts, dht = me.opts, me.joined.dht
-        n = opts.wait_peers
-        if n <= 1:
-            return
-        waited_from = last_report = time.monotonic()
 
-        def keep_waiting(what: str) -> bool:
-            """False: stop waiting and train no step (a signal, or --max-time ran out); raises on the timeout."""
-            nonlocal last_report
-            now = time.monotonic()
-            verdict = wait_verdict(now, waited_from, opts.started_at, opts.max_time_s, opts.wait_peers_timeout_s)
-            if verdict == "timeout":
-                raise ValueError(f"{what} within {opts.wait_peers_timeout_s:.0f} s (--wait-peers {n})")
-            if verdict == "max-time":
-                logger.warning("--max-time %g s ran out while waiting for peers (%s); leaving without training",
-                               opts.max_time_s, what)
-                return False
-            if now - last_report >= opts.wait_peers_report_s:
-                last_report = now
-                logger.info("%s", waiting_line(self.live_learners, n, now - waited_from))
-            return not stop.is_set()
+def start_together(view: SwarmView, stop: threading.Event) -> None:
+    """Start together: wait until ``wait_peers`` learners (us included) are live, then agree on a start
+    instant. Each learner proposes ``now + START_MARGIN_S`` (DHT time, signed subkey) and all start at
+    the latest of the first ``wait_peers`` proposals -- the same instant for everyone, which keeps
+    step-count schedules in phase (seeing the records at different moments would not)."""
+    from p2p_diloco.averaging.decisions import start_instant
+    from p2p_diloco.net.membership import owned_values, owner_subkey
 
-        def started_without_us() -> bool:
-            if swarm_started(self.peer_states):
-                logger.info("a live learner already trains: starting now, without waiting for %d peers", n)
-                return True
+    me = view.learner
+    opts, dht = me.opts, me.joined.dht
+    n = opts.wait_peers
+    if n <= 1:
+        return
+    waited_from = last_report = time.monotonic()
+
+    def keep_waiting(what: str) -> bool:
+        """False: stop waiting and train no step (a signal, or --max-time ran out); raises on the timeout."""
+        nonlocal last_report
+        now = time.monotonic()
+        verdict = wait_verdict(now, waited_from, opts.started_at, opts.max_time_s, opts.wait_peers_timeout_s)
+        if verdict == "timeout":
+            raise ValueError(f"{what} within {opts.wait_peers_timeout_s:.0f} s (--wait-peers {n})")
+        if verdict == "max-time":
+            logger.warning("--max-time %g s ran out while waiting for peers (%s); leaving without training",
+                           opts.max_time_s, what)
             return False
+        if now - last_report >= opts.wait_peers_report_s:
+            last_report = now
+            logger.info("%s", waiting_line(view.live_learners, n, now - waited_from))
+        return not stop.is_set()
 
-        while self.live_learners < n:
-            if not keep_waiting(f"only {self.live_learners} of {n} learners came up") or started_without_us():
-                return
-            time.sleep(START_BARRIER_POLL_S)
-        key = f"{me.local.run_id}_start_barrier"
-        now = me.dht_time()
-        dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
-        while True:
-            proposals = {p: float(v) for p, v in owned_values(dht.get(key, latest=True)).items()
-                         if isinstance(v, (int, float)) and math.isfinite(v)}
-            start = start_instant(proposals, n)
-            if start is not None:
-                break
-            if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start") or started_without_us():
-                return
-            time.sleep(START_BARRIER_POLL_S)
-        wait_s = start - me.dht_time()
-        logger.info("%d learners ready; starting together in %.2f s", n, wait_s)
-        if wait_s > 0:
-            stop.wait(wait_s)
+    def started_without_us() -> bool:
+        if swarm_started(view.peer_states):
+            logger.info("a live learner already trains: starting now, without waiting for %d peers", n)
+            return True
+        return False
+
+    while view.live_learners < n:
+        if not keep_waiting(f"only {view.live_learners} of {n} learners came up") or started_without_us():
+            return
+        time.sleep(START_BARRIER_POLL_S)
+    key = f"{me.local.run_id}_start_barrier"
+    now = me.dht_time()
+    dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
+    while True:
+        proposals = {p: float(v) for p, v in owned_values(dht.get(key, latest=True)).items()
+                     if isinstance(v, (int, float)) and math.isfinite(v)}
+        start = start_instant(proposals, n)
+        if start is not None:
+            break
+        if not keep_waiting(f"only {len(proposals)} of {n} learners proposed a start") or started_without_us():
+            return
+        time.sleep(START_BARRIER_POLL_S)
+    wait_s = start - me.dht_time()
+    logger.info("%d learners ready; starting together in %.2f s", n, wait_s)
+    if wait_s > 0:
+        stop.wait(wait_s)

@@ -119,7 +119,7 @@ def test_the_view_probes_a_fragment_from_its_boundary_until_it_advances() -> Non
 def test_a_learner_waiting_for_peers_joins_a_swarm_that_already_trains() -> None:
     """A learner killed while the others waited at the start barrier, replaced by one that joined the running swarm
     (no start proposal): the waiting ones start when a live learner trains, instead of waiting out --max-time."""
-    from p2p_diloco.learner.options import swarm_started
+    from p2p_diloco.engine.options import swarm_started
 
     assert not swarm_started([])
     assert not swarm_started(["joining", "joining"])
