@@ -85,6 +85,7 @@ def test_a_clock_beyond_the_dht_tolerance_fails_the_join_with_one_line(swarms: S
     print(f"\n{swarm or 'open'} {offset_s:+g} s: refused in {time.monotonic() - t0:.1f} s: {line}")
     m = re.search(r"our clock is ([\d.]+) s (ahead of|behind) an initial peer", line)
     assert m is not None and "\n" not in line, line
-    assert float(m.group(1)) == pytest.approx(abs(offset_s), abs=1.0)  # less the ping's round trip
+    # less the ping's round trip: a second or more when the suite's parallel workers load the machine
+    assert float(m.group(1)) == pytest.approx(abs(offset_s), abs=5.0)
     assert m.group(2) == ("ahead of" if offset_s > 0 else "behind")
 

@@ -114,8 +114,10 @@ def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
     budget: every learner trains until the end, far past tiny.toml's 40 steps (no step cap), and the anchors
     are compared among those that finished together; the killed one is left out, with why."""
     out = tmp_path / "run"
+    # a fixed period: rounds commit from the start, so the learner restarted at half-time is behind on every fragment
+    # (a derived period waits for measured step times, and under the suite's load nothing had committed by then)
     clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
-             "averaging.window_s=1.5")
+             "averaging.window_s=1.5", "--set", "averaging.sync_period_s=5.0")
     with ProcGroup(tmp_path) as procs:
         procs.env["P2P_DILOCO_CACHE"] = str(tmp_path / "cache")
         rc, proc, wall_s = procs.run("swarm", "--peers", "3", "--config", TINY, *clock, "--minutes", "0.75", "--chaos",
