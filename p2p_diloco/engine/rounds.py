@@ -80,7 +80,6 @@ class FragmentLink:
         r = self.rounds
         return RoundContext(due=r.dht_time(), window_s=r.window_s, link=r.link.estimate(), clock=r.view.clock,
                             fragments=len(r.syncs), own_id=r.own_id, roster=tuple(r.roster()),
-                            peer_ranks=tuple(fragment_ranks(r.view, fragment)),
                             peers=tuple(fragment_peers(r.view, fragment)),
                             live_ranks=functools.partial(fragment_ranks, r.view, fragment))
 

@@ -240,7 +240,8 @@ class Hub:
 
     def seen_by(self, member: Member) -> list[Member]:
         """:meth:`others` as ``member``'s view has them (:meth:`blind`)."""
-        hidden = self._blind.get(member.name, set())
+        with self._lock:
+            hidden = self._blind.get(member.name, set())
         return [m for m in self.others(member) if m.name not in hidden]
 
     # ------------------------------------------------------------ rounds
@@ -296,9 +297,9 @@ class Hub:
             return
         reason = failure or self._refusal(offers)
         outcomes = self._failed(group, offers, reason) if reason else self._reduced(group, offers)
-        self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers),
-                                       not reason and any(o.committed for o in outcomes),
-                                       "committed" if any(o.committed for o in outcomes) else outcomes[0].reason,
+        committed = any(o.committed for o in outcomes)  # a member whose verdicts were lost discards what others commit
+        self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,
+                                       "committed" if committed else outcomes[0].reason,
                                        tuple(o.contribution.weight for o in offers),
                                        sum(o.contribution.tokens for o in offers), group.complete))
         for o, outcome in zip(offers, outcomes):

@@ -57,13 +57,16 @@ class RoundContext:
     """Our peer id."""
     roster: tuple[str, ...]
     """The live learners we know of, us included (the cells of the grid groups), sorted."""
-    peer_ranks: tuple[Rank, ...]
-    """This fragment's rank in the other live learners' records, at the hand-off."""
+    peers: tuple[tuple[str, Rank], ...]
+    """(peer id, this fragment's rank) of the other live learners, at the hand-off."""
     live_ranks: Callable[[], Sequence[Rank]]
     """The same as the view holds it when called (:func:`fragment_ranks` of the view): a read-only look that the
     round's worker polls while it matches (its doomed check), never the engine's state."""
-    peers: tuple[tuple[str, Rank], ...] = ()
-    """(peer id, this fragment's rank) of the other live learners, at the hand-off (groups from the clock)."""
+
+    @property
+    def peer_ranks(self) -> tuple[Rank, ...]:
+        """This fragment's rank in the other live learners' records, at the hand-off."""
+        return tuple(rank for _, rank in self.peers)
 
 
 def fragment_peers(view: View, fragment: int) -> list[tuple[str, Rank]]:

@@ -43,11 +43,11 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
         group = grid_group(context, clock.round_index(now, c.fragment, context.fragments), a.target_group_size, prefix)
         bits = grid_group_bits(round(boundary * 1000), group[0])
     window_s = context.window_s
-    group_id, members = "", tuple[str, ...]()
-    if a.matchmaking == "clock" and clock is not None and boundary is not None:  # the group is known: no window
-        group_id, members = clock_group(prefix, c.fragment, (c.version, c.anchor_hash),
-                                        clock.round_index(now, c.fragment, context.fragments), context.own_id,
-                                        dict(context.peers))
+    no_group: tuple[str, tuple[str, ...]] = ("", ())  # matchmaking finds the group
+    group_id, members = (clock_group(prefix, c.fragment, (c.version, c.anchor_hash),  # the group is known: no window
+                                     clock.round_index(now, c.fragment, context.fragments), context.own_id,
+                                     dict(context.peers))
+                         if a.matchmaking == "clock" and clock is not None and boundary is not None else no_group)
     if boundary is not None:
         scheduled = max((boundary if boundary <= now else now) + window_s, now + a.request_timeout_s)
     else:
