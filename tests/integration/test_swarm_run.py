@@ -58,7 +58,9 @@ def alive(pid: int) -> bool:
 
 def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
     """A step budget (--minutes 0); no stored data-parallel curve for tiny.toml: one is computed for the
-    run's tokens after it, cached (not under results/), and the summary has the figure."""
+    run's tokens after it, cached (not under results/), and the summary has the figure. Three learners on the
+    step schedule: each averages every fragment, its "last sync" is its last committed round's DHT time, the
+    last group of each fragment holds one anchor, and all end with identical anchors."""
     out, cache = tmp_path / "run", tmp_path / "cache"
     with ProcGroup(tmp_path) as procs:
         procs.env["P2P_DILOCO_CACHE"] = str(cache)
@@ -74,6 +76,22 @@ def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
     slow, fast = report["learners"]["slower-1"], report["learners"]["quick-0"]
     assert slow["steps"] == fast["steps"] == 120  # a step budget: the slower one takes longer
     assert report["finished_together"] == ["quick-0", "quick-2", "slower-1"] and report["excluded"] == {}
+    logs = {n: [json.loads(line) for line in (out / "logs" / f"{n}.jsonl").read_text().splitlines()]
+            for n in report["learners"]}
+    committed = {n: [e for e in log if e["event"] == "round" and e["outcome"] == "committed"] for n, log in logs.items()}
+    for n, f in report["learners"].items():
+        print(f"{n}: committed {f['committed']} discarded {f['discarded']} resynced {f['resynced']}; blocked "
+              f"{100 * f['blocked_share']:.2f}%")
+        assert all(c >= 1 for c in f["committed"]), f  # every learner averaged every fragment
+        # what `status` shows as "last sync": the DHT time of its last committed round
+        assert 0 <= max(e["time"] for e in committed[n]) - f["last_sync_time"] < 1.0, f
+    # the last committed group of each fragment: its members hold the same anchor after it
+    by_peer = {f["peer_id"]: n for n, f in report["learners"].items()}
+    for fragment in range(len(fast["versions"])):
+        last = {n: [e for e in rounds if e["fragment"] == fragment][-1] for n, rounds in committed.items()}
+        group = max(last.values(), key=lambda e: e["version_after"])
+        members = [by_peer[p] for p in group["peers"] if p in by_peer]
+        assert len(members) >= 2 and len({last[m]["anchor_hash"] for m in members}) == 1, (group, last)
     ref = report["reference"]
     assert ref["eval_loss"] is not None and ref["tokens"] == report["tokens"], ref
     assert ref["reference_tokens"] >= report["tokens"] and ref["computed_s"] > 0, ref
@@ -110,7 +128,8 @@ def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
 
 def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
     """--chaos: kill -9 of the last learner at 1/3 of the run, a new one in its place at 1/2; the new one
-    downloads the current anchors (it is behind on every fragment) and takes part in rounds again. A time
+    downloads the current anchors (it is behind on every fragment: a late joiner, from version 0) and takes part
+    in rounds again. A time
     budget: every learner trains until the end, far past tiny.toml's 40 steps (no step cap), and the anchors
     are compared among those that finished together; the killed one is left out, with why."""
     out = tmp_path / "run"
@@ -130,6 +149,11 @@ def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
     assert sorted(report["learners"]) == ["quick-0", "quick-2-rejoined", "slower-1"]  # the killed one never reported
     back = report["learners"]["quick-2-rejoined"]
     assert min(back["resynced"]) >= 1 and sum(back["committed"]) >= 1, back
+    # a fresh learner in a running swarm: its first download of each fragment rebased it from version 0
+    logged = [json.loads(line) for line in (out / "logs" / "quick-2-rejoined.jsonl").read_text().splitlines()]
+    firsts = {f: next(e for e in logged if e["event"] == "resync" and e["fragment"] == f)
+              for f in range(len(back["versions"]))}
+    assert all(e["outcome"] == "rebased" and e["version"] == 0 < e["version_after"] for e in firsts.values()), firsts
     assert report["anchors_identical"], {n: f["anchor_hashes"] for n, f in report["learners"].items()}
     assert report["finished_together"] == ["quick-0", "quick-2-rejoined", "slower-1"], report["excluded"]
     assert report["excluded"]["quick-2"].startswith("killed by --chaos (kill -9) at "), report["excluded"]

@@ -1,14 +1,15 @@
-"""Four :class:`p2p_diloco.DiLoCo` engines in one process on the in-process network (:mod:`p2p_diloco.transport.
+"""Several :class:`p2p_diloco.DiLoCo` engines in one process on the in-process network (:mod:`p2p_diloco.transport.
 inprocess`), each with its own loop in a thread: rounds commit with identical anchors inside each group, a
 straggler falls behind and comes back (it downloads what the others committed), a member killed mid-run leaves the
-others going, and a newcomer rejoining under its name catches up and contributes. Every round, download and event
-is the engine's own; only what crosses the network is the hub's."""
+others going, a newcomer rejoining under its name catches up and contributes, a partition forks and heals, a
+learner frozen mid-round comes back within three rounds, and one that leaves leaves the others averaging as a pair.
+Every round, download and event is the engine's own; only what crosses the network is the hub's."""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -35,12 +36,12 @@ class Loop:
     """One learner: its engine and the plain loop that drives it, in a thread of its own."""
 
     def __init__(self, hub: Hub, cfg: Config, name: str, seed: int, steps: int, pace_s: float,
-                 wait_peers: int) -> None:
+                 wait_peers: int, linger_s: float = 20.0) -> None:
         self.name, self.steps, self.pace_s = name, steps, pace_s
         self.swarm = hub.join(name)
         self.model = build_model(cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr)
-        self.diloco = DiLoCo(self.model, self.opt, self.swarm, SyncOptions(wait_peers=wait_peers, linger_s=20.0,
+        self.diloco = DiLoCo(self.model, self.opt, self.swarm, SyncOptions(wait_peers=wait_peers, linger_s=linger_s,
                                                                             wait_peers_timeout_s=60.0),
                              network=self.swarm.network)
         self.heard: list[events.Event] = []
@@ -49,6 +50,10 @@ class Loop:
         self.killed = threading.Event()
         self.pauses: dict[int, float] = {}
         """Step -> seconds the loop stops before it (a learner paused while its record still shows it live)."""
+        self.on_pause: Callable[[], None] = lambda: None
+        """Called as a pause begins (a fault that comes with it)."""
+        self.paused: list[tuple[float, float]] = []
+        """(start, end) of each pause, in wall-clock seconds (the events' clock)."""
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
 
@@ -57,7 +62,11 @@ class Loop:
             d = self.diloco
             d.start()
             for step in range(self.steps):
-                time.sleep(self.pauses.get(step, 0.0))
+                if step in self.pauses:
+                    start = time.time()
+                    self.on_pause()
+                    time.sleep(self.pauses[step])
+                    self.paused.append((start, time.time()))
                 if self.killed.is_set():
                     d.close()  # a dead process's engine does nothing more; nobody hears from it
                     return
@@ -180,3 +189,76 @@ def test_a_partition_forks_the_swarm_and_the_fork_heals_when_it_ends(cfg: Config
     assert any(e.outcome == "fork healed" for e in healed), healed
     assert len({tuple(loop.diloco.versions) for loop in loops.values()}) == 1
     assert len({tuple(loop.diloco.anchor_hashes) for loop in loops.values()}) == 1
+
+
+def test_a_learner_frozen_in_a_swarm_of_three_comes_back_within_three_rounds(cfg: Config) -> None:
+    """A learner frozen mid-round (a SIGSTOP'd process: its contribution is in, the others' verdicts never reach it,
+    its loop stands still) while two others train on: once it thaws, on every fragment it holds the version and
+    anchor the others hold before its 4th round (a late commit of the round it froze in, a download, or a round
+    with them), it averages with both again, and all three end identical. (Replaces the integration test's
+    three-learner case; the two-learner SIGSTOP over hivemind, a pause past the record's TTL included, stays
+    there.)"""
+    torch.set_num_threads(1)
+    hub = Hub(cfg)
+    loops = {name: Loop(hub, cfg, name, seed, steps=steps, pace_s=STEP_S, wait_peers=3)
+             for name, seed, steps in (("a", 1, 300), ("b", 2, 300), ("c", 3, 200))}
+    c = loops["c"]
+    c.pauses = {60: 100 * STEP_S}  # 5 s: a dozen of the others' rounds per fragment
+    c.on_pause = lambda: hub.lose_verdicts("c")  # its round in flight completes; the verdicts do not reach it
+    for loop in loops.values():
+        loop.thread.start()
+    for name, loop in loops.items():
+        loop.thread.join(timeout=RUN_DEADLINE_S)
+        assert not loop.thread.is_alive(), f"{name} did not end"
+        assert loop.error is None, f"{name}: {loop.error!r}"
+
+    assert len(c.paused) == 1, c.paused  # the fault fired
+    thawed = c.paused[0][1]
+    others_held = [{(e.version_after, e.anchor_hash) for loop in (loops["a"], loops["b"]) for e in loop.heard
+                    if isinstance(e, events.RoundEvent) and e.committed and e.fragment == f}
+                   for f in range(cfg.outer.fragments)]
+    for f, held in enumerate(others_held):
+        after = [e for e in c.heard if e.time >= thawed and getattr(e, "fragment", None) == f
+                 and isinstance(e, (events.RoundEvent, events.ResyncEvent, events.LateCommitEvent))]
+        back = next(i for i, e in enumerate(after)
+                    if (not isinstance(e, events.RoundEvent) or e.committed)
+                    and (not isinstance(e, events.ResyncEvent) or e.version_after is not None)
+                    and (getattr(e, "version_after", None), getattr(e, "anchor_hash", None)) in held)
+        tried = sum(isinstance(e, events.RoundEvent) for e in after[:back])
+        seen = [(e.kind, getattr(e, "outcome", ""), getattr(e, "reason", "")) for e in after[:back + 1]]
+        print(f"fragment {f}: c after the thaw {seen}")
+        assert tried < 3, after[:back + 1]
+        assert any(isinstance(e, events.RoundEvent) and e.committed and e.group_size == 3 for e in after[back:]), \
+            f"c never averaged with both others again on fragment {f}"
+    assert len({tuple(loop.diloco.versions) for loop in loops.values()}) == 1
+    assert len({tuple(loop.diloco.anchor_hashes) for loop in loops.values()}) == 1
+
+
+def test_a_learner_that_leaves_leaves_the_others_averaging_as_a_pair(cfg: Config) -> None:
+    """A learner leaves mid-run (its ``with`` block ends: the final rounds, the linger, its tombstone): the others'
+    next rounds form without it and commit as a pair, on every fragment, and the two end identical. (Replaces the
+    integration test of a graceful leave beside two learners; the process side of a leave -- SIGTERM, exit 0, the
+    tombstone published, no process left -- is tests/integration/test_signals.py's, and the others passing over a
+    tombstoned peer test_withdrawn_donor_live.py's.)"""
+    torch.set_num_threads(1)
+    hub = Hub(cfg)
+    loops = {name: Loop(hub, cfg, name, seed, steps=steps, pace_s=STEP_S, wait_peers=3, linger_s=linger_s)
+             for name, seed, steps, linger_s in (("a", 1, 300, 20.0), ("b", 2, 300, 20.0), ("leaver", 3, 60, 1.0))}
+    for loop in loops.values():
+        loop.thread.start()
+    leaver = loops["leaver"]
+    leaver.thread.join(timeout=RUN_DEADLINE_S)
+    assert not leaver.thread.is_alive() and leaver.error is None, leaver.error
+    assert leaver.swarm.member.state == "left" and leaver.rounds("committed"), leaver.heard  # it took part, then left
+    left_at = len(hub.rounds)
+    for name in ("a", "b"):
+        loops[name].thread.join(timeout=RUN_DEADLINE_S)
+        assert not loops[name].thread.is_alive(), f"{name} did not end"
+        assert loops[name].error is None, f"{name}: {loops[name].error!r}"
+    after = hub.rounds[left_at:]
+    print([(r.fragment, r.version, r.members, r.reason) for r in after])
+    assert not [r for r in after if "leaver" in r.members], after
+    pairs = {r.fragment for r in after if r.committed and sorted(r.members) == ["a", "b"]}
+    assert pairs == set(range(cfg.outer.fragments)), after
+    a, b = loops["a"].diloco, loops["b"].diloco
+    assert a.versions == b.versions and a.anchor_hashes == b.anchor_hashes
