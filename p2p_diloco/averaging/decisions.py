@@ -80,6 +80,10 @@ def version_group_bits(version: int, anchor: str = "") -> str:
 
 GRID_KEY_BITS = 16
 """Group-key bits of a grid group (``averaging.groups = "grid"``): a hash of its round and first cell."""
+NO_GROUP = "could not find a group"
+"""Why a round of one member fails (hivemind's words for it)."""
+MISSING = "incomplete group"
+"""Why a group from the clock fails for all its members when one it names did not show by its scheduled time."""
 ANCHOR_TENSOR = "anchor:"
 MOMENTUM_TENSOR = "momentum:"
 """Name prefixes of the anchor and outer momentum tensors a grid round averages beside the pseudo-gradient."""

@@ -18,7 +18,9 @@ from p2p_diloco.averaging.decisions import (
     ANCHOR_TENSOR,
     CANCEL_POLL_S,
     MAX_DONORS_TRIED,
+    MISSING,
     MOMENTUM_TENSOR,
+    NO_GROUP,
     VOUCH_TTL_S,
     VOUCH_WAIT_S,
     Decision,
@@ -43,6 +45,7 @@ from p2p_diloco.averaging.linktime import (
     estimate_link,
     floor_timeouts,
 )
+from p2p_diloco.averaging.fixed_groups import FixedGroup
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
@@ -65,7 +68,7 @@ VERDICT_POLL_S = (0.05, 0.1, 0.2, 0.4)
 nodes nearest the key answer with every verdict posted so far, so a member waiting on a slow one stops
 re-reading 20 times a second (the control-plane bench counted the verdicts at 28% of the control plane)."""
 WITHDRAW_TIMEOUT_S = 0.5
-"""How long leaving waits for the DHT to take our withdrawn state declaration (:meth:`FragmentAveragerHost.
+"""How long leaving waits for the DHT to take our withdrawn state declaration (:func:`
 withdraw_state`)."""
 SET_TIMEOUTS_DEADLINE_S = 10.0
 """How long a round waits for its averager process to take its timeouts (a control-pipe message: milliseconds
@@ -180,6 +183,31 @@ class Download:
         return [f"{d[-8:]}: {why}" for d, why, _ in self.attempts if why != "ok"]
 
 
+def step_failure(e: BaseException) -> str:
+    """The reason of a round whose averager step raised ``e``: its type and last line (a group from the clock that
+    a member missing failed: that line alone, as every transport words it)."""
+    text = str(e).strip().splitlines()
+    if text and text[-1].startswith(MISSING):
+        return text[-1][:300]
+    return f"{type(e).__name__}: {text[-1] if text else 'the averager cancelled the step'}"[:300]
+
+
+def set_fixed_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTimeouts) -> str:
+    """Groups from the clock: hand ``plan``'s group to ``host``'s averager for its next step. Returns why the round
+    cannot run (nobody else at our rank, an averager that did not take it), empty if it can; raises
+    :class:`Leaving` when we leave meanwhile."""
+    if len(plan.members) < max(2, host.cfg.averaging.min_group_size):
+        return NO_GROUP
+    group = FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s)
+    try:
+        host._wait(host.averager.set_next_group(group), SET_TIMEOUTS_DEADLINE_S)
+    except Leaving:
+        raise
+    except Exception as e:
+        return f"the averager did not take the round's group: {type(e).__name__}: {e}"[:300]
+    return ""
+
+
 class FragmentAveragerHost:
     """Owns one fragment's averager and runs its rounds and state downloads in a background thread.
 
@@ -287,6 +315,12 @@ class FragmentAveragerHost:
             return failed(LEAVING)
         except Exception as e:  # the averager process is gone or stuck: this round cannot run; say why
             return failed(f"the averager did not take the round's timeouts: {type(e).__name__}: {e}"[:300])
+        try:  # a group from the clock: its members meet directly, no matchmaking
+            problem = set_fixed_group(self, plan, limits) if plan.members else ""
+        except Leaving:
+            return failed(LEAVING)
+        if problem:
+            return failed(problem)
         self.averager.set_group_bits(plan.group_bits or version_group_bits(c.version, c.anchor_hash))
         with self.averager.get_tensors() as buffers:
             for buf, name in zip(buffers, self.wire_names):
@@ -315,8 +349,7 @@ class FragmentAveragerHost:
                 # discarded with its reason. It may also cancel a step itself (its matchmaking, cancelled while a
                 # join request was in flight): a CancelledError -- a BaseException -- that crashed the learner
                 # (measured at 16 learners on 2 cores); this runs in a worker thread, never an asyncio task
-                text = str(e).strip().splitlines()
-                return failed(f"{type(e).__name__}: {text[-1] if text else 'the averager cancelled the step'}"[:300])
+                return failed(step_failure(e))
         if not gathered:
             return failed("all-reduce returned no group")
         peers = tuple(str(p) for p in gathered)
@@ -456,29 +489,28 @@ class FragmentAveragerHost:
     def bytes_total(self) -> tuple[int, int]:
         return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)
 
-    def withdraw_state(self) -> None:
-        """Leaving: replace our state-sharing declaration with none, so that newcomers do not try a donor that has
-        gone (they dialled it first and waited out a dial back-off, until the declaration expired). The averager
-        stops declaring, and we store the withdrawal ourselves (a newer expiration under our subkey wins), waiting
-        at most :data:`WITHDRAW_TIMEOUT_S`; a failure is logged, not raised: we leave anyway."""
-        if not self.averager.is_alive() or not self.averager.allow_state_sharing:
-            return
-        self.averager.allow_state_sharing = False
-        stored = self.dht.store(f"{self.prefix}.all_averagers", None, get_dht_time() + DECLARE_STATE_PERIOD_S,
-                                subkey=self.dht.peer_id.to_bytes(), return_future=True)
-        try:
-            if not stored.result(timeout=WITHDRAW_TIMEOUT_S):
-                logger.info("fragment %d: no DHT node took our withdrawn state declaration", self.fragment)
-        except Exception as e:  # a timeout or a DHT already stopping: newcomers skip us once it expires
-            logger.info("fragment %d: withdrawing our state declaration failed (%s: %s)", self.fragment,
-                        type(e).__name__, e)
-
     def shutdown(self) -> None:
         """Cancel what is in flight (:meth:`cancel`: not waited for), withdraw our state declaration and stop the
         averager process."""
         self.cancel()
-        self.withdraw_state()
+        withdraw_state(self)
         self._executor.shutdown(wait=False, cancel_futures=True)
         procguard.stop_process(self.averager, f"averager of fragment {self.fragment}")
 
 
+def withdraw_state(host: FragmentAveragerHost) -> None:
+    """Leaving: replace ``host``'s state-sharing declaration with none, so that newcomers do not try a donor that has
+    gone (they dialled it first and waited out a dial back-off, until the declaration expired). The averager
+    stops declaring, and we store the withdrawal ourselves (a newer expiration under our subkey wins), waiting
+    at most :data:`WITHDRAW_TIMEOUT_S`; a failure is logged, not raised: we leave anyway."""
+    if not host.averager.is_alive() or not host.averager.allow_state_sharing:
+        return
+    host.averager.allow_state_sharing = False
+    stored = host.dht.store(f"{host.prefix}.all_averagers", None, get_dht_time() + DECLARE_STATE_PERIOD_S,
+                            subkey=host.dht.peer_id.to_bytes(), return_future=True)
+    try:
+        if not stored.result(timeout=WITHDRAW_TIMEOUT_S):
+            logger.info("fragment %d: no DHT node took our withdrawn state declaration", host.fragment)
+    except Exception as e:  # a timeout or a DHT already stopping: newcomers skip us once it expires
+        logger.info("fragment %d: withdrawing our state declaration failed (%s: %s)", host.fragment,
+                    type(e).__name__, e)

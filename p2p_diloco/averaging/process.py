@@ -22,6 +22,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
+from p2p_diloco.averaging.fixed_groups import FixedGroupMeeting
 from p2p_diloco.averaging.decisions import (
     MAX_DONORS_TRIED,
     VOUCH_POLL_S,
@@ -81,7 +82,7 @@ def throttled(read: Callable[..., Any], min_interval_s: float) -> Callable[..., 
     return call
 
 
-class FragmentAveragerProcess(DecentralizedAverager):
+class FragmentAveragerProcess(FixedGroupMeeting, DecentralizedAverager):
     """One fragment's averager: exact all-reduce, completeness check, members-only handlers, state sharing.
 
     ``state_provider`` (host process) returns ``(metadata, tensors)`` for :meth:`get_current_state`:
@@ -111,6 +112,7 @@ class FragmentAveragerProcess(DecentralizedAverager):
         """(names, shapes) of the fragment's tensors: what a downloaded state is checked against."""
         self.robust = robust
         """The robust merge rule (:func:`outer.robust_rule`): our reducer bounds each sender's influence."""
+        self.init_fixed_groups()
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,

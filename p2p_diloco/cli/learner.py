@@ -119,10 +119,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         from p2p_diloco.learner.checkpoint import load_checkpoint
 
         resume = load_checkpoint(Path(args.resume), expect={"config_hash": local.config_hash, "run_id": local.run_id})
-    from p2p_diloco.engine.options import check_network_supported, check_supported, load_splits
+    from p2p_diloco.engine.options import check_supported, load_splits
 
     check_supported(cfg)
-    check_network_supported(cfg)
     from p2p_diloco.core.model import check_buildable
 
     check_buildable(cfg.model, device)  # a model that cannot be built, or does not fit this machine, fails here

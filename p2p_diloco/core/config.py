@@ -178,7 +178,7 @@ class AveragingConfig:
     matchmaking: str = _f("dht", "How a round's group forms: 'dht' (hivemind's matchmaking: a DHT search and a leader's "
                           "window) or 'clock' (the group is a pure function of the sync clock's round and the live "
                           "records every member holds: no search, no window; needs averaging.schedule = 'clock'; "
-                          "in-process network only so far, docs/design.md 'Rounds that cost their bytes').")
+                          "docs/design.md 'Rounds that cost their bytes').")
     window_s: float = _f(2.0, "Initial matchmaking window: how long the first peer of a round waits for the others.")
     window_min_s: float = _f(1.0, "Lower bound of the adaptive matchmaking window.")
     window_max_s: float = _f(10.0, "Upper bound of the adaptive matchmaking window.")

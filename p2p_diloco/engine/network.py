@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco.engine.options import check_network_supported
 from p2p_diloco.engine.view import SwarmView
 from p2p_diloco.transport.hivemind import averager_hosts
 
@@ -29,7 +28,6 @@ class HivemindNetwork:
     starts faulty ones)."""
 
     def __init__(self, swarm: Member) -> None:
-        check_network_supported(swarm.config)
         self.swarm = swarm
 
     def hosts(self, cfg: Config, slots: Sequence[FragmentSlot], shapes: Mapping[str, torch.Size]) -> list[Host]:

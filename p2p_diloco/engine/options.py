@@ -294,13 +294,6 @@ def check_supported(cfg: Config) -> None:
             raise ValueError(f"{key} = true is not supported by the networked learner yet (simulator only)")
 
 
-def check_network_supported(cfg: Config) -> None:
-    """Refuse what the hivemind network does not run yet (checked before joining; the in-process network does)."""
-    if cfg.averaging.matchmaking == "clock":
-        raise ValueError("averaging.matchmaking = \"clock\": groups from the clock run on the in-process network only "
-                         "so far (p2p_diloco.transport.inprocess); over hivemind use \"dht\"")
-
-
 def load_splits(cfg: Config, num_shards: int) -> data.TrainingData:
     """The training data (the byte corpus cut into the held-out split and ``num_shards`` training shards, or a
     streamed dataset), with every check that needs the data (missing, empty, binary, too small, a fingerprint

@@ -26,7 +26,7 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import Rank, RoundContext
-from p2p_diloco.transport.planning import plan_round
+from p2p_diloco.transport.planning import LastGroup, plan_round
 
 AVERAGER_START_TIMEOUT_S = 120.0
 """How long a fragment's averager process may take to come up (generous: a loaded 2-core machine)."""
@@ -40,6 +40,7 @@ class AveragerLink:
     def __init__(self, averager: FragmentAveragerHost, slot: FragmentSlot, cfg: Config) -> None:
         self.averager, self.slot, self.cfg = averager, slot, cfg
         self.grid = cfg.averaging.groups == "grid"
+        self.last_group = LastGroup()
 
     @property
     def prefix(self) -> str:
@@ -48,7 +49,8 @@ class AveragerLink:
 
     def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
         c = self._with_state(contribution) if self.grid else contribution
-        return self.averager.start_round(c, plan_round(c, context, self.cfg, self.prefix))
+        plan = plan_round(c, context, self.cfg, self.prefix, self.last_group.get())
+        return self.last_group.watch(self.averager.start_round(c, plan))
 
     def _with_state(self, contribution: Contribution) -> Contribution:
         """Grid groups: ``contribution`` with copies of the anchor and momentum (zeros where there is none yet), under

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.averaging.decisions import RoundMeta, anchor_order, is_ahead, quorum_problem
+from p2p_diloco.averaging.decisions import MISSING, NO_GROUP, RoundMeta, anchor_order, is_ahead, quorum_problem
 from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -52,7 +52,7 @@ from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import compression
-from p2p_diloco.transport.planning import plan_round
+from p2p_diloco.transport.planning import LastGroup, plan_round
 
 if TYPE_CHECKING:
     from p2p_diloco.averaging.linktime import LinkEstimate
@@ -64,11 +64,7 @@ if TYPE_CHECKING:
 Tamper = Callable[["Member", dict[str, torch.Tensor], dict[str, float]],
                   tuple[dict[str, torch.Tensor], dict[str, float]]]
 """What a member sends instead of ``(tensors, norms)`` (:attr:`Hub.tamper`)."""
-NO_GROUP = "could not find a group"
-"""Why a round of one member fails (hivemind's words for it)."""
 LEAVING = "cancelled: this peer is leaving"
-MISSING = "incomplete group"
-"""Why a group from the clock fails when a member it names did not show by its scheduled time."""
 VERDICTS_LOST = "verdicts missing"
 """Why a member whose verdicts were lost (:meth:`Hub.lose_verdicts`) discards a round the others commit."""
 KILLED = "partial all-reduce: a member of the group died"
@@ -450,14 +446,15 @@ class InProcessHost:
     def __init__(self, hub: Hub, member: Member, fragment: int) -> None:
         self.hub, self.member, self.fragment = hub, member, fragment
         self.prefix = f"{hub.cfg.run.run_id}_f{fragment}"
+        self.last_group = LastGroup()
 
     def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
         """Planned as the hivemind host plans it (:func:`~p2p_diloco.transport.planning.plan_round`): the hub closes
         the group at its scheduled time and checks its quorum. Its wire metadata is checked as the hivemind host's
         is (:meth:`RoundMeta.of`: raises on the training thread), though nothing is sent."""
         RoundMeta.of(contribution, self.hub.config_hash, context.due)
-        return self.hub.offer(self.member, self.fragment, contribution,
-                              plan_round(contribution, context, self.hub.cfg, self.prefix))
+        plan = plan_round(contribution, context, self.hub.cfg, self.prefix, self.last_group.get())
+        return self.last_group.watch(self.hub.offer(self.member, self.fragment, contribution, plan))
 
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.hub.fetch(self.member, self.fragment, ours)

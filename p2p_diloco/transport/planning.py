@@ -10,10 +10,13 @@ on the round's worker thread through the view's read-only ranks, never the engin
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
 
 from p2p_diloco.averaging.decisions import grid_group_bits, peers_at_rank, round_is_doomed
-from p2p_diloco.averaging.host import RoundPlan
+from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import allreduce_bytes, expected_group_size, payload_bytes, round_timeouts
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.groups import clock_group, group_of
@@ -27,13 +30,55 @@ def grid_group(context: RoundContext, round_index: int, target_group_size: int, 
     return group_of(context.own_id, context.roster, round_index, target_group_size, prefix)
 
 
-def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, prefix: str) -> RoundPlan:
+class LastGroup:
+    """Groups from the clock: the members of a fragment's last committed round and the version it committed to.
+    They hold what we hold after it (a group's anchors are identical) until they move on; their records say so only
+    at their next heartbeat -- seconds, several rounds on fast steps --, so planning counts them at our rank
+    meanwhile (:func:`with_last_group`), as each of them counts us: the members of a group name the same next one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[int, tuple[str, ...]] = (-1, ())
+
+    def watch(self, round_: Future[RoundOutcome]) -> Future[RoundOutcome]:
+        """Remember ``round_``'s group once it ends committed; returns it."""
+        round_.add_done_callback(self._ended)
+        return round_
+
+    def _ended(self, round_: Future[RoundOutcome]) -> None:
+        if round_.cancelled() or round_.exception() is not None:
+            return
+        outcome = round_.result()
+        if outcome.committed:
+            with self._lock:
+                self._last = (outcome.version + 1, outcome.peers)
+
+    def get(self) -> tuple[int, tuple[str, ...]]:
+        """(the version the last committed round led to, its members' peer ids); (-1, ()) before one."""
+        with self._lock:
+            return self._last
+
+
+def with_last_group(context: RoundContext, contribution: Contribution, last: tuple[int, tuple[str, ...]]) -> RoundContext:
+    """``context`` with the members of our last committed round (``last``: :meth:`LastGroup.get`) at our rank where
+    their records still show an older version, when ``contribution`` starts from the version that round led to."""
+    version, members = last
+    ours = (contribution.version, contribution.anchor_hash)
+    if version != contribution.version or not members:
+        return context
+    return replace(context, peers=tuple((p, ours if p in members and r[0] < ours[0] else r) for p, r in context.peers))
+
+
+def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, prefix: str,
+               last_group: tuple[int, tuple[str, ...]] = (-1, ())) -> RoundPlan:
     """The plan of a round of ``contribution`` (its ``tensors`` are what the round moves): scheduled on the clock's
     boundary when there is a clock (at least a join request's time from now), else one window from now; timeouts from
     the bytes it moves and the engine's link estimate; with grid groups, the group key of our grid group at the
     boundary (raises ``ValueError`` without a clock: the engine starts no grid round then); otherwise the doomed check
     and the quorum's count of live learners at our rank."""
     a, c, now = cfg.averaging, contribution, context.due
+    if a.matchmaking == "clock":  # under matchmaking, the quorum counts what the records show (as it always did)
+        context = with_last_group(context, c, last_group)
     clock = context.clock
     boundary = clock.boundary(now, c.fragment, context.fragments) if clock is not None else None
     bits, grid = "", a.groups == "grid"

@@ -3,9 +3,9 @@ averagers on 127.0.0.1, in-process).
 
 hivemind's DHT authorizer covers DHT requests, not the averager's RPCs, so a peer that holds the swarm
 key (or reaches the averager directly) but has no live, compatible record must be refused by the
-handlers themselves. Here B has the key but no record: A refuses its state download and its tensor
-parts, so neither B's download nor the A+B round succeeds; C, a member, downloads A's state and
-commits a round with A.
+handlers themselves. Here B has the key but no record: A refuses its state download, its tensor
+parts and its request for A's offer to a group from the clock, so neither B's download nor an A+B round
+succeeds; C, a member, downloads A's state and commits rounds with A (found by matchmaking, and from the clock).
 """
 
 from __future__ import annotations
@@ -41,16 +41,20 @@ def provide() -> tuple[dict[str, Any], list[torch.Tensor]]:
     return state_payload(0, 3, ANCHOR, MOMENTUM, NAMES)
 
 
-def round_of(peers: list[FragmentAveragerHost]) -> list[Any]:
+def round_of(peers: list[FragmentAveragerHost], group_id: str = "") -> list[Any]:
+    """A round of ``peers``: found by matchmaking, or with ``group_id`` a group from the clock (its members meet
+    directly, averaging/fixed_groups.py)."""
     from hivemind.utils import get_dht_time
 
     start = get_dht_time() + CFG.averaging.window_s
+    members = tuple(sorted(p.dht.peer_id.to_base58() for p in peers)) if group_id else ()
     futures = []
     for i, peer in enumerate(peers):
         contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=1000 * (i + 1), steps=10,
                                     weight=1000.0 * (i + 1), tensors={n: torch.full(SHAPES[n], float(i)) for n in NAMES},
                                     norms={})
-        futures.append(peer.start_round(contribution, RoundPlan(start, CFG.averaging.window_s, due=get_dht_time())))
+        futures.append(peer.start_round(contribution, RoundPlan(start, CFG.averaging.window_s, due=get_dht_time(),
+                                                                group_id=group_id, members=members)))
     return [f.result(timeout=DEADLINE_S) for f in futures]
 
 
@@ -78,6 +82,14 @@ def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -
         assert all(o.committed and o.group_size == 2 for o in with_c), [o.reason for o in with_c]
         merged = [o.merged for o in with_c]
         assert all(m is not None and torch.equal(m[NAMES[0]], merged[0][NAMES[0]]) for m in merged)
+
+        # groups from the clock: B's request for A's offer is refused like its tensor parts; C's is answered
+        refused_before = a.refusals()
+        clock_b = round_of([a, b], group_id="members-ab")
+        print(f"A+B group from the clock: {[o.reason for o in clock_b]}; A refused {a.refusals() - refused_before} more")
+        assert not any(o.committed for o in clock_b) and a.refusals() > refused_before
+        clock_c = round_of([a, c], group_id="members-ac")
+        assert all(o.committed and o.group_size == 2 for o in clock_c), [o.reason for o in clock_c]
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ no fork); a member whose verdicts do not arrive discards, keeps the result and c
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -15,8 +17,12 @@ from test_inprocess import RUN_DEADLINE_S, STEP_S, Loop, wait_for
 from p2p_diloco.core.config import Config, ConfigError, load_config
 from p2p_diloco.core.groups import clock_group
 from p2p_diloco.core.identity import config_hash
-from p2p_diloco.engine.options import check_network_supported
+from p2p_diloco.averaging.host import RoundOutcome, step_failure
+from p2p_diloco.averaging.linktime import estimate_link
+from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.transport.inprocess import MISSING, NO_GROUP, VERDICTS_LOST, Hub
+from p2p_diloco.transport.network import RoundContext
+from p2p_diloco.transport.planning import LastGroup, with_last_group
 
 CLOCK = ["outer.sync_every=8", "outer.fragments=2", "inner.batch_size=4", "averaging.schedule=clock",
          "averaging.sync_period_s=1.6", "averaging.matchmaking=clock", "averaging.window_s=0.8",
@@ -57,6 +63,34 @@ def test_a_group_id_changes_with_anything_that_decides_the_group() -> None:
     assert clock_group("run/f0", 0, A, 7, "p1", {"p2": B})[1] == ("p1",)  # nobody at our rank: alone
 
 
+def test_the_last_groups_members_count_at_our_rank_until_their_records_catch_up() -> None:
+    """Records are republished on a heartbeat, not at every commit: right after a round, each member of it still
+    shows the version before in the others' views. Planning counts the last group's members at our rank meanwhile,
+    so that every member of a group names the same next group (over hivemind, the records lag by seconds)."""
+    context = RoundContext(due=0.0, window_s=1.0, link=estimate_link([], []), clock=None, fragments=2, own_id="p1",
+                           roster=("p1", "p2", "p3", "p4"), peers=(("p2", (1, "old")), ("p3", (1, "old")),
+                                                                     ("p4", (3, "new"))), live_ranks=lambda: ())
+    ours = Contribution(fragment=0, version=2, anchor_hash="aa", tokens=1, steps=1, weight=1.0, tensors={}, norms={})
+    raised = with_last_group(context, ours, (2, ("p1", "p2", "p4")))
+    assert raised.peers == (("p2", (2, "aa")), ("p3", (1, "old")), ("p4", (3, "new")))  # p4's record is ahead: kept
+    assert with_last_group(context, ours, (3, ("p1", "p2"))) is context  # we are not where that round led
+    assert with_last_group(context, ours, (-1, ())) is context
+    memory = LastGroup()
+    committed: Future[RoundOutcome] = Future()
+    assert memory.watch(committed) is committed and memory.get() == (-1, ())
+    committed.set_result(RoundOutcome(fragment=0, version=4, committed=True, reason="ok", peers=("p1", "p3")))
+    assert memory.get() == (5, ("p1", "p3"))
+    discarded: Future[RoundOutcome] = Future()
+    memory.watch(discarded).set_result(RoundOutcome(fragment=0, version=5, committed=False, reason="x"))
+    assert memory.get() == (5, ("p1", "p3"))  # a discarded round names nobody
+
+
+def test_a_step_that_a_missing_member_failed_is_worded_as_on_every_transport() -> None:
+    assert step_failure(RuntimeError(f"{MISSING}: 2 of 3 members showed")) == f"{MISSING}: 2 of 3 members showed"
+    assert step_failure(TimeoutError("x\nlast line")) == "TimeoutError: last line"
+    assert step_failure(RuntimeError("")) == "RuntimeError: the averager cancelled the step"
+
+
 def test_the_switch_is_checked_and_leaves_earlier_hashes_alone() -> None:
     default = load_config("tiny")
     assert config_hash(default) == config_hash(load_config("tiny", ["averaging.matchmaking=dht"]))
@@ -66,8 +100,6 @@ def test_the_switch_is_checked_and_leaves_earlier_hashes_alone() -> None:
         load_config("tiny", ["averaging.matchmaking=gossip"])
     with pytest.raises(ConfigError, match="averaging.matchmaking"):
         load_config("tiny", ["averaging.matchmaking=clock", "averaging.schedule=steps"])
-    with pytest.raises(ValueError, match="in-process network only"):  # join refuses it before joining
-        check_network_supported(load_config("tiny", clock))
 
 
 # ------------------------------------------------------------------ engines on the in-process network

@@ -1,0 +1,199 @@
+"""Groups from the clock over hivemind: a round's group is known before it starts
+(:func:`~p2p_diloco.core.groups.clock_group`), so there is no matchmaking. Each member posts its offer -- what
+hivemind's matchmaking would have gathered from it: its bandwidth, mode and round metadata -- and fetches every other
+member's over their own connections (:meth:`FixedGroupMeeting.rpc_group_offer`, one request per member, answered once
+that member meets the same group); the all-reduce then runs on exactly that ``GroupInfo``, the same on every member.
+A member whose offer is not in by the group's ``show_by`` (plus a request's round trip) fails the round for all alike
+(:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves.
+
+A mixin of :class:`~p2p_diloco.averaging.process.FragmentAveragerProcess`: hivemind's averager steps through
+``self._matchmaking.look_for_group``, which :meth:`FixedGroupMeeting.set_next_group` wraps once (in the averager
+process) so that a step with a group set meets it instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
+
+from p2p_diloco.averaging.decisions import MISSING
+from p2p_diloco.core.rejects import PeerDataError, Reason
+from p2p_diloco.hivemind_ext import require_hivemind
+
+require_hivemind(__name__)  # wraps hivemind's matchmaking entry point and builds its GroupInfo
+
+logger = logging.getLogger(__name__)
+
+OFFER_KEEP_S = 120.0
+"""How long an averager keeps its offer for a group it met, and a wait for a group it has not met yet (a member
+that asks late still gets our offer; a request for a group we never meet is forgotten)."""
+MAX_OFFER_WAITS = 64
+"""Groups an averager holds offers or waits for at once (beyond: a request for another group is answered at once,
+not kept waiting: a member cannot make us hold unbounded state)."""
+MAX_OFFER_BYTES = 1 << 20
+"""The most bytes a member's offer (hivemind's gathered data: its bandwidth, mode and round metadata) may take."""
+
+
+@dataclass(frozen=True)
+class FixedGroup:
+    """A round's group known before it starts (groups from the clock, :func:`~p2p_diloco.core.groups.clock_group`):
+    no matchmaking; its members exchange their offers -- what hivemind's matchmaking gathers from each -- over their
+    own connections, and run the all-reduce on exactly this group."""
+
+    group_id: bytes
+    peer_ids: tuple[str, ...]
+    """Base58 peer ids, in the group's order (every member derives the same)."""
+    show_by: float
+    """DHT time by which every member's offer must be in; a member silent past it (plus a request's round trip)
+    fails the round for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`)."""
+    request_timeout_s: float
+    """Seconds an offer request may take past ``show_by`` (a round trip on a slow link)."""
+
+
+class FixedGroupMeeting:
+    """The averager's side of groups from the clock (mixed into the averager process class)."""
+
+    # what the averager (hivemind's DecentralizedAverager, our subclass) provides
+    _outer_pipe: Any
+    _matchmaking: Any
+    _p2p: Any
+    _pending_groups_registered: asyncio.Event
+    peer_id: Any
+    prefix: str
+    fragment: int | None
+    get_stub: Callable[..., Any]
+    _refuse: Callable[..., Any]
+
+    def init_fixed_groups(self) -> None:
+        """(host, before the averager process starts) Empty state."""
+        self._next_group: FixedGroup | None = None
+        """(averager process) The group the next step meets instead of matchmaking (:meth:`set_next_group`)."""
+        self._offers: dict[bytes, tuple[FixedGroup, bytes]] = {}
+        """(averager process) Group id -> (the group, our offer to it): what :meth:`rpc_group_offer` answers."""
+        self._offer_waits: dict[bytes, tuple[asyncio.Event, float]] = {}
+        """(averager process) Group id -> (set once our offer is in, when the first wait or offer came)."""
+
+    def set_next_group(self, group: FixedGroup) -> MPFuture:
+        """(host) Meet ``group`` at the next step instead of matchmaking (sent on the control pipe before the step,
+        so applied before it)."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_next_group", [], dict(future=future, group=group)))
+        return future
+
+    async def _set_next_group(self, future: MPFuture, group: FixedGroup) -> None:
+        try:
+            self._next_group = group
+            matchmaking = self._matchmaking  # built in this process by hivemind's run(): wrapped once
+            if not getattr(matchmaking.look_for_group, "fixed_groups", False):
+                matchmaking.look_for_group = self._fixed_or_matched(matchmaking.look_for_group)
+            future.set_result(None)
+        except BaseException as e:
+            future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+
+    def _fixed_or_matched(self, look_for_group: Callable[[StepControl], Any]) -> Callable[[StepControl], Any]:
+        """hivemind's matchmaking for a step, unless a group was set for it (:meth:`set_next_group`)."""
+
+        async def look(step: StepControl) -> GroupInfo | None:
+            group, self._next_group = self._next_group, None
+            if group is None:
+                return await look_for_group(step)
+            return await self._meet(group, step)
+
+        look.fixed_groups = True  # type: ignore[attr-defined]
+        return look
+
+    def _offer_wait(self, group_id: bytes) -> asyncio.Event | None:
+        """The event set once our offer to ``group_id`` is in; None when :data:`MAX_OFFER_WAITS` groups are held
+        already. Forgets the groups older than :data:`OFFER_KEEP_S` first."""
+        now = time.monotonic()
+        for old in [g for g, (_, since) in self._offer_waits.items() if now - since > OFFER_KEEP_S]:
+            del self._offer_waits[old]
+            self._offers.pop(old, None)
+        if group_id not in self._offer_waits:
+            if len(self._offer_waits) >= MAX_OFFER_WAITS:
+                return None
+            self._offer_waits[group_id] = (asyncio.Event(), now)
+        return self._offer_waits[group_id][0]
+
+    async def _meet(self, group: FixedGroup, step: StepControl) -> GroupInfo:
+        """Post our offer to ``group`` and fetch every other member's (each within ``show_by`` plus a round trip):
+        the group's :class:`GroupInfo`, the same on every member; a member missing fails the round (raised)."""
+        own = self.peer_id.to_base58()
+        if own not in group.peer_ids:
+            raise MatchmakingException(f"we are not a member of group {group.group_id.hex()}")
+        event = self._offer_wait(group.group_id)
+        if event is None:  # every slot held by others' requests: make room for our own group
+            oldest = next(iter(self._offer_waits))
+            del self._offer_waits[oldest]
+            self._offers.pop(oldest, None)
+            event = self._offer_wait(group.group_id)
+            assert event is not None
+        offer = step.data_for_gather
+        self._offers[group.group_id] = (group, offer)
+        event.set()
+        others = [p for p in group.peer_ids if p != own]
+        timeout_s = max(0.0, group.show_by - get_dht_time()) + group.request_timeout_s
+        answers = await asyncio.gather(*(self._ask_offer(p, group, timeout_s) for p in others), return_exceptions=True)
+        offers = dict(zip(others, answers))
+        missing = {p: a for p, a in offers.items() if not isinstance(a, bytes)}
+        if missing:
+            for p, why in missing.items():
+                logger.debug("fragment %s: group %s: no offer from %s (%s: %s)", self.fragment, group.group_id.hex(),
+                             p, type(why).__name__, why)
+            # the members that did get every offer start their all-reduce, and its streams to us wait for us to
+            # register a group (hivemind's race guard): we never will, so release them now (BAD_GROUP_ID) and their
+            # round fails at once instead of at its sender timeout
+            self._pending_groups_registered.set()
+            raise MatchmakingException(f"{MISSING}: {len(group.peer_ids) - len(missing)} of {len(group.peer_ids)} "
+                                       f"members showed")
+        gathered = tuple(offer if p == own else offers[p] for p in group.peer_ids)
+        return GroupInfo(group.group_id, tuple(PeerID.from_base58(p) for p in group.peer_ids), gathered)
+
+    async def _ask_offer(self, peer: str, group: FixedGroup, timeout_s: float) -> bytes:
+        """``peer``'s offer to ``group`` (raises when it has none for it in time, refuses, or sends too much)."""
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+        request = averaging_pb2.JoinRequest(group_key=group.group_id.hex(), expiration=group.show_by)
+        reply = await stub.rpc_group_offer(request, timeout=timeout_s)
+        if reply.code != averaging_pb2.ACCEPTED or reply.group_id != group.group_id or len(reply.gathered) != 1:
+            raise MatchmakingException(f"no offer: {averaging_pb2.MessageCode.Name(reply.code)}")
+        if len(reply.gathered[0]) > MAX_OFFER_BYTES:
+            raise PeerDataError(Reason.OVERSIZE, f"an offer of {len(reply.gathered[0])} bytes")
+        return bytes(reply.gathered[0])
+
+    async def rpc_group_offer(self, request: averaging_pb2.JoinRequest,
+                              context: P2PContext) -> averaging_pb2.MessageFromLeader:
+        """A member of a group from the clock asks for our offer to it: answered once we meet that group ourselves
+        (waiting until the asker's ``show_by`` at most), only to the group's members."""
+        if await self._refuse(context, "a group offer request"):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        try:
+            group_id = bytes.fromhex(request.group_key)
+        except ValueError:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        if group_id not in self._offers:
+            event = self._offer_wait(group_id)
+            if event is None:
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            wait_s = min(max(0.0, request.expiration - get_dht_time()), OFFER_KEEP_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), wait_s)
+        kept = self._offers.get(group_id)
+        if kept is None:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+        group, offer = kept
+        if context.remote_id.to_base58() not in group.peer_ids:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
+        return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=group_id, gathered=[offer])
