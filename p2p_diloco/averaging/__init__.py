@@ -63,6 +63,11 @@ this package adds to hivemind 1.1.12 (see ``docs/design.md``, "What hivemind 1.1
   averages their anchors and outer momenta (``ANCHOR_TENSOR``, ``MOMENTUM_TENSOR``) beside the pseudo-gradients,
   the group commits :func:`grid_version`, and no fork is healed. A member's anchor then weighs in like its
   pseudo-gradient: the robust merge's norm cap bounds how far one member can pull it.
+* **Groups from the clock** (``averaging.matchmaking = "clock"``, :mod:`.fixed_groups`): the round's group is
+  planned from the clock's round and the records (:func:`p2p_diloco.core.groups.clock_group`); its members fetch
+  each other's offers (what matchmaking would have gathered) with one request each and run the all-reduce on that
+  exact group -- no DHT search, no window -- and send their verdicts to each other directly instead of through the
+  DHT. A member missing by the scheduled time fails the round for all alike, before any tensor moves.
 * **Members only** (when a swarm key is in use): our averaging and state-download handlers refuse
   peers that :class:`p2p_diloco.net.membership.Membership` does not list; the DHT authorizer does not
   cover these RPCs.

@@ -10,7 +10,8 @@ processes are forked, so those inherit the armed faults); the production classes
 - ``serving-state`` / ``fetching-state`` (:class:`FaultyAveragerProcess`): after the first chunk of a state download
   we serve / receive;
 - ``reading-verdicts`` (:class:`FaultyAveragerHost`, the learner's process): each read of a round's verdicts; a
-  ``blind`` fault makes the read come back empty.
+  ``blind`` fault makes the read come back empty. With groups from the clock (:class:`FaultyAveragerProcess`): each
+  verdict a member sends us; a ``blind`` fault drops it (answered, never kept).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class FaultyAveragerProcess(FragmentAveragerProcess):
 
     def _donor_parts(self, stream: AsyncIterator[Any], silence_s: float) -> AsyncIterator[Any]:
         return faults.after_first(super()._donor_parts(stream, silence_s), "fetching-state", self.fragment)
+
+    async def rpc_group_verdict(self, request: averaging_pb2.JoinRequest,
+                                context: P2PContext) -> averaging_pb2.MessageFromLeader:
+        if faults.hit("reading-verdicts", self.fragment):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)  # taken, never kept
+        return await super().rpc_group_verdict(request, context)
 
 
 class FaultyAveragerHost(FragmentAveragerHost):

@@ -372,9 +372,10 @@ class FragmentAveragerHost:
             if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
                 decision = Decision(False, "averaged tensors are not finite")
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
-        key = commit_key(self.prefix, dict(zip(peers, metas)))
-        try:
-            verdict, rtt_s, withdrawn = self._agree(key, peers, "ok" if decision.ok else decision.reason)
+        own = "ok" if decision.ok else decision.reason
+        try:  # a group from the clock: the verdicts go to its members directly; else through the DHT
+            verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own) if plan.members else
+                                         agree_in_dht(self, commit_key(self.prefix, dict(zip(peers, metas))), peers, own))
         except Leaving:  # our verdict, if posted, stays: members that read every "ok" commit without us
             return failed(LEAVING, **extra)
         extra["rtt_s"] = rtt_s
@@ -397,49 +398,6 @@ class FragmentAveragerHost:
                             duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
                             bytes_received=self.averager.bytes_received.value - received0,
                             allreduce_s=self.averager.last_allreduce_s.value, merged=merged, **extra)
-
-    def _agree(self, key: str, peers: Sequence[str], own_verdict: str) -> tuple[Decision, float, bool]:
-        """Post our verdict under ``key`` (signed subkey), then read the others' until all are in or
-        ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read, the fastest read's
-        seconds (a round trip to the group's peers, the DHT nodes nearest the key: our RTT sample) and whether
-        we withdrew our "ok".
-
-        A member still silent at our deadline may only be late (a process stopped by SIGSTOP, a machine that
-        swapped): if it then reads every "ok", ours included, it commits alone. So at the deadline we replace our
-        "ok" with a veto (a newer value under our subkey wins), and a member that reads late discards as we do. One
-        that read our "ok" just before may still have committed: the caller keeps the round's result for that
-        case (``RoundOutcome.pending``). Raises :class:`Leaving` when we leave meanwhile."""
-        from p2p_diloco.net.membership import owned_values
-
-        timeout_s = self.cfg.averaging.commit_timeout_s
-        deadline = time.monotonic() + timeout_s
-        keep_s = 10 * timeout_s + 60  # verdicts outlive every member's read of them
-        posted_until = get_dht_time() + keep_s
-        self._wait(self.dht.store(key, own_verdict[:300], posted_until, subkey=self.report_subkey, return_future=True),
-                   None)
-        reports: dict[str, str] = {}
-        rtt_s, reads = math.inf, 0
-        while True:
-            found, read_s = self._read_verdicts(key)
-            rtt_s = min(rtt_s, read_s)
-            reports.update({p: v for p, v in owned_values(found).items() if isinstance(v, str)})
-            decision = commit_decision(reports, peers)
-            vetoed = any(reports.get(p, "ok") != "ok" for p in peers)
-            if decision.ok or vetoed or time.monotonic() >= deadline:
-                withdrawn = False
-                if not decision.ok and not vetoed:  # silence only: withdraw our "ok" (see above)
-                    decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
-                    if own_verdict == "ok":
-                        # a later expiration than our "ok" replaces it under the same subkey
-                        self._wait(self.dht.store(key, f"withdrawn: {decision.reason}"[:300],
-                                                  max(posted_until + 1, get_dht_time() + keep_s),
-                                                  subkey=self.report_subkey, return_future=True), None)
-                        withdrawn = True
-                return decision, rtt_s, withdrawn
-            if self._cancelled.wait(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)],
-                                        max(0.0, deadline - time.monotonic()))):
-                raise Leaving(LEAVING)
-            reads += 1
 
     def _read_verdicts(self, key: str) -> tuple[Any, float]:
         """One read of a round's verdicts: (what the DHT holds under ``key``, the seconds the read took)."""
@@ -514,3 +472,68 @@ def withdraw_state(host: FragmentAveragerHost) -> None:
     except Exception as e:  # a timeout or a DHT already stopping: newcomers skip us once it expires
         logger.info("fragment %d: withdrawing our state declaration failed (%s: %s)", host.fragment,
                     type(e).__name__, e)
+
+
+def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],
+                 own_verdict: str) -> tuple[Decision, float, bool]:
+    """(``host``'s round worker) Post our verdict under ``key`` (signed subkey), then read the others' until all
+    are in or ``commit_timeout_s`` passes; returns :func:`commit_decision` of what was read, the fastest read's
+    seconds (a round trip to the group's peers, the DHT nodes nearest the key: our RTT sample) and whether
+    we withdrew our "ok".
+
+    A member still silent at our deadline may only be late (a process stopped by SIGSTOP, a machine that
+    swapped): if it then reads every "ok", ours included, it commits alone. So at the deadline we replace our
+    "ok" with a veto (a newer value under our subkey wins), and a member that reads late discards as we do. One
+    that read our "ok" just before may still have committed: the caller keeps the round's result for that
+    case (``RoundOutcome.pending``). Raises :class:`Leaving` when we leave meanwhile."""
+    from p2p_diloco.net.membership import owned_values
+
+    timeout_s = host.cfg.averaging.commit_timeout_s
+    deadline = time.monotonic() + timeout_s
+    keep_s = 10 * timeout_s + 60  # verdicts outlive every member's read of them
+    posted_until = get_dht_time() + keep_s
+    host._wait(host.dht.store(key, own_verdict[:300], posted_until, subkey=host.report_subkey, return_future=True),
+               None)
+    reports: dict[str, str] = {}
+    rtt_s, reads = math.inf, 0
+    while True:
+        found, read_s = host._read_verdicts(key)
+        rtt_s = min(rtt_s, read_s)
+        reports.update({p: v for p, v in owned_values(found).items() if isinstance(v, str)})
+        decision = commit_decision(reports, peers)
+        vetoed = any(reports.get(p, "ok") != "ok" for p in peers)
+        if decision.ok or vetoed or time.monotonic() >= deadline:
+            withdrawn = False
+            if not decision.ok and not vetoed:  # silence only: withdraw our "ok" (see above)
+                decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
+                if own_verdict == "ok":
+                    # a later expiration than our "ok" replaces it under the same subkey
+                    host._wait(host.dht.store(key, f"withdrawn: {decision.reason}"[:300],
+                                              max(posted_until + 1, get_dht_time() + keep_s),
+                                              subkey=host.report_subkey, return_future=True), None)
+                    withdrawn = True
+            return decision, rtt_s, withdrawn
+        if host._cancelled.wait(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)],
+                                    max(0.0, deadline - time.monotonic()))):
+            raise Leaving(LEAVING)
+        reads += 1
+
+def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[str],
+                   own_verdict: str) -> tuple[Decision, float, bool]:
+    """(``host``'s round worker) :func:`agree_in_dht` for a group from the clock: our verdict goes to each other
+    member in one message over the group's connections, theirs come to us (the averager process keeps them), until
+    all are in, one is not "ok", or ``commit_timeout_s`` passes; then, as there, silence only withdraws our "ok" (a
+    second message replaces it where it arrives). No DHT store or read. Raises :class:`Leaving`."""
+    timeout_s = host.cfg.averaging.commit_timeout_s
+    reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, timeout_s),
+                                timeout_s + SET_TIMEOUTS_DEADLINE_S)
+    decision = commit_decision(reports, peers)
+    if decision.ok or any(reports.get(p, "ok") != "ok" for p in peers):
+        return decision, rtt_s, False
+    decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
+    if own_verdict != "ok":
+        return decision, rtt_s, False
+    withdrawal = f"withdrawn: {decision.reason}"[:300]
+    host._wait(host.averager.send_verdict(group_id, tuple(peers), withdrawal, host.cfg.averaging.request_timeout_s),
+               host.cfg.averaging.request_timeout_s + SET_TIMEOUTS_DEADLINE_S)
+    return decision, rtt_s, True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import math
@@ -16,33 +15,22 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.asyncio import as_aiter, azip
 
+from p2p_diloco.averaging.downloads import StateDownloads
 from p2p_diloco.averaging.fixed_groups import FixedGroupMeeting
 from p2p_diloco.averaging.decisions import (
-    MAX_DONORS_TRIED,
-    VOUCH_POLL_S,
-    VOUCH_WAIT_S,
     RoundMeta,
     commit_key,
-    donor_order,
-    sharing_priority,
-    state_size_cap,
-    vouch_key,
-    vouchers,
 )
-from p2p_diloco.averaging.linktime import DownloadTimeouts, RoundTimeouts
+from p2p_diloco.averaging.linktime import RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
-from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
 from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
-from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
 from p2p_diloco.hivemind_ext import require_hivemind
-from p2p_diloco.hivemind_ext.compression import decode_part
 
 require_hivemind(__name__)  # overrides DecentralizedAverager's private methods, reads its private state
 
@@ -53,17 +41,6 @@ GROUP_READ_MIN_S = 0.5
 measured on loopback, over a hundred reads a second per averager during each round's window, each answered with
 every averager declared under the key -- the largest share of a learner's control-plane bytes. An averager reads
 it at most once per this many seconds (a follower finds its leader at most this much later)."""
-
-
-def declared_priorities(found: Any) -> dict[str, float]:
-    """The state-sharing priorities declared under a fragment's ``all_averagers`` key (a DHT read), by base58 peer
-    id; a malformed declaration is skipped, not trusted."""
-    priorities: dict[str, float] = {}
-    for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-        with contextlib.suppress(Exception):
-            if isinstance(item.value, (int, float)) and not isinstance(item.value, bool):
-                priorities[PeerID(subkey).to_base58()] = float(item.value)
-    return priorities
 
 
 def throttled(read: Callable[..., Any], min_interval_s: float) -> Callable[..., Any]:
@@ -82,7 +59,7 @@ def throttled(read: Callable[..., Any], min_interval_s: float) -> Callable[..., 
     return call
 
 
-class FragmentAveragerProcess(FixedGroupMeeting, DecentralizedAverager):
+class FragmentAveragerProcess(StateDownloads, FixedGroupMeeting, DecentralizedAverager):
     """One fragment's averager: exact all-reduce, completeness check, members-only handlers, state sharing.
 
     ``state_provider`` (host process) returns ``(metadata, tensors)`` for :meth:`get_current_state`:
@@ -219,6 +196,11 @@ class FragmentAveragerProcess(FixedGroupMeeting, DecentralizedAverager):
         return dict(zip(group_info.peer_ids, weights)), self.robust
 
     async def _post_veto(self, group_info: GroupInfo, reason: str) -> None:
+        members = self.in_fixed_group(group_info.group_id)
+        if members:  # a group from the clock: straight to its members (never raises; a member missed waits it out)
+            self._verdict_box(group_info.group_id)[0][self.peer_id.to_base58()] = reason[:300]
+            await self._send_verdict(group_info.group_id, members, reason, self._matchmaking.request_timeout)
+            return
         if self.report_subkey is None:
             return
         try:
@@ -267,115 +249,6 @@ class FragmentAveragerProcess(FixedGroupMeeting, DecentralizedAverager):
             return
         async for message in super().rpc_download_state(request, context):
             yield message
-
-    # -- state download (the newcomer's side; hivemind's load_state_from_peers has no size cap, no
-    #    check before it returns, and tries every declared peer, behind us or not)
-    def download_state(self, ours: tuple[int, str], timeouts: DownloadTimeouts) -> MPFuture:
-        """(host) Download a state ahead of ``ours`` from the donors of :func:`donor_order`, trying the next on
-        any failure (a donor silent for ``timeouts.silence_s`` has failed; one that progresses is never cut off);
-        the future's result is ``(FetchedState | None, attempts, bytes received from all donors)``."""
-        future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, silence_s=timeouts.silence_s)))
-        return future
-
-    async def _download_state(self, future: MPFuture, ours: tuple[int, str], silence_s: float) -> None:
-        attempts: list[tuple[str, str, float]] = []  # (donor, "ok" or why not, seconds)
-        received = [0]  # wire bytes from every donor, counted as they arrive (an aborted stream's too)
-        try:
-            assert self.layout is not None and self.fragment is not None, "download_state needs fragment and layout"
-            names, shapes = self.layout
-            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-            priorities = declared_priorities(await self.dht.get(key, latest=True, return_future=True))
-            cap = state_size_cap([shapes[n] for n in names])
-            expected = [shapes[n] for n in names] * 2  # the anchor then the momentum, in names order
-            for donor in donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]:
-                t0 = time.monotonic()
-                try:
-                    metadata, tensors = await self._download_from(PeerID.from_base58(donor), cap, expected,
-                                                                  silence_s, received)
-                    fetched = await asyncio.get_event_loop().run_in_executor(
-                        None, parse_state, metadata, tensors, self.fragment, names, shapes, ours)
-                    if fetched is None:
-                        raise ValueError("its state is not ahead of ours (its declaration was stale)")
-                    await self._check_vouched(fetched.version, fetched.anchor_hash, donor)
-                except Exception as e:  # this donor failed us (died, stalled, sent too much or bad data): the next
-                    if isinstance(e, PeerDataError):  # it sent something our checks refuse
-                        why = f"{reason_of(e)}: {e}"
-                        log_rejection(logger, f"fragment {self.fragment}'s state download", donor, e)
-                    else:
-                        why = (f"timed out (silent for {silence_s:.1f} s)" if isinstance(e, asyncio.TimeoutError)
-                               else f"{type(e).__name__}: {e}")
-                        logger.warning("fragment %s: state download from %s failed (%s); trying the next donor",
-                                       self.fragment, donor, why[:200])
-                    attempts.append((donor, why[:200], time.monotonic() - t0))
-                    continue
-                attempts.append((donor, "ok", time.monotonic() - t0))
-                future.set_result((fetched, attempts, received[0]))
-                return
-            future.set_result((None, attempts, received[0]))
-        except BaseException as e:
-            if not future.done():
-                future.set_exception(e)
-            if not isinstance(e, Exception):
-                raise
-
-    async def _check_vouched(self, version: int, anchor: str, donor: str) -> None:
-        """Refuse (:class:`PeerDataError`, ``unvouched``) a downloaded anchor that no peer but its donor has
-        signed for under :func:`vouch_key` (re-read for up to ``VOUCH_WAIT_S``: the other committers' entries
-        may land just after the donor's state)."""
-        from p2p_diloco.net.membership import owned_values
-
-        deadline = time.monotonic() + VOUCH_WAIT_S
-        while True:
-            signed = owned_values(await self.dht.get(vouch_key(self.prefix, version), latest=True, return_future=True))
-            if vouchers(signed, anchor) - {donor}:
-                return
-            if time.monotonic() >= deadline:
-                raise PeerDataError(Reason.UNVOUCHED, f"state download: no peer other than the donor signed anchor "
-                                                      f"{anchor} at v{version} ({len(signed)} signed that version)")
-            await asyncio.sleep(VOUCH_POLL_S)
-
-    async def _download_from(self, donor: Any, cap_bytes: int, expected: Sequence[torch.Size], silence_s: float,
-                             counted: list[int]) -> tuple[Any, list[torch.Tensor]]:
-        """Stream a donor's state: at most ``cap_bytes`` in all, each part within ``silence_s`` of the last (the
-        first within ``silence_s`` of the request); each tensor must be an uncompressed float32 tensor of the
-        ``expected`` shape (checked before it is decoded, :func:`decode_part`). Adds what arrives to ``counted[0]``."""
-        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
-        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout=silence_s)
-        metadata, received = None, 0
-        tensors: list[torch.Tensor] = []
-        parts: list[Any] = []
-
-        def decode(parts: list[Any]) -> torch.Tensor:
-            if len(tensors) >= len(expected):
-                raise PeerDataError(Reason.OVERSIZE, f"the donor sent more than the {len(expected)} tensors expected")
-            return decode_part(combine_from_streaming(parts), expected[len(tensors)], torch.float32,
-                               self.state_compression.compression_type)
-
-        async for message in self._donor_parts(stream, silence_s):
-            size = len(message.metadata) + message.tensor_part.ByteSize()
-            received += size
-            counted[0] += size
-            if received > cap_bytes:
-                raise PeerDataError(Reason.OVERSIZE,
-                                    f"the donor sent more than the {cap_bytes} bytes this fragment's state takes")
-            if message.metadata:
-                if metadata is not None:
-                    raise PeerDataError(Reason.MALFORMED, "the donor sent its metadata twice")
-                metadata = decode_state_metadata(message.metadata)
-            if message.tensor_part.dtype and parts:  # a dtype starts the next tensor
-                tensors.append(decode(parts))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(decode(parts))
-        if metadata is None:
-            raise PeerDataError(Reason.MALFORMED, "the donor sent no state")
-        return metadata, tensors
-
-    def _donor_parts(self, stream: AsyncIterator[Any], silence_s: float) -> AsyncIterator[Any]:
-        """A donor's state stream, each message within ``silence_s`` of the last (or :class:`asyncio.TimeoutError`)."""
-        return aiter_with_timeout(stream, timeout=silence_s)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         if self.state_provider is None:

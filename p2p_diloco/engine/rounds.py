@@ -148,15 +148,15 @@ class Rounds:
         return max(self.spread_window_s, link_window_s(self.link.measured(), self.cfg.averaging, moved))
 
     def sync_link_s(self) -> float:
-        """Seconds one sync of every fragment takes us (each one's window and link time), from what our rounds
+        """Seconds one sync of every fragment takes us (each one's window, if any, and link time), from what our rounds
         measured (0.0 before any round ended; :meth:`LinkHistory.measured`: a link too slow for any round to commit
         still gets a longer period). Not from the prior before that: a first period planned for the prior's 1 Mbit/s
-        delayed the main job's first contributions (61 s after start, against about 40 s without it),
-        while on a 0.25 Mbit/s link the first rounds overlap either way."""
+        delayed the main job's first contributions (61 s after start, not 40 s); at 0.25 Mbit/s they overlap anyway."""
         if not self.link.throughputs and not self.link.failures:
             return 0.0
-        payloads, group = self._one_sync()
-        return sync_link_s(payloads, group, self.link.measured(), self._window_for(payloads, group))
+        payloads, group = self._one_sync()  # groups from the clock wait out no window: they start once all are in
+        return sync_link_s(payloads, group, self.link.measured(),
+                           0.0 if self.cfg.averaging.matchmaking == "clock" else self._window_for(payloads, group))
 
     def final_rounds_in_turn(self) -> bool:
         """Should the final rounds (every fragment's, at once at the end) go one after another? Yes where our

@@ -93,3 +93,35 @@ def test_groups_from_the_clock_commit_over_hivemind_and_a_killed_member_fails_th
         if e["time"] > killed_at:
             assert (e["fragment"], e["version"]) in {(x["fragment"], x["version"]) for x in
                                                      committed(tmp_path / "b.jsonl")}, e
+
+
+def test_a_member_whose_verdicts_do_not_arrive_commits_the_round_late(tmp_path: Path) -> None:
+    """Verdicts inside the group: b drops the verdicts a sends it for a while (``blind@reading-verdicts``, b's
+    averager), so a commits a round of fragment 0 with b's "ok" while b, silent-only at its deadline, withdraws and
+    keeps the result; b then commits that round late -- a holds exactly its result -- with no download, and both end
+    identical."""
+    # a few rounds in, blind past the 3 s commit timeout but not into the next round (4 s later): a blind spell across
+    # two rounds leaves b a version behind that no second peer vouched for -- in a swarm of two it stays behind
+    spec = "blind@reading-verdicts:fragment=0:at=4:seconds=3.5"
+    common = ("--profile", str(write_profile(tmp_path, "paced")), "--wait-peers", "2", "--linger", "10", "--steps",
+              "100000", "--max-time", str(30 + START_ALLOWANCE_S), *CLOCK)
+    with ProcGroup(tmp_path) as procs:
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY, *CLOCK)
+        a = start_learner(procs, peers, "a", tmp_path, "--shard", "0", "--num-shards", "2", *common,
+                          config=("--config", TINY))
+        b = start_learner(procs, peers, "b", tmp_path, "--shard", "1", "--num-shards", "2", *common, "--fault", spec,
+                          config=("--config", TINY))
+        finals = {n: final_summary(p) for n, p in (("a", a), ("b", b))}
+        for p in (a, b):
+            assert p.wait_exit(60) == 0, p.output()
+    assert any(f"FAULT fired: {spec}" in line for _, line in b.stderr), b.output()
+    b_log = events(tmp_path / "b.jsonl")
+    late = [e for e in b_log if e["event"] == "late_commit"]
+    print(f"\nb's late commits: {late}")
+    print_discards(tmp_path / "b.jsonl")
+    assert late and all(e["fragment"] == 0 and e["version_after"] == e["version"] + 1 for e in late), late
+    a_commits = {(e["version"], e["anchor_hash"]) for e in committed(tmp_path / "a.jsonl") if e["fragment"] == 0}
+    assert {(e["version"], e["anchor_hash"]) for e in late} <= a_commits, (late, a_commits)
+    assert finals["b"]["resynced"][0] == 0, finals["b"]  # committed late: no download
+    assert finals["a"]["versions"] == finals["b"]["versions"], finals
+    assert finals["a"]["anchor_hashes"] == finals["b"]["anchor_hashes"], finals

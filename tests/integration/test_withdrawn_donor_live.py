@@ -10,7 +10,7 @@ import pytest
 
 from averagers import averaging_swarm, wait_declared
 from p2p_diloco.averaging.decisions import anchor_hash, sharing_priority
-from p2p_diloco.averaging.process import declared_priorities
+from p2p_diloco.averaging.downloads import declared_priorities
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.waiting import poll_until

@@ -54,6 +54,12 @@ def test_the_period_floor_is_one_rounds_matching_and_verdicts() -> None:
     assert derive_period([0.46] * 4, sync_every=28, min_period_s=floor) == 13.0
     assert derive_period([0.5] * 4, sync_every=28, min_period_s=floor) == pytest.approx(14.0)
     assert derive_period([], 10, 1.0) is None and derive_period([0.0, math.nan], 10, 1.0) is None
+    # groups from the clock: no floor from the window; fast steps sync at H (0.1 s steps, H = 20: every 2 s), and a
+    # slow link stretches the period to fit one sync (LINK_PERIOD_SAFETY x its link time), nothing else
+    clock_floor = min_period_s(a.window_max_s, a.commit_timeout_s, "clock")
+    assert clock_floor == 0.0
+    assert derive_period([0.1] * 4, sync_every=20, min_period_s=clock_floor) == pytest.approx(2.0)
+    assert derive_period([0.1] * 4, sync_every=20, min_period_s=clock_floor, sync_link_s=[10.0]) > 10.0
 
 
 def test_retune_only_when_the_period_is_off() -> None:
