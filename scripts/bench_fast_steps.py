@@ -6,7 +6,7 @@ verdicts to each other, no DHT search or window) and once with hivemind's matchm
 arm after the other, the same config, pacing and time.
 
 Per arm, from the learners' events: the realized period (the median time between two rounds of a fragment on a
-learner) against H x the median step (the learners' own inner steps over their training time); the rounds committed
+learner) against H x the median step (each learner's training time over its inner steps); the rounds committed
 (every learner lives the whole run, so every discard is a round lost with every member alive) and the commonest
 reasons of the others; a committed round's median time against its all-reduce's and its fastest verdict round trip
 (issue 48 asks for at most 2 x (all-reduce + 2 round trips)); and whether the learners ended with identical anchors.
@@ -73,14 +73,13 @@ def measure(arm: str, folder: Path) -> dict[str, Any]:
     rounds = {n: [e for e in log if isinstance(e, RoundEvent)] for n, log in logs.items()}
     every = [e for r in rounds.values() for e in r]
     committed = [e for e in every if e.committed]
-    intervals, step_times = [], []
+    intervals = []
     for r in rounds.values():
         for f in {e.fragment for e in r}:
             times = sorted(e.time for e in r if e.fragment == f)
             intervals += [b - a for a, b in zip(times, times[1:])]
-        if len(r) >= 2 and r[-1].time > r[0].time:
-            step_times.append((r[-1].time - r[0].time) / max(1, r[-1].step - r[0].step))
-    step_s = median(step_times)
+    learners = report.get("learners", {}).values()
+    step_s = median([f["train_s"] / f["steps"] for f in learners if f.get("steps")])  # the paced step, measured
     periods = [e.period_s for log in logs.values() for e in log if isinstance(e, ClockEvent)]
     duration, allreduce, rtt = (median([getattr(e, k) for e in committed]) for k in ("duration_s", "allreduce_s",
                                                                                        "rtt_s"))

@@ -32,7 +32,7 @@ from p2p_diloco.engine import checks
 from p2p_diloco.engine.metrics import open_event_log
 from p2p_diloco.engine.options import SyncOptions, check_supported
 from p2p_diloco.engine.network import HivemindNetwork
-from p2p_diloco.engine.rounds import Rounds
+from p2p_diloco.engine.rounds import Rounds, final_rounds
 from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
@@ -235,13 +235,7 @@ class DiLoCo:
             self.rounds.cancel()
         self.rounds.drain(self.inner_step)
         if not stop.is_set():
-            in_turn = self.rounds.final_rounds_in_turn()
-            for sync in self.rounds.syncs:
-                if sync.slot.since_steps > 0:
-                    self.rounds.hand_off(sync, self.inner_step)
-                    if in_turn:
-                        self.rounds.drain(self.inner_step)
-            self.rounds.drain(self.inner_step)
+            final_rounds(self.rounds, self.inner_step, stop)
         self.joined.publisher.update(state="leaving")
         logger.info("lingering up to %.0f s until the live peers agree on the fragment versions %s",
                     self.opts.linger_s, [s.version for s in self.slots])

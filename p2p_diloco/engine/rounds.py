@@ -408,3 +408,29 @@ class Rounds:
             h.cancel()  # all at once: each averager's stop takes a while
         for h in self.hosts:
             h.shutdown()
+
+
+def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
+    """Leaving: every fragment with unsynced progress hands its last round off (one after another where together they
+    would not fit the link, :meth:`Rounds.final_rounds_in_turn`), and they are waited for. With groups from the clock
+    each waits for its fragment's next boundary first: its group is the one the clock names there, with the learners
+    still training or leaving at the same time (a round handed off between boundaries names a group nobody else
+    does). Returns early on ``stop``."""
+    in_turn = rounds.final_rounds_in_turn()
+    clock = rounds.view.clock if rounds.cfg.averaging.matchmaking == "clock" else None
+
+    def wait_s(sync: FragmentSync) -> float:
+        if clock is None:
+            return 0.0
+        now, f, fragments = rounds.dht_time(), sync.slot.index, len(rounds.syncs)
+        if 0.0 <= now - clock.boundary(now, f, fragments) <= rounds.window_s:  # its group there is still open
+            return 0.0
+        return max(0.0, clock.boundary(now + clock.period_s, f, fragments) - now)
+
+    for sync in sorted((s for s in rounds.syncs if s.slot.since_steps > 0), key=wait_s):
+        if stop.wait(wait_s(sync)):
+            return
+        rounds.hand_off(sync, step)
+        if in_turn:
+            rounds.drain(step)
+    rounds.drain(step)
