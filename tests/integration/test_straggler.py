@@ -38,7 +38,7 @@ from p2p_diloco.core.waiting import WaitTimeout, poll_until
 
 pytestmark = pytest.mark.integration
 
-BEFORE_STOP_S = 10.0
+BEFORE_STOP_S = 5.0
 """Seconds of training (after every learner's first committed round) before the straggler is stopped."""
 AFTER_BACK_S = 5.0
 """Seconds the learners train on once the straggler is back in every fragment's rounds, before they finish."""
@@ -47,7 +47,7 @@ FIRST_ROUND_DEADLINE_S = 100.0
 BACK_DEADLINE_S = 90.0
 """From SIGCONT to the straggler's first round with every learner on each fragment (the round it froze in ends
 at its 33 s limit first)."""
-BETWEEN_PAUSES_S = 12.0
+BETWEEN_PAUSES_S = 8.0
 """Seconds from one SIGCONT to the next SIGSTOP when a learner is paused twice."""
 MAX_TIME_S = 600.0
 """The learners' --max-time, a bound only: the test ends them with SIGUSR1 (finish) once it has seen its rounds."""
