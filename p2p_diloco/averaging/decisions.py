@@ -421,3 +421,18 @@ def commit_decision(reports: Mapping[str, str], peers: Sequence[str]) -> Decisio
     return Decision(True)
 
 
+def vetoed(reports: Mapping[str, str], peers: Sequence[str]) -> bool:
+    """A member of ``peers`` reported something other than "ok" (silence is no veto here)."""
+    return any(reports.get(pid, "ok") != "ok" for pid in peers)
+
+
+def decision_at_deadline(reports: Mapping[str, str], peers: Sequence[str], timeout_s: float) -> tuple[Decision, bool]:
+    """What the verdicts read so far decide if no more are waited for: :func:`commit_decision`, and whether silence
+    alone stands in the way (no veto) -- then the reason says within how long, and a member that said "ok" withdraws
+    it (a late member then discards too)."""
+    decision = commit_decision(reports, peers)
+    if decision.ok or vetoed(reports, peers):
+        return decision, False
+    return Decision(False, f"{decision.reason} within {timeout_s:g} s"), True
+
+

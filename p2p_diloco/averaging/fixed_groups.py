@@ -28,7 +28,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from p2p_diloco.averaging.decisions import MISSING
+from p2p_diloco.averaging.decisions import MISSING, vetoed
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
 
@@ -220,7 +220,7 @@ class FixedGroupMeeting:
             received[self.peer_id.to_base58()] = own[:MAX_VERDICT_CHARS]
             rtt_s = await self._send_verdict(group_id, peers, own, timeout_s)
             deadline = time.monotonic() + timeout_s
-            while not (all(p in received for p in peers) or any(received.get(p, "ok") != "ok" for p in peers)):
+            while not (all(p in received for p in peers) or vetoed(received, peers)):
                 event.clear()
                 left_s = deadline - time.monotonic()
                 if left_s <= 0:

@@ -24,10 +24,10 @@ from p2p_diloco.averaging.decisions import (
     VOUCH_TTL_S,
     VOUCH_WAIT_S,
     Decision,
+    decision_at_deadline,
     RoundMeta,
     averager_prefix,
     check_group,
-    commit_decision,
     commit_key,
     grid_version,
     parse_gathered,
@@ -500,23 +500,19 @@ def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],
         found, read_s = host._read_verdicts(key)
         rtt_s = min(rtt_s, read_s)
         reports.update({p: v for p, v in owned_values(found).items() if isinstance(v, str)})
-        decision = commit_decision(reports, peers)
-        vetoed = any(reports.get(p, "ok") != "ok" for p in peers)
-        if decision.ok or vetoed or time.monotonic() >= deadline:
-            withdrawn = False
-            if not decision.ok and not vetoed:  # silence only: withdraw our "ok" (see above)
-                decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
-                if own_verdict == "ok":
-                    # a later expiration than our "ok" replaces it under the same subkey
-                    host._wait(host.dht.store(key, f"withdrawn: {decision.reason}"[:300],
-                                              max(posted_until + 1, get_dht_time() + keep_s),
-                                              subkey=host.report_subkey, return_future=True), None)
-                    withdrawn = True
+        decision, silent = decision_at_deadline(reports, peers, timeout_s)
+        if not silent or time.monotonic() >= deadline:
+            withdrawn = silent and own_verdict == "ok"  # silence only: withdraw our "ok" (see above)
+            if withdrawn:  # a later expiration than our "ok" replaces it under the same subkey
+                host._wait(host.dht.store(key, f"withdrawn: {decision.reason}"[:300],
+                                          max(posted_until + 1, get_dht_time() + keep_s),
+                                          subkey=host.report_subkey, return_future=True), None)
             return decision, rtt_s, withdrawn
         if host._cancelled.wait(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)],
                                     max(0.0, deadline - time.monotonic()))):
             raise Leaving(LEAVING)
         reads += 1
+
 
 def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[str],
                    own_verdict: str) -> tuple[Decision, float, bool]:
@@ -527,13 +523,10 @@ def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[
     timeout_s = host.cfg.averaging.commit_timeout_s
     reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, timeout_s),
                                 timeout_s + SET_TIMEOUTS_DEADLINE_S)
-    decision = commit_decision(reports, peers)
-    if decision.ok or any(reports.get(p, "ok") != "ok" for p in peers):
-        return decision, rtt_s, False
-    decision = Decision(False, f"{decision.reason} within {timeout_s:g} s")
-    if own_verdict != "ok":
-        return decision, rtt_s, False
-    withdrawal = f"withdrawn: {decision.reason}"[:300]
-    host._wait(host.averager.send_verdict(group_id, tuple(peers), withdrawal, host.cfg.averaging.request_timeout_s),
-               host.cfg.averaging.request_timeout_s + SET_TIMEOUTS_DEADLINE_S)
-    return decision, rtt_s, True
+    decision, silent = decision_at_deadline(reports, peers, timeout_s)
+    withdrawn = silent and own_verdict == "ok"
+    if withdrawn:
+        request_s = host.cfg.averaging.request_timeout_s
+        host._wait(host.averager.send_verdict(group_id, tuple(peers), f"withdrawn: {decision.reason}"[:300], request_s),
+                   request_s + SET_TIMEOUTS_DEADLINE_S)
+    return decision, rtt_s, withdrawn

@@ -180,6 +180,18 @@ def test_commit_needs_every_member_ok() -> None:
     assert commit_key("run_frag0", first) == commit_key("run_frag0", dict(reversed(list(first.items()))))
 
 
+def test_at_the_deadline_only_silence_withdraws_an_ok() -> None:
+    from p2p_diloco.averaging.decisions import Decision, decision_at_deadline, vetoed
+
+    peers = ["QmA", "QmB", "QmC"]
+    assert decision_at_deadline({"QmA": "ok", "QmB": "ok", "QmC": "ok"}, peers, 3.0) == (Decision(True), False)
+    d, silent = decision_at_deadline({"QmA": "ok", "QmC": "ok"}, peers, 3.0)
+    assert silent and not d.ok and d.reason == "no verdict from 1 of 3 members within 3 s"
+    d, silent = decision_at_deadline({"QmA": "ok", "QmB": "partial"}, peers, 3.0)  # a veto beside the silence
+    assert not silent and not d.ok and "partial" in d.reason and "within" not in d.reason
+    assert vetoed({"QmB": "withdrawn: x"}, peers) and not vetoed({"QmA": "ok", "QmX": "fail"}, peers)
+
+
 def test_start_instant_is_the_same_for_everyone_who_saw_the_first_proposals() -> None:
     from p2p_diloco.averaging.decisions import start_instant
 
