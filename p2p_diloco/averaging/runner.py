@@ -9,6 +9,15 @@ pseudo-gradient) is *left out* of that part's average instead -- as the simulato
 completes, it does not veto, and one member that sends NaN every round cannot block its groups' rounds.
 The same holds for the reducer's own share of its own tensors. A part with no finite contribution at
 all is returned as zeros (never NaN on the wire) and fails the round.
+
+**The sender closes an answer stream, never the reducer.** hivemind's reducer returned from its handler right
+after its last answer, which closed the stream from its side while the answers were still on their way; the
+daemon then sometimes reset the stream, and a reset stream drops what the receiving daemon had not yet passed on:
+on slow links the sender read the first parts and then a clean end (``peer ... sent 3 parts, but we expected 5``,
+with every member alive, the reducer's own all-reduce complete, and a ``stream reset`` in the sender's daemon
+log). Now the sender stops reading after the number of parts it expects and closes the stream, and the reducer,
+having answered every part, keeps its side open until then (:meth:`ExactAllReduceRunner.rpc_aggregate_part`, at
+most its ``reducer_timeout``): a reset after the sender has read everything loses nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import asyncio
 import collections
 import logging
 import math
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
@@ -39,6 +48,22 @@ from p2p_diloco.hivemind_ext.compression import decode_part
 require_hivemind(__name__)  # overrides AllReduceRunner's private methods and TensorPartReducer's internals
 
 logger = logging.getLogger(__name__)
+
+ANSWER_LINGER_S = 30.0
+"""How long a reducer that answered every part keeps the stream open for its sender to close it, when the round
+set no ``reducer_timeout`` (with one, that: a sender silent longer than it has failed us anyway)."""
+
+
+async def first_messages(stream: AsyncIterator[Any], count: int) -> AsyncIterator[Any]:
+    """The first ``count`` messages of ``stream`` and not one more: the reducer keeps its side open until we close
+    ours, so waiting for the stream's end would wait out its linger."""
+    if count <= 0:
+        return
+    async for message in stream:
+        yield message
+        count -= 1
+        if count == 0:
+            return
 
 
 class _RobustPart:
@@ -195,12 +220,16 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self._count(self._received, msg)
                 return deserialize_torch_tensor(msg.tensor_part)
 
-            part_index = 0
-            async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                                   max_prefetch=container.prefetch):
-                container.register_processed_part(peer_index, part_index, averaged)
-                part_index += 1
-            if part_index != container.num_parts_by_peer[peer_index]:
+            part_index, expected = 0, container.num_parts_by_peer[peer_index]
+            try:  # we close the stream once we have read every part (see the module's docstring)
+                async for averaged in amap_in_executor(decode, aiter_with_timeout(first_messages(stream, expected),
+                                                                                  self.reducer_timeout),
+                                                       max_prefetch=container.prefetch):
+                    container.register_processed_part(peer_index, part_index, averaged)
+                    part_index += 1
+            finally:
+                await self._close_answers(stream)
+            if part_index != expected:
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected "
                                          f"{container.num_parts_by_peer[peer_index]}")
         except BaseException as e:
@@ -210,6 +239,40 @@ class ExactAllReduceRunner(AllReduceRunner):
             logger.info("fragment %s: the reducer %s failed us: %s", self.fragment, peer_id, why)
             container.register_failed_reducer(peer_index)
             raise
+
+    async def _close_answers(self, stream: AsyncIterator[Any]) -> None:
+        """Close our side of an answer stream (hivemind's reader closes the daemon's socket in its ``finally``)."""
+        if not isinstance(stream, AsyncGenerator):
+            return
+        try:
+            await stream.aclose()
+        except RuntimeError as e:  # still being read by a task that is being cancelled: that task closes it
+            logger.debug("fragment %s: answer stream closed by its reader instead: %s", self.fragment, e)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler; then, once every part was answered, the stream stays open until the sender closes it
+        (hivemind cancels this handler when it does) or ``reducer_timeout`` passes: a stream closed by the reducer
+        while its last answers were on their way could be reset and lose them (the module's docstring)."""
+        answered = 0
+        async for message in super().rpc_aggregate_part(stream, context):
+            answered += message.code == averaging_pb2.AVERAGED_PART
+            yield message
+        if answered != self.tensor_part_reducer.num_parts:
+            return
+        linger_s = self.reducer_timeout if self.reducer_timeout is not None else ANSWER_LINGER_S
+        closed_by_sender = True
+        try:
+            await asyncio.sleep(linger_s)
+            closed_by_sender = False
+            logger.info("fragment %s: sender %s did not close its stream within %s s of our last answer",
+                        self.fragment, context.remote_id, linger_s)
+        finally:
+            self._answers_ended(closed_by_sender)
+
+    def _answers_ended(self, closed_by_sender: bool) -> None:
+        """Called once per answer stream that got every part: whether its sender closed it (as it should) or our
+        linger ran out first. A hook for tests, which count them."""
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 import pytest
 import torch
-from test_averaging import ROUND_DEADLINE_S, RecordsTimeouts, SEEN_TIMEOUTS
+from test_averaging import ANSWER_STREAMS, ROUND_DEADLINE_S, RecordsTimeouts, SEEN_TIMEOUTS
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +16,7 @@ def test_the_averager_process_applies_each_rounds_timeouts(tmp_path: Path) -> No
 
     from p2p_diloco.averaging.linktime import RoundTimeouts, floor_timeouts
     from p2p_diloco.core.config import load_config
+    from p2p_diloco.core.waiting import poll_until
 
     cfg = load_config(None, ["run.run_id=linktime", "model.n_layer=2", "outer.fragments=2", "outer.merge=\"mean\"",
                              "averaging.window_s=1.5", "averaging.next_chunk_timeout_s=2.0",
@@ -32,6 +33,10 @@ def test_the_averager_process_applies_each_rounds_timeouts(tmp_path: Path) -> No
         assert tuple(SEEN_TIMEOUTS) == (7.5, 15.0)  # the runner of this round was built with them
         assert all(o.timeouts == derived and o.event()["timeouts"]["sender_timeout_s"] == 7.5 for o in first)
         assert all(o.allreduce_s > 0 and o.rtt_s > 0 for o in first), [(o.allreduce_s, o.rtt_s) for o in first]
+        # each reducer answered its sender every part and kept the stream open until the sender, having read them
+        # all, closed it -- well before the 15 s linger: a stream the reducer closes can be reset with answers in it
+        poll_until(lambda: ANSWER_STREAMS[0] + ANSWER_STREAMS[1] >= 2, 10.0, "both answer streams to end")
+        assert tuple(ANSWER_STREAMS) == (2, 0)
         # a round without its own timeouts runs with the config's: nothing sticks from the round before
         second = run_round(peers, tensors, cfg, (100, 300), ROUND_DEADLINE_S)
         assert all(o.committed for o in second), [o.reason for o in second]

@@ -261,12 +261,20 @@ SEEN_TIMEOUTS = mp.Array(ctypes.c_double, 2)  # (sender, reducer) of the last ru
 ROUND_DEADLINE_S = 60.0
 
 
+ANSWER_STREAMS = mp.Array(ctypes.c_int, 2)  # answer streams that got every part: (closed by their sender, lingered out)
+
+
 class RecordsTimeouts(ExactAllReduceRunner):
-    """Records the sender and reducer timeouts hivemind built this all-reduce's runner with."""
+    """Records the sender and reducer timeouts hivemind built this all-reduce's runner with, and how each answer
+    stream this runner served ended."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         SEEN_TIMEOUTS[0], SEEN_TIMEOUTS[1] = self.sender_timeout, self.reducer_timeout
+
+    def _answers_ended(self, closed_by_sender: bool) -> None:
+        with ANSWER_STREAMS.get_lock():
+            ANSWER_STREAMS[0 if closed_by_sender else 1] += 1
 
 
 def test_group_key_reads_are_throttled() -> None:
