@@ -41,6 +41,7 @@ from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.engine.options import ROUND_POLL_S
+from p2p_diloco.net.clock import LINK_PERIOD_SAFETY
 from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks
@@ -141,7 +142,7 @@ class Rounds:
     def window_s(self) -> float:
         """The next round's matchmaking window: what the arrival spreads call for, and at least what the link
         needs for a join request (:func:`link_window_s`)."""
-        return self._window_for(*self._one_sync())
+        return self._window_for(*self.one_sync())
 
     def _window_for(self, payloads: list[float], group: int) -> float:
         moved = max((allreduce_bytes(p, group) for p in payloads), default=0.0)
@@ -151,10 +152,11 @@ class Rounds:
         """Seconds one sync of every fragment takes us (each one's window, if any, and link time), from what our rounds
         measured (0.0 before any round ended; :meth:`LinkHistory.measured`: a link too slow for any round to commit
         still gets a longer period). Not from the prior before that: a first period planned for the prior's 1 Mbit/s
-        delayed the main job's first contributions (61 s after start, not 40 s); at 0.25 Mbit/s they overlap anyway."""
+        delayed the main job's first contributions (61 s after start, not 40 s); a slow link's first rounds go one at
+        a time instead (:func:`link_busy`)."""
         if not self.link.throughputs and not self.link.failures:
             return 0.0
-        payloads, group = self._one_sync()  # groups from the clock wait out no window: they start once all are in
+        payloads, group = self.one_sync()  # groups from the clock wait out no window: they start once all are in
         return sync_link_s(payloads, group, self.link.measured(),
                            0.0 if self.cfg.averaging.matchmaking == "clock" else self._window_for(payloads, group))
 
@@ -165,9 +167,9 @@ class Rounds:
         once ended as partial all-reduces). Not before a round was measured."""
         if not self.link.throughputs:
             return False
-        return sync_link_s(*self._one_sync(), self.link.measured()) > self.cfg.averaging.next_chunk_timeout_s
+        return sync_link_s(*self.one_sync(), self.link.measured()) > self.cfg.averaging.next_chunk_timeout_s
 
-    def _one_sync(self) -> tuple[list[float], int]:
+    def one_sync(self) -> tuple[list[float], int]:
         """One sync of every fragment: each round's wire payload (bytes) and the group it will likely have."""
         tensors_per_name = 3 if self.grid else 1  # grid rounds average the anchor and momentum too
         payloads = [payload_bytes(tensors_per_name * sum(s.anchor[n].numel() for n in s.names), self.cfg.outer.codec)
@@ -183,15 +185,19 @@ class Rounds:
 
     # ------------------------------------------------------------ hand off
 
-    def hand_off(self, sync: FragmentSync, step: int) -> None:
+    def hand_off(self, sync: FragmentSync, step: int, final: bool = False) -> None:
         """Start a background round with this fragment's pseudo-gradient (never waits for it), unless we have
-        not seen the swarm yet, or no group can form at our version."""
+        not seen the swarm yet, no group can form at our version, or (but for ``final`` rounds) the link is taken."""
         slot = sync.slot
         if self.view.swarm_reads == 0:  # a newcomer that has not seen the swarm yet may be behind: fetch first
             logger.info("fragment %d due at step %d before our first look at the swarm; its progress waits for the "
                         "next round", slot.index, step)
             return
-        if self.grid and not self._grid_round_possible(sync, step):
+        if self.grid and not grid_round_possible(self, sync, step):
+            return
+        busy = "" if final else link_busy(self, slot)
+        if busy:
+            logger.info("fragment %d due at step %d: %s; its progress waits for the next round", slot.index, step, busy)
             return
         if not self.grid and slot.inflight is None and round_is_doomed(slot.rank, self.peer_ranks(slot)):
             slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
@@ -209,23 +215,6 @@ class Rounds:
             self.event(events.LocalDropEvent(fragment=slot.index, version=slot.version, reason=handed.reason))
             logger.warning("fragment %d at step %d: %s; dropped, fragment re-anchored", slot.index, step,
                            handed.reason)
-
-    def _grid_round_possible(self, sync: FragmentSync, step: int) -> bool:
-        """Grid groups: a round needs the clock (its boundary names the group) and a group of two or more."""
-        clock, slot = self.view.clock, sync.slot
-        if clock is None:
-            logger.info("fragment %d due at step %d before the sync clock is known; its progress waits for the next "
-                        "round", slot.index, step)
-            return False
-        now = self.dht_time()
-        group = group_of(self.own_id, self.roster(), clock.round_index(now, slot.index, len(self.syncs)),
-                         self.cfg.averaging.target_group_size, self.hosts[slot.index].prefix)
-        if len(group) < max(2, self.cfg.averaging.min_group_size):
-            slot.behind_skips += 1
-            logger.info("fragment %d due at step %d: our grid group this round is %d learner(s); its progress waits "
-                        "for the next round", slot.index, step, len(group))
-            return False
-        return True
 
     def roster(self) -> list[str]:
         """The live learners we know of, us included: the cells of the grid groups."""
@@ -410,6 +399,48 @@ class Rounds:
             h.shutdown()
 
 
+def grid_round_possible(rounds: Rounds, sync: FragmentSync, step: int) -> bool:
+    """Grid groups: a round needs the clock (its boundary names the group) and a group of two or more."""
+    clock, slot = rounds.view.clock, sync.slot
+    if clock is None:
+        logger.info("fragment %d due at step %d before the sync clock is known; its progress waits for the next "
+                    "round", slot.index, step)
+        return False
+    now = rounds.dht_time()
+    group = group_of(rounds.own_id, rounds.roster(), clock.round_index(now, slot.index, len(rounds.syncs)),
+                     rounds.cfg.averaging.target_group_size, rounds.hosts[slot.index].prefix)
+    if len(group) < max(2, rounds.cfg.averaging.min_group_size):
+        slot.behind_skips += 1
+        logger.info("fragment %d due at step %d: our grid group this round is %d learner(s); its progress waits "
+                    "for the next round", slot.index, step, len(group))
+        return False
+    return True
+
+
+def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
+    """Why ``slot``'s round must not start now: another fragment of ours still has a round or a download on the link,
+    and either no round of ours has measured the link yet or the measured link needs longer for a sync's transfers
+    than the clock's period leaves (:data:`~p2p_diloco.net.clock.LINK_PERIOD_SAFETY` x their time; latency is not
+    shared, not counted). Two transfers then share a link that carries one and both miss their deadlines: at
+    0.5 Mbit/s with 1 s queues the four fragments' first rounds overlapped (the first period is derived before
+    anything is measured), ran 30-45 s each and failed, then the period grew to 200 s. One waits instead and its
+    progress goes into the next round. Empty: it may start (on a link that carries a sync per period: loopback once
+    a round ended, where a first round takes a fraction of the fragments' spacing anyway)."""
+    clock = rounds.view.clock
+    others = [s.index for s in rounds.slots if s is not slot and s.inflight is not None]
+    if clock is None or not others:
+        return ""
+    if not rounds.link.throughputs:
+        return f"fragment {others[0]} is still on the link, which no round of ours has measured yet"
+    payloads, group = rounds.one_sync()
+    rate_Bps = rounds.link.measured().throughput_Bps
+    need_s = LINK_PERIOD_SAFETY * sum(allreduce_bytes(p, group) for p in payloads) / rate_Bps
+    if need_s <= clock.period_s:
+        return ""
+    return (f"fragment {others[0]} is still on the link, whose transfers of a sync need {need_s:.1f} s of a period of "
+            f"{clock.period_s:.1f} s")
+
+
 def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
     """Leaving: every fragment with unsynced progress hands its last round off (one after another where together they
     would not fit the link, :meth:`Rounds.final_rounds_in_turn`), and they are waited for. With groups from the clock
@@ -430,7 +461,7 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
     for sync in sorted((s for s in rounds.syncs if s.slot.since_steps > 0), key=wait_s):
         if stop.wait(wait_s(sync)):
             return
-        rounds.hand_off(sync, step)
+        rounds.hand_off(sync, step, final=True)
         if in_turn:
             rounds.drain(step)
     rounds.drain(step)

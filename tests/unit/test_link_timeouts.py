@@ -214,3 +214,35 @@ def test_planning_ignores_the_back_off_once_a_round_committed() -> None:
     h.observe(committed=False, bytes_moved=1e5, allreduce_s=5.0, rtt_s=0.2)
     assert h.estimate().throughput_Bps == 5e4 / BACKOFF_BASE  # deadlines back off
     assert h.measured().throughput_Bps == 5e4  # the window and the period do not
+
+
+def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_period() -> None:
+    """The engine's rule (:func:`p2p_diloco.engine.rounds.link_busy`) on a stand-in for its rounds: a round starts
+    beside another fragment's only once a round measured the link and the period leaves it the time for a sync's
+    transfers; latency does not count (it is not shared)."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.engine.rounds import link_busy
+    from p2p_diloco.net.clock import LINK_PERIOD_SAFETY, SyncClock
+
+    payload, group, fragments, rate_Bps = 200_000.0, 4, 4, 50_000.0
+    need_s = LINK_PERIOD_SAFETY * fragments * allreduce_bytes(payload, group) / rate_Bps  # 36 s
+    slots = [SimpleNamespace(index=i, inflight=None) for i in range(fragments)]
+    history = LinkHistory()
+
+    def rounds(period_s: float | None) -> SimpleNamespace:
+        clock = SyncClock(period_s, 0.0, 0) if period_s is not None else None
+        return SimpleNamespace(view=SimpleNamespace(clock=clock), slots=slots, link=history,
+                               one_sync=lambda: ([payload] * fragments, group))
+
+    assert link_busy(rounds(1000.0), slots[1]) == ""  # nothing else on the link
+    slots[0].inflight = object()
+    assert "no round of ours has measured" in link_busy(rounds(1000.0), slots[1])  # one at a time until measured
+    assert link_busy(rounds(None), slots[1]) == ""  # no clock (the step schedule): not this rule's
+    history.observe(committed=True, bytes_moved=rate_Bps * 10, allreduce_s=10.0, rtt_s=5.0)  # measured; far
+    busy = link_busy(rounds(need_s / 2), slots[1])
+    assert busy.startswith("fragment 0 is still on the link") and f"{need_s:.1f} s" in busy, busy
+    assert link_busy(rounds(need_s * 1.01), slots[1]) == ""  # the period fits the link: rounds may overlap
+    history.throughputs.clear()
+    history.observe(committed=True, bytes_moved=rate_Bps * 1000, allreduce_s=1.0, rtt_s=5.0)
+    assert link_busy(rounds(need_s / 2), slots[1]) == ""  # a fast link (a long round trip does not count)
