@@ -3,8 +3,10 @@
 hivemind's matchmaking would have gathered from it: its bandwidth, mode and round metadata -- and fetches every other
 member's over their own connections (:meth:`FixedGroupMeeting.rpc_group_offer`, one request per member, answered once
 that member meets the same group); the all-reduce then runs on exactly that ``GroupInfo``, the same on every member.
-A member whose offer is not in by the group's ``show_by`` (plus a request's round trip) fails the round for all alike
-(:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves.
+A member whose offer is not in by the group's ``show_by`` (plus a request's round trip) is left out: the members that
+showed, if more than half of the group, meet again as the group without it (:func:`~p2p_diloco.core.groups.
+without_absent`: its own id, one more exchange of offers) and go on; else, or when they saw different members absent,
+the round fails for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves.
 
 A mixin of :class:`~p2p_diloco.averaging.process.FragmentAveragerProcess`: hivemind's averager steps through
 ``self._matchmaking.look_for_group``, which :meth:`FixedGroupMeeting.set_next_group` wraps once (in the averager
@@ -29,6 +31,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from p2p_diloco.averaging.decisions import MISSING, vetoed
+from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
 
@@ -62,6 +65,24 @@ class FixedGroup:
     fails the round for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`)."""
     request_timeout_s: float
     """Seconds an offer request may take past ``show_by`` (a round trip on a slow link)."""
+    planned_id: bytes = b""
+    """The group the clock named, when this one goes on without its absent members (:meth:`without`); empty: this is
+    that group. The round's verdicts go under the planned id: it is the one every member's host knows."""
+
+    @property
+    def verdict_id(self) -> bytes:
+        """The id the round's verdicts are exchanged under (the planned group's)."""
+        return self.planned_id or self.group_id
+
+    def without(self, absent: set[str]) -> FixedGroup | None:
+        """The group that goes on without ``absent`` (:func:`~p2p_diloco.core.groups.without_absent`): its offers are
+        due one request's round trip after ours were (by then every member knows who did not show); None when the
+        round must fail instead."""
+        group_id, showed = without_absent(self.group_id.hex(), self.peer_ids, absent)
+        if not showed:
+            return None
+        return FixedGroup(group_id.encode(), showed, self.show_by + self.request_timeout_s, self.request_timeout_s,
+                          planned_id=self.verdict_id)
 
 
 class FixedGroupMeeting:
@@ -135,10 +156,32 @@ class FixedGroupMeeting:
 
     async def _meet(self, group: FixedGroup, step: StepControl) -> GroupInfo:
         """Post our offer to ``group`` and fetch every other member's (each within ``show_by`` plus a round trip):
-        the group's :class:`GroupInfo`, the same on every member; a member missing fails the round (raised)."""
+        the group's :class:`GroupInfo`, the same on every member. Members missing: the group without them, if more
+        than half showed (:meth:`FixedGroup.without`, met the same way); else the round fails (raised)."""
         own = self.peer_id.to_base58()
         if own not in group.peer_ids:
             raise MatchmakingException(f"we are not a member of group {group.group_id.hex()}")
+        offers = await self._exchange_offers(group, step.data_for_gather)
+        if len(offers) < len(group.peer_ids):
+            # the members that did get every offer start their all-reduce, and its streams to us wait for us to
+            # register a group (hivemind's race guard): we never will, so release them now (BAD_GROUP_ID) and their
+            # round fails at once instead of at its sender timeout
+            self._pending_groups_registered.set()
+            rest = group.without(set(group.peer_ids) - set(offers))
+            if rest is not None:
+                logger.debug("fragment %s: group %s goes on as %s without %d member(s)", self.fragment,
+                             group.group_id.hex(), rest.group_id.hex(), len(group.peer_ids) - len(rest.peer_ids))
+                group, offers = rest, await self._exchange_offers(rest, step.data_for_gather)
+            if len(offers) < len(group.peer_ids):
+                self._pending_groups_registered.set()
+                raise MatchmakingException(f"{MISSING}: {len(offers)} of {len(group.peer_ids)} members showed")
+        return GroupInfo(group.group_id, tuple(PeerID.from_base58(p) for p in group.peer_ids),
+                         tuple(offers[p] for p in group.peer_ids))
+
+    async def _exchange_offers(self, group: FixedGroup, offer: bytes) -> dict[str, bytes]:
+        """Post our ``offer`` to ``group`` and fetch every other member's: the offers in, ours included, by peer id
+        (a member missing is logged and left out)."""
+        own = self.peer_id.to_base58()
         event = self._offer_wait(group.group_id)
         if event is None:  # every slot held by others' requests: make room for our own group
             oldest = next(iter(self._offer_waits))
@@ -146,26 +189,19 @@ class FixedGroupMeeting:
             self._offers.pop(oldest, None)
             event = self._offer_wait(group.group_id)
             assert event is not None
-        offer = step.data_for_gather
         self._offers[group.group_id] = (group, offer)
         event.set()
         others = [p for p in group.peer_ids if p != own]
         timeout_s = max(0.0, group.show_by - get_dht_time()) + group.request_timeout_s
         answers = await asyncio.gather(*(self._ask_offer(p, group, timeout_s) for p in others), return_exceptions=True)
-        offers = dict(zip(others, answers))
-        missing = {p: a for p, a in offers.items() if not isinstance(a, bytes)}
-        if missing:
-            for p, why in missing.items():
+        offers = {own: offer}
+        for p, answer in zip(others, answers):
+            if isinstance(answer, bytes):
+                offers[p] = answer
+            else:
                 logger.debug("fragment %s: group %s: no offer from %s (%s: %s)", self.fragment, group.group_id.hex(),
-                             p, type(why).__name__, why)
-            # the members that did get every offer start their all-reduce, and its streams to us wait for us to
-            # register a group (hivemind's race guard): we never will, so release them now (BAD_GROUP_ID) and their
-            # round fails at once instead of at its sender timeout
-            self._pending_groups_registered.set()
-            raise MatchmakingException(f"{MISSING}: {len(group.peer_ids) - len(missing)} of {len(group.peer_ids)} "
-                                       f"members showed")
-        gathered = tuple(offer if p == own else offers[p] for p in group.peer_ids)
-        return GroupInfo(group.group_id, tuple(PeerID.from_base58(p) for p in group.peer_ids), gathered)
+                             p, type(answer).__name__, answer)
+        return offers
 
     async def _ask_offer(self, peer: str, group: FixedGroup, timeout_s: float) -> bytes:
         """``peer``'s offer to ``group`` (raises when it has none for it in time, refuses, or sends too much)."""
@@ -303,8 +339,8 @@ class FixedGroupMeeting:
         event.set()
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=group_id)
 
-    def in_fixed_group(self, group_id: bytes) -> tuple[str, ...]:
-        """(averager process) The members of ``group_id`` if we met it as a group from the clock, else ()."""
+    def fixed_group(self, group_id: bytes) -> FixedGroup | None:
+        """(averager process) The group from the clock ``group_id`` if we met it as one, else None."""
         kept = self._offers.get(group_id)
-        return kept[0].peer_ids if kept is not None else ()
+        return kept[0] if kept is not None else None
 

@@ -121,6 +121,8 @@ class RoundOutcome:
     reason: str
     group_size: int = 0
     peers: tuple[str, ...] = ()
+    absent: int = 0
+    """Groups from the clock: the members the group named that did not show; the round went on without them."""
     own_share: float = 0.0
     weights: tuple[float, ...] = ()
     bytes_sent: int = 0
@@ -359,7 +361,8 @@ class FragmentAveragerHost:
             return failed(f"bad metadata from a member: {e}", group_size=len(peers), peers=peers)
         weights = tuple(m.weight for m in metas)
         spread = max(m.due for m in metas) - min(m.due for m in metas)
-        extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread)
+        extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread,
+                                     absent=len(set(plan.members) - set(peers)))
         decision = check_group(meta, metas, self.radial_names, min_group_size=a.min_group_size,
                                weighting=self.cfg.outer.weighting, grid=self.grid)
         quorum = quorum_problem(len(peers), plan.at_rank, a.target_group_size) if decision.ok else None

@@ -196,10 +196,10 @@ class FragmentAveragerProcess(StateDownloads, FixedGroupMeeting, DecentralizedAv
         return dict(zip(group_info.peer_ids, weights)), self.robust
 
     async def _post_veto(self, group_info: GroupInfo, reason: str) -> None:
-        members = self.in_fixed_group(group_info.group_id)
-        if members:  # a group from the clock: straight to its members (never raises; a member missed waits it out)
-            self._verdict_box(group_info.group_id)[0][self.peer_id.to_base58()] = reason[:300]
-            await self._send_verdict(group_info.group_id, members, reason, self._matchmaking.request_timeout)
+        fixed = self.fixed_group(group_info.group_id)
+        if fixed is not None:  # a group from the clock: straight to its members (never raises; one missed waits it out)
+            self._verdict_box(fixed.verdict_id)[0][self.peer_id.to_base58()] = reason[:300]
+            await self._send_verdict(fixed.verdict_id, fixed.peer_ids, reason, self._matchmaking.request_timeout)
             return
         if self.report_subkey is None:
             return

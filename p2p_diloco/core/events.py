@@ -117,6 +117,8 @@ class RoundEvent(Event):
     """Learners in the all-reduce group, us included (0: no group formed)."""
     peers: tuple[str, ...]
     """The group's members' peer ids."""
+    absent: int = 0
+    """Groups from the clock: the members the group named that did not show (the round went on without them)."""
     own_share: float
     """Our weight in the group's average (0..1)."""
     weights: tuple[float, ...]

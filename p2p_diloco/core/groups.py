@@ -211,3 +211,18 @@ def clock_group(run_id: str, fragment: int, rank: tuple[int, str], round_index: 
     members = tuple(sorted({own_id, *(p for p, r in peers.items() if tuple(r) == tuple(rank))}))
     blob = "\n".join((run_id, str(fragment), str(rank[0]), rank[1], str(round_index), *members))
     return hashlib.sha256(blob.encode()).hexdigest()[:16], members
+
+
+def without_absent(group_id: str, members: Sequence[str], absent: Collection[str]) -> tuple[str, tuple[str, ...]]:
+    """Groups from the clock: the group that goes on when ``absent`` members of group ``group_id`` did not show by its
+    deadline. Returns ``(id, members that showed)``, or ``("", ())`` when the round must fail for all alike instead:
+    fewer than two showed, or not more than half of the group (two disjoint parts of one group could otherwise both
+    go on and commit the same version with different averages -- a fork). The id hashes the group's and the members
+    that showed, so members that saw different members absent derive different groups and fail alike, never
+    half-applied; a member that sees nobody absent never asks for it."""
+    gone = set(absent)
+    showed = tuple(m for m in members if m not in gone)
+    if len(showed) < 2 or 2 * len(showed) <= len(members) or len(showed) == len(members):
+        return "", ()
+    blob = "\n".join((group_id, "without", *showed))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16], showed

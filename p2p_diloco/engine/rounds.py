@@ -101,6 +101,7 @@ def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, st
     o, finite = outcome, events.finite_or_none
     return events.RoundEvent(
         fragment=o.fragment, version=o.version, reason=o.reason, group_size=o.group_size, peers=tuple(o.peers),
+        absent=o.absent,
         own_share=o.own_share, weights=tuple(o.weights), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
         duration_s=o.duration_s, arrival_spread_s=finite(o.arrival_spread_s), window_s=o.window_s,
         allreduce_s=finite(o.allreduce_s), rtt_s=finite(o.rtt_s),

@@ -22,8 +22,9 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
 - **Groups from the clock** (``averaging.matchmaking = "clock"``): each member names its group as a pure function of
   the clock's round and the ranks its view holds (:func:`~p2p_diloco.core.groups.clock_group`); the hub groups the
   contributions by that id -- as hivemind's runner refuses streams of another group id -- and starts the all-reduce
-  as soon as every member named is in (no window); a member named that is not in by the scheduled time fails the
-  round for all alike (``incomplete group``).
+  as soon as every member named is in (no window); by the scheduled time it goes on without the members named that
+  are not in, if more than half are (:func:`~p2p_diloco.core.groups.without_absent`), else fails the round for all
+  alike (``incomplete group``).
 
 Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side
 sees and averages only with itself), :attr:`Hub.tamper` (a member that poisons what it sends), :meth:`Hub.blind` (a
@@ -50,6 +51,7 @@ from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
+from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import compression
 from p2p_diloco.transport.planning import LastGroup, plan_round
@@ -141,6 +143,8 @@ class RoundRecord:
     """The tokens of progress the members sent."""
     complete: bool = False
     """Groups from the clock: it started as soon as every member its id names was in (no window waited out)."""
+    absent: int = 0
+    """Groups from the clock: the members its id names that were not in by the scheduled time."""
 
 
 class Hub:
@@ -297,7 +301,8 @@ class Hub:
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,
                                        "committed" if committed else outcomes[0].reason,
                                        tuple(o.contribution.weight for o in offers),
-                                       sum(o.contribution.tokens for o in offers), group.complete))
+                                       sum(o.contribution.tokens for o in offers), group.complete,
+                                   len(set(offers[0].plan.members) - {o.member.peer_id for o in offers})))
         for o, outcome in zip(offers, outcomes):
             o.done.set_result(outcome)
 
@@ -305,9 +310,9 @@ class Hub:
         """Why the group cannot commit, before reducing (empty: it may)."""
         a = self.cfg.averaging
         members = offers[0].plan.members
-        if members:  # groups from the clock: whoever the id names and did not show fails it for all alike
+        if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
             missing = set(members) - {o.member.peer_id for o in offers}
-            if missing:
+            if missing and not without_absent(offers[0].plan.group_id, members, missing)[1]:
                 return f"{MISSING}: {len(members) - len(missing)} of {len(members)} members showed"
         if len(offers) < max(2, a.min_group_size):
             return NO_GROUP
@@ -369,7 +374,7 @@ class Hub:
                 peers=peers, own_share=o.contribution.weight / total, weights=tuple(weights), bytes_sent=moved,
                 bytes_received=moved, duration_s=now - o.arrived, finished_at=now,
                 arrival_spread_s=max(dues) - min(dues), window_s=o.plan.window_s, allreduce_s=now - t0,
-                merged={n: t.clone() for n, t in merged.items()}))
+                merged={n: t.clone() for n, t in merged.items()}, absent=len(set(o.plan.members) - set(peers))))
         return outcomes
 
     # ------------------------------------------------------------ downloads

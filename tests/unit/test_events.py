@@ -36,7 +36,7 @@ from p2p_diloco.engine.rounds import _round_event
 
 ENVELOPE = {"name", "step", "tokens", "time", "loss", "event"}
 ROUND_KEYS = ENVELOPE | {
-    "fragment", "version", "committed", "reason", "group_size", "peers", "own_share", "weights", "bytes_sent",
+    "fragment", "version", "committed", "reason", "group_size", "peers", "absent", "own_share", "weights", "bytes_sent",
     "bytes_received", "duration_s", "arrival_spread_s", "window_s", "allreduce_s", "rtt_s", "timeouts",
     "version_after", "group_distance", "outcome", "anchor_hash", "tokens_sent", "steps_sent"}
 DOWNLOAD = {"donors_tried", "donor_failures", "duration_s"}
