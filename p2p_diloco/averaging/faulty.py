@@ -11,7 +11,10 @@ processes are forked, so those inherit the armed faults); the production classes
   we serve / receive;
 - ``reading-verdicts`` (:class:`FaultyAveragerHost`, the learner's process): each read of a round's verdicts; a
   ``blind`` fault makes the read come back empty. With groups from the clock (:class:`FaultyAveragerProcess`): each
-  verdict a member sends us; a ``blind`` fault drops it (answered, never kept).
+  verdict a member sends us; a ``blind`` fault drops it (answered, never kept);
+- ``serving-offers`` (:class:`FaultyAveragerProcess`): each request for our offer to a group from the clock; a
+  ``blind`` fault answers that we have none (the others' offers still reach us: members that see the group
+  differently).
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ class FaultyAveragerProcess(FragmentAveragerProcess):
         if faults.hit("reading-verdicts", self.fragment):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)  # taken, never kept
         return await super().rpc_group_verdict(request, context)
+
+    async def rpc_group_offer(self, request: averaging_pb2.JoinRequest,
+                              context: P2PContext) -> averaging_pb2.MessageFromLeader:
+        if faults.hit("serving-offers", self.fragment):
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+        return await super().rpc_group_offer(request, context)
 
 
 class FaultyAveragerHost(FragmentAveragerHost):

@@ -66,6 +66,11 @@ async def first_messages(stream: AsyncIterator[Any], count: int) -> AsyncIterato
             return
 
 
+class NotInGroup(AllreduceException):
+    """A member answered our parts with ``BAD_GROUP_ID``: it does not run this group's all-reduce (a group from the
+    clock it saw differently: it went on without a member we heard from, or failed; its streams to us never come)."""
+
+
 class _RobustPart:
     """Stands in for :class:`TensorPartReducer`'s accumulator of one part. hivemind calls
     ``add_(part, alpha=weight)`` once per sender it counts and then ``div_(total weight)``; we keep the
@@ -215,6 +220,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await done_sending.wait()
 
             def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
+                if msg.code == averaging_pb2.BAD_GROUP_ID:
+                    raise NotInGroup(f"{peer_id} sent BAD_GROUP_ID: it does not run this group's all-reduce")
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 self._count(self._received, msg)
@@ -238,6 +245,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             # INFO: the round's failure names it (completeness_problem), in the one line it is logged with
             logger.info("fragment %s: the reducer %s failed us: %s", self.fragment, peer_id, why)
             container.register_failed_reducer(peer_index)
+            if isinstance(e, NotInGroup) and peer_id in self.sender_peer_ids:
+                await self._ban_sender(peer_id)  # its parts will never come either: do not wait out the sender timeout
             raise
 
     async def _close_answers(self, stream: AsyncIterator[Any]) -> None:

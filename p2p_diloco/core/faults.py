@@ -15,7 +15,8 @@ round's contribution is handed to its averager), ``while-sending`` (a fragment a
 first part went out to a reducer), ``while-reducing`` (a fragment averager, after it received the
 first part from a remote sender), ``serving-state`` (a fragment averager, after the first chunk of a
 state download it serves), ``fetching-state`` (a fragment averager, after the first chunk of a state
-download it receives), ``reading-verdicts`` (the learner, each time it reads a round's verdicts).
+download it receives), ``reading-verdicts`` (the learner, each time it reads a round's verdicts),
+``serving-offers`` (a fragment averager, each time a member of a group from the clock asks for its offer).
 
 Actions: ``kill`` -- SIGKILL of the learner's main process (its DHT, averagers and ``p2pd`` die with
 it: :mod:`p2p_diloco.hivemind_ext.procguard`), exactly what ``kill -9`` does; ``stall`` -- the process that hit
@@ -24,7 +25,8 @@ were stopped by SIGSTOP); ``raise`` -- the process that hit the point raises :cl
 (at ``inner-step`` or ``before-send``: the learner fails as on a bug, after joining, and must still
 publish its tombstone); ``blind`` -- for ``seconds`` from its firing, every hit of the point reports
 True, and the caller acts as if its read found nothing (``blind@reading-verdicts``: a member that
-misses the others' verdicts, as one behind a slow DHT path would, while they read its own).
+misses the others' verdicts, as one behind a slow DHT path would, while they read its own;
+``blind@serving-offers``: a member whose offer does not reach the others while theirs reach it).
 
 Before it acts, a fault writes ``FAULT fired: <spec> (hit N, pid P)`` to stderr, flushed, so a test
 can check that it fired even when the process dies of it. The armed faults live in this module's
@@ -44,7 +46,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 POINTS = ("inner-step", "before-send", "while-sending", "while-reducing", "serving-state", "fetching-state",
-          "reading-verdicts")
+          "reading-verdicts", "serving-offers")
 ACTIONS = ("kill", "stall", "raise", "blind")
 DEFAULT_STALL_S = 30.0
 

@@ -9,7 +9,7 @@ before the averager processes are forked. Points:
   the loop;
 - ``before-send`` (:class:`FaultyHost`): as a round's contribution is handed to its fragment's host;
 - the averaging side's points (``while-sending``, ``while-reducing``, ``serving-state``, ``fetching-state``,
-  ``reading-verdicts``): :class:`FaultyNetwork` starts :class:`~p2p_diloco.averaging.faulty.FaultyAveragerHost`\\ s.
+  ``reading-verdicts``, ``serving-offers``): :class:`FaultyNetwork` starts :class:`~p2p_diloco.averaging.faulty.FaultyAveragerHost`\\ s.
 """
 
 from __future__ import annotations

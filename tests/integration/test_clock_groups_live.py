@@ -27,7 +27,7 @@ from procs import ProcGroup, start_bootstrap
 from test_learner_swarm import START_ALLOWANCE_S, TINY, events, final_summary, print_discards, start_learner, \
     write_profile
 
-from p2p_diloco.averaging.decisions import NO_GROUP
+from p2p_diloco.averaging.decisions import MISSING, NO_GROUP
 from p2p_diloco.core.config import load_config
 from p2p_diloco.core.waiting import poll_until
 
@@ -104,18 +104,22 @@ VERDICT_NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(4))
 VERDICT_SHAPES = {n: torch.Size([32, 16]) for n in VERDICT_NAMES}
 VERDICT_CFG = load_config(None, ["run.run_id=verdicts", "model.n_layer=2", "outer.fragments=2", "outer.merge=\"mean\"",
                                  "outer.codec=\"fp32\"", "averaging.window_s=1.5", "averaging.commit_timeout_s=3.0",
-                                 "averaging.next_chunk_timeout_s=2.0", "averaging.allreduce_timeout_s=10.0"])
+                                 "averaging.next_chunk_timeout_s=20.0", "averaging.allreduce_timeout_s=60.0"])
 BLIND_S = 4.0
 """How long b's averager drops the verdicts sent to it: past its 3 s commit timeout."""
+SENDER_TIMEOUT_S = 20.0
+"""VERDICT_CFG's: how long a reducer waits for a silent sender's parts (a round that waits for it takes this long)."""
 
 
-def test_a_member_whose_verdicts_do_not_arrive_withdraws_and_keeps_the_rounds_result(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Verdicts inside the group, on two real averagers (DHTs and averager processes on 127.0.0.1): b's averager
     drops the verdicts sent to it (``blind@reading-verdicts``), so a commits the round with b's "ok" while b, silent
     only at its deadline, withdraws its "ok" and keeps the round's result -- exactly a's -- as its pending round;
     the next round commits on both. (That the engine then commits the kept result late, with no download, is
-    tests/unit/test_clock_groups.py's, on the same host outcome.)"""
+    tests/unit/test_clock_groups.py's, on the same host outcome.) Then b's offer does not reach a while a's reaches
+    b (``blind@serving-offers``): a fails the round as a member missing, b starts the all-reduce, a refuses its
+    parts (not its group) and b stops waiting for a's parts at once -- both fail, well within the sender timeout --
+    and the round after commits on both."""
     from hivemind.utils import get_dht_time
 
     from p2p_diloco.averaging.faulty import FaultyAveragerHost
@@ -127,7 +131,8 @@ def test_a_member_whose_verdicts_do_not_arrive_withdraws_and_keeps_the_rounds_re
     from p2p_diloco.sync.fragment import Contribution
 
     fault = faults.parse_fault(f"blind@reading-verdicts:fragment=0:at=1:seconds={BLIND_S:g}")
-    faults.arm([fault])  # before b's averager is forked: it inherits the armed fault
+    offers = faults.parse_fault("blind@serving-offers:fragment=0:at=3:seconds=0.5")  # a asks once a round: the 3rd
+    faults.arm([fault, offers])  # before b's averager is forked: it inherits the armed faults
     dhts: list[Any] = []
     hosts: list[Any] = []
     try:
@@ -157,10 +162,17 @@ def test_a_member_whose_verdicts_do_not_arrive_withdraws_and_keeps_the_rounds_re
         time.sleep(BLIND_S)  # the blind spell ends
         again = round_of("verdicts-2")
         assert all(o.committed for o in again), [o.reason for o in again]
+        a, b = round_of("offers-3")
+        print(f"round 3: a {a.reason!r} in {a.duration_s:.1f} s, b {b.reason!r} in {b.duration_s:.1f} s")
+        assert a.reason == f"{MISSING}: 1 of 2 members showed", a.reason
+        assert not b.committed and b.duration_s < SENDER_TIMEOUT_S / 2, (b.reason, b.duration_s)
+        time.sleep(1.0)  # the blind spell ends
+        assert all(o.committed for o in round_of("offers-4")), "the round after did not commit"
     finally:
         faults.arm([])
         for h in hosts:
             h.shutdown()
         for d in dhts:
             d.shutdown()
-    assert f"FAULT fired: {fault.spec}" in capfd.readouterr().err  # from b's averager process
+    err = capfd.readouterr().err
+    assert f"FAULT fired: {fault.spec}" in err and f"FAULT fired: {offers.spec}" in err  # from b's averager process

@@ -147,12 +147,13 @@ def test_rounds_start_when_the_group_is_in_and_commit_identical(cfg: Config) -> 
     finish(loops)
     committed = [r for r in hub.rounds if r.committed]
     assert len(committed) >= 6, hub.rounds
-    assert all(r.complete and len(r.members) == 4 for r in committed), committed  # no window waited out
+    # no window waited out: a round starts once all four are in, or goes on without one late past the scheduled time
+    assert all((r.complete and len(r.members) == 4) or (r.absent and len(r.members) >= 3) for r in committed), committed
     assert all(v >= 3 for v in loops["a"].diloco.versions), loops["a"].diloco.versions
     lost = [r for r in hub.rounds if not r.committed]
     print(f"{len(committed)} committed; not committed: {[(r.members, r.reason) for r in lost]}")
-    # every member alive: a round is lost only when a member's hand-off came later than the window after the first
-    # (a loaded machine), and then for all alike; how many is a benchmark's figure, not this test's
+    # every member alive: a round is lost only when members' hand-offs came later than the window after the first
+    # (a loaded machine) and too few were in, and then for all alike; how many is a benchmark's figure, not this test's
     assert all(r.reason == NO_GROUP or r.reason.startswith(MISSING) for r in lost), lost
 
 
