@@ -8,7 +8,7 @@ Now a member that gives up replaces its "ok" with a veto (the late member discar
 keeps the round's result: if a peer still turns out to hold exactly that result, it commits it too
 (``late_commit``), with no download and no third peer.
 
-1. SIGSTOP one learner of two for 15 s and, once it is back, for 40 s (past its record's 30 s TTL): after each
+1. SIGSTOP one learner of two for 8 s and, once it is back, for 18 s (past its record's 12 s TTL): after each
    SIGCONT, within 3 rounds of each fragment, the straggler holds the version and anchor the others hold (a
    round with them, a download, a late commit), and it averages with every learner again; the learners are then
    finished with SIGUSR1 (final rounds, the linger) and all end at the same versions with identical anchors,
@@ -52,6 +52,8 @@ BETWEEN_PAUSES_S = 8.0
 MAX_TIME_S = 600.0
 """The learners' --max-time, a bound only: the test ends them with SIGUSR1 (finish) once it has seen its rounds."""
 EXIT_DEADLINE_S = 120.0
+TTL_S = 12.0
+"""The records' lifetime in the SIGSTOP test (the default's 30 s made its longer pause 40 s)."""
 FRAGMENTS = load_config(TINY).outer.fragments
 
 
@@ -125,12 +127,13 @@ def check_back_within_3_rounds(tmp: Path, names: list[str], victim: str, resumed
 
 
 def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path) -> None:
-    n, pauses = 2, (15.0, 40.0)
+    n, pauses = 2, (8.0, TTL_S + 6.0)  # the second past the record's lifetime: the partner sees it gone
     names = [f"l{i}" for i in range(n)]
     victim = names[-1]
+    ttl = ("--set", f"averaging.record_ttl_s={TTL_S:g}")
     with ProcGroup(tmp_path) as procs:
-        peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        learners = {nm: start(procs, peers, nm, tmp_path, n) for nm in names}
+        peers = start_bootstrap(procs, tmp_path, "--config", TINY, *ttl)
+        learners = {nm: start(procs, peers, nm, tmp_path, n, *ttl) for nm in names}
         poll_until(lambda: all(committed_rounds(tmp_path / f"{nm}.jsonl") for nm in names), FIRST_ROUND_DEADLINE_S,
                    "every learner's first committed round", detail=lambda: learners[victim].output())
         time.sleep(BEFORE_STOP_S)
