@@ -172,8 +172,7 @@ class FixedGroupMeeting:
                 logger.debug("fragment %s: group %s goes on as %s without %d member(s)", self.fragment,
                              group.group_id.hex(), rest.group_id.hex(), len(group.peer_ids) - len(rest.peer_ids))
                 group, offers = rest, await self._exchange_offers(rest, step.data_for_gather)
-            if len(offers) < len(group.peer_ids):
-                self._pending_groups_registered.set()
+            if len(offers) < len(group.peer_ids):  # (the streams waiting on us were released above)
                 raise MatchmakingException(f"{MISSING}: {len(offers)} of {len(group.peer_ids)} members showed")
         return GroupInfo(group.group_id, tuple(PeerID.from_base58(p) for p in group.peer_ids),
                          tuple(offers[p] for p in group.peer_ids))

@@ -237,8 +237,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             finally:
                 await self._close_answers(stream)
             if part_index != expected:
-                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected "
-                                         f"{container.num_parts_by_peer[peer_index]}")
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
         except BaseException as e:
             why = "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"[:200]
             self.reducer_failures.append(f"{str(peer_id)[-8:]}: {why}")

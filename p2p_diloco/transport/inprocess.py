@@ -147,6 +147,12 @@ class RoundRecord:
     """Groups from the clock: the members its id names that were not in by the scheduled time."""
 
 
+def _absent(offers: Sequence[_Offer]) -> set[str]:
+    """Groups from the clock: the members a group's id names that are not among its ``offers`` (one group: one plan's
+    members for all)."""
+    return set(offers[0].plan.members) - {o.member.peer_id for o in offers}
+
+
 class Hub:
     """An in-process swarm of one run: members join with :meth:`join` and build their engines with the network it
     returns (``DiLoCo(model, opt, swarm, network=swarm.network)``)."""
@@ -302,7 +308,7 @@ class Hub:
                                        "committed" if committed else outcomes[0].reason,
                                        tuple(o.contribution.weight for o in offers),
                                        sum(o.contribution.tokens for o in offers), group.complete,
-                                   len(set(offers[0].plan.members) - {o.member.peer_id for o in offers})))
+                                       len(_absent(offers))))
         for o, outcome in zip(offers, outcomes):
             o.done.set_result(outcome)
 
@@ -311,7 +317,7 @@ class Hub:
         a = self.cfg.averaging
         members = offers[0].plan.members
         if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
-            missing = set(members) - {o.member.peer_id for o in offers}
+            missing = _absent(offers)
             if missing and not without_absent(offers[0].plan.group_id, members, missing)[1]:
                 return f"{MISSING}: {len(members) - len(missing)} of {len(members)} members showed"
         if len(offers) < max(2, a.min_group_size):
@@ -353,7 +359,7 @@ class Hub:
         dues = [o.plan.due for o in offers]
         moved = int(2 * (len(offers) - 1) / len(offers)
                     * payload_bytes(sum(t.numel() for t in averaged.values()), o_cfg.codec))
-        outcomes = []
+        outcomes, absent = [], len(_absent(offers))
         with self._lock:
             self.round_bytes += moved * len(offers)
         for o in offers:
@@ -374,7 +380,7 @@ class Hub:
                 peers=peers, own_share=o.contribution.weight / total, weights=tuple(weights), bytes_sent=moved,
                 bytes_received=moved, duration_s=now - o.arrived, finished_at=now,
                 arrival_spread_s=max(dues) - min(dues), window_s=o.plan.window_s, allreduce_s=now - t0,
-                merged={n: t.clone() for n, t in merged.items()}, absent=len(set(o.plan.members) - set(peers))))
+                merged={n: t.clone() for n, t in merged.items()}, absent=absent))
         return outcomes
 
     # ------------------------------------------------------------ downloads
