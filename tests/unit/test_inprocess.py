@@ -197,7 +197,7 @@ def test_a_learner_frozen_in_a_swarm_of_three_comes_back_within_three_rounds(cfg
     anchor the others hold before its 4th round (a late commit of the round it froze in, a download, or a round
     with them), it averages with both again, and all three end identical. (Replaces the integration test's
     three-learner case; the two-learner SIGSTOP over hivemind, a pause past the record's TTL included, stays
-    there.)"""
+    there, and the process test of an averager stalled mid-round beside two others became this one.)"""
     torch.set_num_threads(1)
     hub = Hub(cfg)
     loops = {name: Loop(hub, cfg, name, seed, steps=steps, pace_s=STEP_S, wait_peers=3)
@@ -213,7 +213,14 @@ def test_a_learner_frozen_in_a_swarm_of_three_comes_back_within_three_rounds(cfg
         assert loop.error is None, f"{name}: {loop.error!r}"
 
     assert len(c.paused) == 1, c.paused  # the fault fired
-    thawed = c.paused[0][1]
+    frozen, thawed = c.paused[0]
+    for name in ("a", "b"):
+        d = loops[name].diloco
+        # the others never wait for it: no step of theirs stands still for long (far above a copy and an outer
+        # step, far below the freeze), and they go on as a pair while it is frozen
+        assert d.max_stall_s < 2.0, (name, d.max_stall_s)
+        pairs = {e.fragment for e in loops[name].rounds("committed") if frozen < e.time < thawed and e.group_size == 2}
+        assert pairs == set(range(cfg.outer.fragments)), (name, pairs)
     others_held = [{(e.version_after, e.anchor_hash) for loop in (loops["a"], loops["b"]) for e in loop.heard
                     if isinstance(e, events.RoundEvent) and e.committed and e.fragment == f}
                    for f in range(cfg.outer.fragments)]
