@@ -56,6 +56,12 @@ entries are stored at the moment the donor's own commit lands, and can reach the
 VOUCH_POLL_S = 0.25
 
 
+
+def missing_reason(showed: int, named: int, declined: int = 0) -> str:
+    """Why a group from the clock failed for all: ``showed`` of the ``named`` members were in (``declined`` of the
+    others said they skip the boundary), too few to go on without the rest."""
+    return f"{MISSING}: {showed} of {named} members showed" + (f" ({declined} declined)" if declined else "")
+
 def anchor_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     """16 hex digits over names, shapes, dtypes and bytes (name order): equal iff bit-identical."""
     h = hashlib.sha256()
@@ -389,7 +395,9 @@ def completeness_problem(total_elements: int, failed_elements: int, banned_sende
                          parts_expected: int, parts_received: int) -> str | None:
     """None if an all-reduce averaged every element with every sender; else why it is partial."""
     if failed_elements:
-        return f"partial all-reduce: {failed_elements} of {total_elements} elements not averaged (a reducer failed)"
+        dropped = f", {banned_senders} sender(s) dropped mid-round" if banned_senders else ""
+        return (f"partial all-reduce: {failed_elements} of {total_elements} elements not averaged (a reducer "
+                f"failed){dropped}")
     if banned_senders:
         return f"partial all-reduce: {banned_senders} sender(s) dropped mid-round"
     if parts_received != parts_expected:

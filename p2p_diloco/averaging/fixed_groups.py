@@ -6,7 +6,9 @@ that member meets the same group); the all-reduce then runs on exactly that ``Gr
 A member whose offer is not in by the group's ``show_by`` (plus a request's round trip) is left out: the members that
 showed, if more than half of the group, meet again as the group without it (:func:`~p2p_diloco.core.groups.
 without_absent`: its own id, one more exchange of offers) and go on; else, or when they saw different members absent,
-the round fails for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves.
+the round fails for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves. A member
+that skips the boundary says so (:meth:`FixedGroupMeeting.decline`): the others hear it at once and count it in
+neither part.
 
 A mixin of :class:`~p2p_diloco.averaging.process.FragmentAveragerProcess`: hivemind's averager steps through
 ``self._matchmaking.look_for_group``, which :meth:`FixedGroupMeeting.set_next_group` wraps once (in the averager
@@ -21,7 +23,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
@@ -30,7 +32,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from p2p_diloco.averaging.decisions import MISSING, vetoed
+from p2p_diloco.averaging.decisions import missing_reason, vetoed
 from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
@@ -51,6 +53,11 @@ MAX_OFFER_BYTES = 1 << 20
 """The most bytes a member's offer (hivemind's gathered data: its bandwidth, mode and round metadata) may take."""
 
 
+class Declined(MatchmakingException):
+    """A member said it will not meet the group (it skips the boundary): it is missing, and counts as neither half
+    when the others decide whether to go on without it (:func:`~p2p_diloco.core.groups.without_absent`)."""
+
+
 @dataclass(frozen=True)
 class FixedGroup:
     """A round's group known before it starts (groups from the clock, :func:`~p2p_diloco.core.groups.clock_group`):
@@ -68,21 +75,24 @@ class FixedGroup:
     planned_id: bytes = b""
     """The group the clock named, when this one goes on without its absent members (:meth:`without`); empty: this is
     that group. The round's verdicts go under the planned id: it is the one every member's host knows."""
+    boundary_ms: int = -1
+    """The clock's boundary the group meets at, DHT ms (a member that skips it declines every group of it)."""
 
     @property
     def verdict_id(self) -> bytes:
         """The id the round's verdicts are exchanged under (the planned group's)."""
         return self.planned_id or self.group_id
 
-    def without(self, absent: set[str]) -> FixedGroup | None:
-        """The group that goes on without ``absent`` (:func:`~p2p_diloco.core.groups.without_absent`): its offers are
+    def without(self, absent: Collection[str], declined: Collection[str] = ()) -> FixedGroup | None:
+        """The group that goes on without ``absent`` and ``declined`` members (:func:`~p2p_diloco.core.groups.
+        without_absent`): its offers are
         due one request's round trip after ours were (by then every member knows who did not show); None when the
         round must fail instead."""
-        group_id, showed = without_absent(self.group_id.hex(), self.peer_ids, absent)
+        group_id, showed = without_absent(self.group_id.hex(), self.peer_ids, absent, declined)
         if not showed:
             return None
         return FixedGroup(group_id.encode(), showed, self.show_by + self.request_timeout_s, self.request_timeout_s,
-                          planned_id=self.verdict_id)
+                          planned_id=self.verdict_id, boundary_ms=self.boundary_ms)
 
 
 class FixedGroupMeeting:
@@ -105,8 +115,12 @@ class FixedGroupMeeting:
         """(averager process) The group the next step meets instead of matchmaking (:meth:`set_next_group`)."""
         self._offers: dict[bytes, tuple[FixedGroup, bytes]] = {}
         """(averager process) Group id -> (the group, our offer to it): what :meth:`rpc_group_offer` answers."""
-        self._offer_waits: dict[bytes, tuple[asyncio.Event, float]] = {}
-        """(averager process) Group id -> (set once our offer is in, when the first wait or offer came)."""
+        self._offer_waits: dict[bytes, tuple[asyncio.Event, float, int]] = {}
+        """(averager process) Group id -> (set once our offer is in or we decline its round, when the first wait or
+        offer came, the boundary it meets at in DHT ms)."""
+        self._declined: dict[int, float] = {}
+        """(averager process) The boundaries we skip, DHT ms (:meth:`decline`) -> when we said so:
+        :meth:`rpc_group_offer` answers CANCELLED at once for any group at them, and no step of ours meets one."""
         self._verdicts: dict[bytes, tuple[dict[str, str], asyncio.Event, float]] = {}
         """(averager process) Group id -> (peer id -> its latest verdict, set at each new one, when the first came)."""
 
@@ -129,6 +143,31 @@ class FixedGroupMeeting:
             if not isinstance(e, Exception):
                 raise
 
+    def decline(self, boundary_ms: int) -> MPFuture:
+        """(host) We skip our fragment's boundary ``boundary_ms`` (DHT ms): members of a group that counts on us there
+        asking for our offer hear so at once (CANCELLED) and go on without us (:func:`~p2p_diloco.core.groups.
+        without_absent`), and no step of ours meets a group of that round later -- the others count on that."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_decline", [], dict(future=future, boundary_ms=boundary_ms)))
+        return future
+
+    async def _decline(self, future: MPFuture, boundary_ms: int) -> None:
+        try:
+            now = time.monotonic()
+            for old in [r for r, since in self._declined.items() if now - since > OFFER_KEEP_S]:
+                del self._declined[old]
+            while len(self._declined) >= MAX_OFFER_WAITS:
+                del self._declined[next(iter(self._declined))]
+            self._declined[boundary_ms] = now
+            for event, _, at_ms in self._offer_waits.values():
+                if at_ms == boundary_ms:  # requests that came before: answered now
+                    event.set()
+            future.set_result(None)
+        except BaseException as e:
+            future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+
     def _fixed_or_matched(self, look_for_group: Callable[[StepControl], Any]) -> Callable[[StepControl], Any]:
         """hivemind's matchmaking for a step, unless a group was set for it (:meth:`set_next_group`)."""
 
@@ -141,17 +180,18 @@ class FixedGroupMeeting:
         look.fixed_groups = True  # type: ignore[attr-defined]
         return look
 
-    def _offer_wait(self, group_id: bytes) -> asyncio.Event | None:
-        """The event set once our offer to ``group_id`` is in; None when :data:`MAX_OFFER_WAITS` groups are held
-        already. Forgets the groups older than :data:`OFFER_KEEP_S` first."""
+    def _offer_wait(self, group_id: bytes, boundary_ms: int) -> asyncio.Event | None:
+        """The event set once our offer to ``group_id`` (a group of the boundary ``boundary_ms``) is in or we
+        decline that boundary; None when :data:`MAX_OFFER_WAITS` groups are held already. Forgets the groups older than
+        :data:`OFFER_KEEP_S` first."""
         now = time.monotonic()
-        for old in [g for g, (_, since) in self._offer_waits.items() if now - since > OFFER_KEEP_S]:
+        for old in [g for g, (_, since, _) in self._offer_waits.items() if now - since > OFFER_KEEP_S]:
             del self._offer_waits[old]
             self._offers.pop(old, None)
         if group_id not in self._offer_waits:
             if len(self._offer_waits) >= MAX_OFFER_WAITS:
                 return None
-            self._offer_waits[group_id] = (asyncio.Event(), now)
+            self._offer_waits[group_id] = (asyncio.Event(), now, boundary_ms)
         return self._offer_waits[group_id][0]
 
     async def _meet(self, group: FixedGroup, step: StepControl) -> GroupInfo:
@@ -161,52 +201,61 @@ class FixedGroupMeeting:
         own = self.peer_id.to_base58()
         if own not in group.peer_ids:
             raise MatchmakingException(f"we are not a member of group {group.group_id.hex()}")
-        offers = await self._exchange_offers(group, step.data_for_gather)
+        if group.boundary_ms in self._declined:
+            raise MatchmakingException(f"we declined the round at {group.boundary_ms} ms: its groups go on without us")
+        offers, declined = await self._exchange_offers(group, step.data_for_gather)
         if len(offers) < len(group.peer_ids):
             # the members that did get every offer start their all-reduce, and its streams to us wait for us to
             # register a group (hivemind's race guard): we never will, so release them now (BAD_GROUP_ID) and their
             # round fails at once instead of at its sender timeout
             self._pending_groups_registered.set()
-            rest = group.without(set(group.peer_ids) - set(offers))
-            if rest is not None:
-                logger.debug("fragment %s: group %s goes on as %s without %d member(s)", self.fragment,
-                             group.group_id.hex(), rest.group_id.hex(), len(group.peer_ids) - len(rest.peer_ids))
-                group, offers = rest, await self._exchange_offers(rest, step.data_for_gather)
-            if len(offers) < len(group.peer_ids):  # (the streams waiting on us were released above)
-                raise MatchmakingException(f"{MISSING}: {len(offers)} of {len(group.peer_ids)} members showed")
+            rest = group.without(set(group.peer_ids) - set(offers) - declined, declined)
+            if rest is None:  # (the streams waiting on us were released above)
+                raise MatchmakingException(missing_reason(len(offers), len(group.peer_ids), len(declined)))
+            logger.debug("fragment %s: group %s goes on as %s without %d member(s), %d of them declined",
+                         self.fragment, group.group_id.hex(), rest.group_id.hex(),
+                         len(group.peer_ids) - len(rest.peer_ids), len(declined))
+            group, (offers, _) = rest, await self._exchange_offers(rest, step.data_for_gather)
+            if len(offers) < len(group.peer_ids):
+                raise MatchmakingException(missing_reason(len(offers), len(group.peer_ids)))
         return GroupInfo(group.group_id, tuple(PeerID.from_base58(p) for p in group.peer_ids),
                          tuple(offers[p] for p in group.peer_ids))
 
-    async def _exchange_offers(self, group: FixedGroup, offer: bytes) -> dict[str, bytes]:
+    async def _exchange_offers(self, group: FixedGroup, offer: bytes) -> tuple[dict[str, bytes], set[str]]:
         """Post our ``offer`` to ``group`` and fetch every other member's: the offers in, ours included, by peer id
-        (a member missing is logged and left out)."""
+        (a member missing is logged and left out), and the members that declined the group."""
         own = self.peer_id.to_base58()
-        event = self._offer_wait(group.group_id)
+        event = self._offer_wait(group.group_id, group.boundary_ms)
         if event is None:  # every slot held by others' requests: make room for our own group
             oldest = next(iter(self._offer_waits))
             del self._offer_waits[oldest]
             self._offers.pop(oldest, None)
-            event = self._offer_wait(group.group_id)
+            event = self._offer_wait(group.group_id, group.boundary_ms)
             assert event is not None
         self._offers[group.group_id] = (group, offer)
         event.set()
         others = [p for p in group.peer_ids if p != own]
         timeout_s = max(0.0, group.show_by - get_dht_time()) + group.request_timeout_s
         answers = await asyncio.gather(*(self._ask_offer(p, group, timeout_s) for p in others), return_exceptions=True)
-        offers = {own: offer}
+        offers, declined = {own: offer}, set()
         for p, answer in zip(others, answers):
             if isinstance(answer, bytes):
                 offers[p] = answer
+            elif isinstance(answer, Declined):
+                declined.add(p)
             else:
                 logger.debug("fragment %s: group %s: no offer from %s (%s: %s)", self.fragment, group.group_id.hex(),
                              p, type(answer).__name__, answer)
-        return offers
+        return offers, declined
 
     async def _ask_offer(self, peer: str, group: FixedGroup, timeout_s: float) -> bytes:
         """``peer``'s offer to ``group`` (raises when it has none for it in time, refuses, or sends too much)."""
         stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        request = averaging_pb2.JoinRequest(group_key=group.group_id.hex(), expiration=group.show_by)
+        request = averaging_pb2.JoinRequest(group_key=f"{group.group_id.hex()}@{group.boundary_ms}",
+                                            expiration=group.show_by)
         reply = await stub.rpc_group_offer(request, timeout=timeout_s)
+        if reply.code == averaging_pb2.CANCELLED and reply.group_id == group.group_id:
+            raise Declined(f"{peer} declined group {group.group_id.hex()}")
         if reply.code != averaging_pb2.ACCEPTED or reply.group_id != group.group_id or len(reply.gathered) != 1:
             raise MatchmakingException(f"no offer: {averaging_pb2.MessageCode.Name(reply.code)}")
         if len(reply.gathered[0]) > MAX_OFFER_BYTES:
@@ -219,17 +268,20 @@ class FixedGroupMeeting:
         (waiting until the asker's ``show_by`` at most), only to the group's members."""
         if await self._refuse(context, "a group offer request"):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        try:
-            group_id = bytes.fromhex(request.group_key)
+        try:  # "<group id, hex>@<its boundary, DHT ms>"
+            key, _, at = request.group_key.partition("@")
+            group_id, boundary_ms = bytes.fromhex(key), int(at)
         except ValueError:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        if group_id not in self._offers:
-            event = self._offer_wait(group_id)
+        if group_id not in self._offers and boundary_ms not in self._declined:
+            event = self._offer_wait(group_id, boundary_ms)
             if event is None:
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             wait_s = min(max(0.0, request.expiration - get_dht_time()), OFFER_KEEP_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), wait_s)
+        if boundary_ms in self._declined and group_id not in self._offers:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED, group_id=group_id)
         kept = self._offers.get(group_id)
         if kept is None:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)

@@ -109,6 +109,9 @@ class RoundPlan:
     members: tuple[str, ...] = ()
     """Groups from the clock: the group's members, us included, in their order; the round starts once all of them
     are in and fails for all alike if one is not by ``scheduled_time``."""
+    boundary_ms: int = -1
+    """Groups from the clock: the clock's boundary the group meets at, in DHT milliseconds (a member that skips it
+    says so: :meth:`~p2p_diloco.transport.network.Host.decline`); -1: none."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ def set_fixed_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTi
     :class:`Leaving` when we leave meanwhile."""
     if len(plan.members) < max(2, host.cfg.averaging.min_group_size):
         return NO_GROUP
-    group = FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s)
+    group = FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s,
+                       boundary_ms=plan.boundary_ms)
     try:
         host._wait(host.averager.set_next_group(group), SET_TIMEOUTS_DEADLINE_S)
     except Leaving:
@@ -208,6 +212,20 @@ def set_fixed_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTi
     except Exception as e:
         return f"the averager did not take the round's group: {type(e).__name__}: {e}"[:300]
     return ""
+
+
+def decline_round(host: FragmentAveragerHost, boundary_ms: int) -> None:
+    """Groups from the clock: tell ``host``'s averager we skip its fragment's boundary ``boundary_ms``, so
+    that the members of any group that counts on us there hear so at once
+    (:meth:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting.decline`). Never waits: an averager that did not take
+    it leaves the others to wait out our offer, as before (logged)."""
+
+    def taken(done: Any) -> None:
+        if done.exception() is not None:
+            logger.warning("fragment %d: the averager did not take our decline of the round at %d ms: %s",
+                           host.fragment, boundary_ms, done.exception())
+
+    host.averager.decline(boundary_ms).add_done_callback(taken)
 
 
 class FragmentAveragerHost:

@@ -244,8 +244,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             # INFO: the round's failure names it (completeness_problem), in the one line it is logged with
             logger.info("fragment %s: the reducer %s failed us: %s", self.fragment, peer_id, why)
             container.register_failed_reducer(peer_index)
-            if isinstance(e, NotInGroup) and peer_id in self.sender_peer_ids:
-                await self._ban_sender(peer_id)  # its parts will never come either: do not wait out the sender timeout
+            if not isinstance(e, asyncio.CancelledError) and peer_id in self.sender_peer_ids:
+                # the round is partial now and fails for all (completeness_problem): waiting out this member's parts
+                # gains nothing -- and they may never come (BAD_GROUP_ID: it does not run this group; a broken pipe:
+                # it answered so and closed the stream before we read it, or it died)
+                await self._ban_sender(peer_id)
             raise
 
     async def _close_answers(self, stream: AsyncIterator[Any]) -> None:

@@ -213,16 +213,20 @@ def clock_group(run_id: str, fragment: int, rank: tuple[int, str], round_index: 
     return hashlib.sha256(blob.encode()).hexdigest()[:16], members
 
 
-def without_absent(group_id: str, members: Sequence[str], absent: Collection[str]) -> tuple[str, tuple[str, ...]]:
+def without_absent(group_id: str, members: Sequence[str], absent: Collection[str],
+                   declined: Collection[str] = ()) -> tuple[str, tuple[str, ...]]:
     """Groups from the clock: the group that goes on when ``absent`` members of group ``group_id`` did not show by its
-    deadline. Returns ``(id, members that showed)``, or ``("", ())`` when the round must fail for all alike instead:
-    fewer than two showed, or not more than half of the group (two disjoint parts of one group could otherwise both
-    go on and commit the same version with different averages -- a fork). The id hashes the group's and the members
-    that showed, so members that saw different members absent derive different groups and fail alike, never
-    half-applied; a member that sees nobody absent never asks for it."""
-    gone = set(absent)
+    deadline and ``declined`` ones said they will not (a member that skips the boundary: its link still carries
+    another round, or its last round of the fragment is still in flight). Returns ``(id, members that showed)``, or
+    ``("", ())`` when the round must fail for all alike instead: fewer than two showed, or not more than half of the
+    members that did not decline (two disjoint parts of one group could otherwise both go on and commit the same
+    version with different averages -- a fork; a member that declined is in no part, so the parts share what is
+    left). The id hashes the group's and the members that showed, so members that saw different members missing
+    derive different groups and fail alike, never half-applied; a member that sees nobody missing never asks for
+    it."""
+    gone, said_no = set(absent) | set(declined), set(declined) & set(members)
     showed = tuple(m for m in members if m not in gone)
-    if len(showed) < 2 or 2 * len(showed) <= len(members) or len(showed) == len(members):
+    if len(showed) < 2 or 2 * len(showed) <= len(members) - len(said_no) or len(showed) == len(members):
         return "", ()
     blob = "\n".join((group_id, "without", *showed))
     return hashlib.sha256(blob.encode()).hexdigest()[:16], showed

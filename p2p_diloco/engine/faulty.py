@@ -44,6 +44,9 @@ class FaultyHost:
         faults.hit("before-send", contribution.fragment)
         return self.host.start_round(contribution, context)
 
+    def decline(self, context: RoundContext) -> None:
+        self.host.decline(context)
+
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.host.fetch_state(ours, link)
 

@@ -84,6 +84,10 @@ class FragmentLink:
                             peers=tuple(fragment_peers(r.view, fragment)),
                             live_ranks=functools.partial(fragment_ranks, r.view, fragment))
 
+    def decline(self, fragment: int) -> None:
+        """We skip ``fragment``'s round due now: its group hears so (:meth:`~p2p_diloco.transport.network.Host.decline`)."""
+        self.host.decline(self.context(fragment))
+
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
         return self.host.fetch_state(ours, self.rounds.link.estimate())
 
@@ -199,6 +203,7 @@ class Rounds:
         busy = "" if final else link_busy(self, slot)
         if busy:
             logger.info("fragment %d due at step %d: %s; its progress waits for the next round", slot.index, step, busy)
+            self.links[slot.index].decline(slot.index)
             return
         if not self.grid and slot.inflight is None and round_is_doomed(slot.rank, self.peer_ranks(slot)):
             slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
@@ -212,6 +217,7 @@ class Rounds:
         if handed.status == BUSY:
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the "
                         "next round", slot.index, step, what)
+            self.links[slot.index].decline(slot.index)
         elif handed.status == DROPPED:  # never sent: the fragment restarts from its anchor, fresh AdamW moments
             self.event(events.LocalDropEvent(fragment=slot.index, version=slot.version, reason=handed.reason))
             logger.warning("fragment %d at step %d: %s; dropped, fragment re-anchored", slot.index, step,

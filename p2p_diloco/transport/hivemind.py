@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from p2p_diloco.averaging.decisions import ANCHOR_TENSOR, MOMENTUM_TENSOR
-from p2p_diloco.averaging.host import Download, FragmentAveragerHost, RoundOutcome
+from p2p_diloco.averaging.host import Download, FragmentAveragerHost, RoundOutcome, decline_round
 from p2p_diloco.averaging.linktime import LinkEstimate
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import Config
 from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import Rank, RoundContext
-from p2p_diloco.transport.planning import LastGroup, plan_round
+from p2p_diloco.transport.planning import LastGroup, clock_boundary_ms, plan_round
 
 AVERAGER_START_TIMEOUT_S = 120.0
 """How long a fragment's averager process may take to come up (generous: a loaded 2-core machine)."""
@@ -51,6 +51,11 @@ class AveragerLink:
         c = self._with_state(contribution) if self.grid else contribution
         plan = plan_round(c, context, self.cfg, self.prefix, self.last_group.get())
         return self.last_group.watch(self.averager.start_round(c, plan))
+
+    def decline(self, context: RoundContext) -> None:
+        boundary_ms = clock_boundary_ms(self.slot.index, context, self.cfg)
+        if boundary_ms >= 0:
+            decline_round(self.averager, boundary_ms)
 
     def _with_state(self, contribution: Contribution) -> Contribution:
         """Grid groups: ``contribution`` with copies of the anchor and momentum (zeros where there is none yet), under

@@ -4,9 +4,9 @@ Each member is a real :class:`~p2p_diloco.engine.engine.DiLoCo` with its own loo
 policy, catch-up, late commits and events are the engine's own; only what crosses the network is replaced here.
 
 - **Rounds.** A round's contribution (the engine's :class:`~p2p_diloco.sync.fragment.Contribution`, planned as the
-  hivemind host plans it: :func:`~p2p_diloco.transport.planning.plan_round`) goes to the hub,
-  which groups the contributions of one fragment at one (version, anchor hash) -- as hivemind's group key does --
-  that arrive before the first one's scheduled time (its matchmaking window). At that time the group closes: with
+  hivemind host plans it: :func:`~p2p_diloco.transport.planning.plan_round`) goes to the hub, which groups the
+  contributions of one fragment at one (version, anchor hash) -- as hivemind's group key does -- that arrive before
+  the first one's scheduled time (its matchmaking window). At that time the group closes: with
   fewer than ``max(2, averaging.min_group_size)`` members it fails for all ("could not find a group"); if any
   member's quorum check refuses it (a minority of the live learners at that rank), it fails for all; otherwise the
   weighted average is reduced through the run's codec as hivemind's butterfly all-reduce would send it
@@ -18,18 +18,18 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
   parse_state`).
 - **The view** each engine reads is the members' live state: their fragment ranks, states and steps; the clock is
   the run's fixed period (``averaging.schedule = "clock"`` with ``sync_period_s``) or none (``"steps"``).
-
 - **Groups from the clock** (``averaging.matchmaking = "clock"``): each member names its group as a pure function of
   the clock's round and the ranks its view holds (:func:`~p2p_diloco.core.groups.clock_group`); the hub groups the
   contributions by that id -- as hivemind's runner refuses streams of another group id -- and starts the all-reduce
-  as soon as every member named is in (no window); by the scheduled time it goes on without the members named that
-  are not in, if more than half are (:func:`~p2p_diloco.core.groups.without_absent`), else fails the round for all
-  alike (``incomplete group``).
+  as soon as every member named is in or declined (:meth:`Hub.decline`: it skips the boundary); by the scheduled
+  time it goes on without the members named that are not in, if more than half of those that did not decline are
+  (:func:`~p2p_diloco.core.groups.without_absent`), else fails the round for all alike (``incomplete group``).
 
 Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side
 sees and averages only with itself), :attr:`Hub.tamper` (a member that poisons what it sends), :meth:`Hub.blind` (a
 member's view misses some live members: records that lag), :meth:`Hub.lose_verdicts` (a member's all-reduce completes
-but the others' verdicts never reach it). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
+but the others' verdicts never reach it), :meth:`Hub.delay` (a round's outcome reaches a member late: a slow link's
+tail). Not yet: grid groups and the derived clock (refused), seeded delays and drops.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.averaging.decisions import MISSING, NO_GROUP, RoundMeta, anchor_order, is_ahead, quorum_problem
+from p2p_diloco.averaging.decisions import NO_GROUP, RoundMeta, anchor_order, is_ahead, missing_reason, quorum_problem
 from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -54,7 +54,7 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.hivemind_ext import compression
-from p2p_diloco.transport.planning import LastGroup, plan_round
+from p2p_diloco.transport.planning import LastGroup, clock_boundary_ms, plan_round
 
 if TYPE_CHECKING:
     from p2p_diloco.averaging.linktime import LinkEstimate
@@ -72,6 +72,8 @@ VERDICTS_LOST = "verdicts missing"
 KILLED = "partial all-reduce: a member of the group died"
 WAIT_POLL_S = 0.05
 """How often a wait for peers looks at the members."""
+DECLINE_KEEP_S = 120.0
+"""How long the hub keeps a decline of a group nobody has opened yet (as an averager keeps one)."""
 
 
 def check_supported(cfg: Config) -> None:
@@ -119,12 +121,13 @@ class _Offer:
 @dataclass(eq=False)
 class _Group:
     key: tuple[int, int, str, int, str]
-    """(fragment, version, anchor hash, side of a partition, group id from the clock or ""): who can average
-    together."""
+    """(fragment, version, anchor hash, side of a partition, group id from the clock or ""): who averages together."""
     offers: list[_Offer]
     closed: bool = False
     members: tuple[str, ...] = ()
-    """Groups from the clock: the peer ids the group's id names (it starts once all are in)."""
+    """Groups from the clock: the peer ids the group's id names (it starts once all are in or declined)."""
+    boundary_ms: int = -1
+    """Groups from the clock: the boundary it meets at (DHT ms; members that skip it decline: :meth:`Hub.decline`)."""
     complete: bool = False
 
 
@@ -144,13 +147,40 @@ class RoundRecord:
     complete: bool = False
     """Groups from the clock: it started as soon as every member its id names was in (no window waited out)."""
     absent: int = 0
-    """Groups from the clock: the members its id names that were not in by the scheduled time."""
+    """Groups from the clock: the members its id names that were not in by the scheduled time (declined included)."""
+    declined: int = 0
+    """Groups from the clock: the members its id names that declined its boundary (:meth:`Hub.decline`)."""
 
 
 def _absent(offers: Sequence[_Offer]) -> set[str]:
     """Groups from the clock: the members a group's id names that are not among its ``offers`` (one group: one plan's
     members for all)."""
     return set(offers[0].plan.members) - {o.member.peer_id for o in offers}
+
+
+def _refusal(cfg: Config, offers: Sequence[_Offer], declined: set[str]) -> str:
+    """Why a group of ``offers`` cannot commit, before reducing (empty: it may); ``declined``: the members its id names
+    that declined its boundary."""
+    a = cfg.averaging
+    members = offers[0].plan.members
+    if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
+        missing = _absent(offers)
+        if missing and not without_absent(offers[0].plan.group_id, members, missing - declined, declined)[1]:
+            return missing_reason(len(members) - len(missing), len(members), len(declined & missing))
+    if len(offers) < max(2, a.min_group_size):
+        return NO_GROUP
+    for o in offers:
+        problem = quorum_problem(len(offers), o.plan.at_rank, a.target_group_size)
+        if problem is not None:
+            return problem
+    return ""
+
+
+def _failed(group: _Group, offers: Sequence[_Offer], reason: str) -> list[RoundOutcome]:
+    now = time.monotonic()
+    return [RoundOutcome(fragment=group.key[0], version=group.key[1], committed=False, reason=reason,
+                         group_size=len(offers) if reason != NO_GROUP else 0, finished_at=now,
+                         window_s=o.plan.window_s) for o in offers]
 
 
 class Hub:
@@ -179,6 +209,9 @@ class Hub:
         """Bytes the committed rounds' members sent together, as hivemind's butterfly all-reduce would."""
         self._blind: dict[str, set[str]] = {}  # name -> names its view misses
         self._lost_verdicts: dict[str, int] = {}  # name -> how many more committed rounds lose their verdicts
+        self._delays: dict[str, float] = {}  # name -> seconds its next round's outcome comes late
+        self._declines: dict[tuple[int, int], tuple[set[str], float]] = {}
+        """Groups from the clock: (fragment, boundary in DHT ms) -> (the members that skip it, when the first said so)."""
 
     # ------------------------------------------------------------ members
 
@@ -227,6 +260,13 @@ class Hub:
         with self._lock:
             self._lost_verdicts[name] = rounds
 
+    def delay(self, name: str, seconds: float) -> None:
+        """The outcome of ``name``'s next round reaches it ``seconds`` after its group ended (a slow link's tail):
+        its round stays in flight meanwhile, so a boundary of the fragment may come while it is (the engine skips it,
+        and with groups from the clock declines it)."""
+        with self._lock:
+            self._delays[name] = seconds
+
     def heal(self) -> None:
         """End a partition: everyone sees everyone again."""
         with self._lock:
@@ -258,18 +298,46 @@ class Hub:
         done: Future[RoundOutcome] = Future()
         with self._lock:
             key = (fragment, c.version, c.anchor_hash, member.side, plan.group_id)
+            if member.peer_id in self._declines.get((fragment, plan.boundary_ms), ((), 0.0))[0]:
+                done.set_result(RoundOutcome(fragment=fragment, version=c.version, committed=False, reason=(
+                    f"we declined the round at {plan.boundary_ms} ms: its groups go on without us"),
+                    finished_at=time.monotonic()))
+                return done
             group = self._open.get(key)
             if group is None:
-                group = self._open[key] = _Group(key, [], members=plan.members)
+                group = self._open[key] = _Group(key, [], members=plan.members, boundary_ms=plan.boundary_ms)
                 if not self.manual:
                     timer = threading.Timer(max(0.0, plan.scheduled_time - time.time()), self._close, (group,))
                     timer.daemon = True
                     timer.start()
             group.offers.append(_Offer(member, c, plan, done))
-            group.complete = bool(group.members) and set(group.members) <= {o.member.peer_id for o in group.offers}
+            group.complete = self._all_in(group)
         if group.complete:  # groups from the clock: everyone named is in, the all-reduce starts (no window to wait out)
             self._close(group)
         return done
+
+    def decline(self, member: Member, fragment: int, boundary_ms: int) -> None:
+        """Groups from the clock: ``member`` skips ``fragment``'s boundary ``boundary_ms`` (DHT ms): any group of it
+        that names ``member`` goes on without it once everyone else named is in (:func:`~p2p_diloco.core.groups.
+        without_absent`), as over hivemind, where its averager answers their offer requests so."""
+        now = time.monotonic()
+        with self._lock:
+            for old in [k for k, (_, since) in self._declines.items() if now - since > DECLINE_KEEP_S]:
+                del self._declines[old]
+            self._declines.setdefault((fragment, boundary_ms), (set(), now))[0].add(member.peer_id)
+            for group in self._open.values():
+                group.complete = group.complete or self._all_in(group)
+            ready = [g for g in self._open.values() if g.complete and g.key[0] == fragment and g.boundary_ms == boundary_ms]
+        for group in ready:
+            self._close(group)
+
+    def _declined(self, group: _Group) -> set[str]:
+        """The members ``group`` names that declined its boundary (under the lock)."""
+        return self._declines.get((group.key[0], group.boundary_ms), (set(), 0.0))[0] & set(group.members)
+
+    def _all_in(self, group: _Group) -> bool:
+        """Groups from the clock: every member the group's id names is in or declined (under the lock)."""
+        return bool(group.members) and set(group.members) <= {o.member.peer_id for o in group.offers} | self._declined(group)
 
     def close_open(self) -> int:
         """Close every open group now, in key order (a manual hub's driver calls it once all members that are due
@@ -298,41 +366,26 @@ class Hub:
             group.closed = True
             if self._open.get(group.key) is group:
                 del self._open[group.key]
-            offers = list(group.offers)
+            offers, declined = list(group.offers), self._declined(group)
         if not offers:
             return
-        reason = failure or self._refusal(offers)
-        outcomes = self._failed(group, offers, reason) if reason else self._reduced(group, offers)
+        reason = failure or _refusal(self.cfg, offers, declined)
+        outcomes = _failed(group, offers, reason) if reason else self._reduced(group, offers)
         committed = any(o.committed for o in outcomes)  # a member whose verdicts were lost discards what others commit
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,
                                        "committed" if committed else outcomes[0].reason,
                                        tuple(o.contribution.weight for o in offers),
                                        sum(o.contribution.tokens for o in offers), group.complete,
-                                       len(_absent(offers))))
+                                       len(_absent(offers)), len(declined & _absent(offers))))
         for o, outcome in zip(offers, outcomes):
-            o.done.set_result(outcome)
-
-    def _refusal(self, offers: Sequence[_Offer]) -> str:
-        """Why the group cannot commit, before reducing (empty: it may)."""
-        a = self.cfg.averaging
-        members = offers[0].plan.members
-        if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
-            missing = _absent(offers)
-            if missing and not without_absent(offers[0].plan.group_id, members, missing)[1]:
-                return f"{MISSING}: {len(members) - len(missing)} of {len(members)} members showed"
-        if len(offers) < max(2, a.min_group_size):
-            return NO_GROUP
-        for o in offers:
-            problem = quorum_problem(len(offers), o.plan.at_rank, a.target_group_size)
-            if problem is not None:
-                return problem
-        return ""
-
-    def _failed(self, group: _Group, offers: Sequence[_Offer], reason: str) -> list[RoundOutcome]:
-        now = time.monotonic()
-        return [RoundOutcome(fragment=group.key[0], version=group.key[1], committed=False, reason=reason,
-                             group_size=len(offers) if reason != NO_GROUP else 0, finished_at=now,
-                             window_s=o.plan.window_s) for o in offers]
+            with self._lock:
+                late_s = self._delays.pop(o.member.name, 0.0)
+            if late_s > 0:  # its link's tail: the outcome reaches it later (its round stays in flight meanwhile)
+                timer = threading.Timer(late_s, o.done.set_result, (outcome,))
+                timer.daemon = True
+                timer.start()
+            else:
+                o.done.set_result(outcome)
 
     def _reduced(self, group: _Group, offers: Sequence[_Offer]) -> list[RoundOutcome]:
         """The weighted average of the group's contributions through the run's codec, merged: the same for all."""
@@ -353,7 +406,7 @@ class Hub:
                 averaged[n] = compression.simulate_allreduce(o_cfg.codec, tensors, weights)
         now = time.monotonic()
         if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
-            return self._failed(group, offers, "averaged tensors are not finite")
+            return _failed(group, offers, "averaged tensors are not finite")
         merged = outer.decode_merged(averaged, [norms for _, norms in sent], weights, o_cfg.merge, self.robust)
         total, peers = sum(weights), tuple(o.member.peer_id for o in offers)
         dues = [o.plan.due for o in offers]
@@ -466,6 +519,11 @@ class InProcessHost:
         RoundMeta.of(contribution, self.hub.config_hash, context.due)
         plan = plan_round(contribution, context, self.hub.cfg, self.prefix, self.last_group.get())
         return self.last_group.watch(self.hub.offer(self.member, self.fragment, contribution, plan))
+
+    def decline(self, context: RoundContext) -> None:
+        boundary_ms = clock_boundary_ms(self.fragment, context, self.hub.cfg)
+        if boundary_ms >= 0:
+            self.hub.decline(self.member, self.fragment, boundary_ms)
 
     def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
         return self.hub.fetch(self.member, self.fragment, ours)

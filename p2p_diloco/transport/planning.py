@@ -59,14 +59,38 @@ class LastGroup:
             return self._last
 
 
-def with_last_group(context: RoundContext, contribution: Contribution, last: tuple[int, tuple[str, ...]]) -> RoundContext:
+def with_last_group(context: RoundContext, ours: Rank, last: tuple[int, tuple[str, ...]]) -> RoundContext:
     """``context`` with the members of our last committed round (``last``: :meth:`LastGroup.get`) at our rank where
-    their records still show an older version, when ``contribution`` starts from the version that round led to."""
+    their records still show an older version, when ``ours`` (the version and anchor our round starts from) is where
+    that round led."""
     version, members = last
-    ours = (contribution.version, contribution.anchor_hash)
-    if version != contribution.version or not members:
+    if version != ours[0] or not members:
         return context
     return replace(context, peers=tuple((p, ours if p in members and r[0] < ours[0] else r) for p, r in context.peers))
+
+
+def clock_boundary_ms(fragment: int, context: RoundContext, cfg: Config) -> int:
+    """Groups from the clock: the boundary of ``fragment`` a hand-off now falls in, in DHT milliseconds -- the clock's
+    round, named so that a retuned clock's rounds never share a name with the old one's; -1 under matchmaking or
+    before the clock is known (matchmaking finds the group)."""
+    clock = context.clock
+    if cfg.averaging.matchmaking != "clock" or clock is None:
+        return -1
+    return round(clock.boundary(context.due, fragment, context.fragments) * 1000)
+
+
+def planned_group(ours: Rank, fragment: int, context: RoundContext, cfg: Config, prefix: str,
+                  last_group: tuple[int, tuple[str, ...]] = (-1, ())) -> tuple[str, tuple[str, ...]]:
+    """Groups from the clock: ``(group id, members)`` of our round of ``fragment`` at ``ours`` handed off now
+    (:func:`~p2p_diloco.core.groups.clock_group` of the clock's round and the ranks the snapshot holds, the members of
+    our last committed round counted at our rank: :func:`with_last_group`); ``("", ())`` under matchmaking or before
+    the clock is known."""
+    clock = context.clock
+    if cfg.averaging.matchmaking != "clock" or clock is None:
+        return "", ()
+    context = with_last_group(context, ours, last_group)
+    return clock_group(prefix, fragment, ours, clock.round_index(context.due, fragment, context.fragments),
+                       context.own_id, dict(context.peers))
 
 
 def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, prefix: str,
@@ -77,8 +101,10 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     boundary (raises ``ValueError`` without a clock: the engine starts no grid round then); otherwise the doomed check
     and the quorum's count of live learners at our rank."""
     a, c, now = cfg.averaging, contribution, context.due
+    ours = (c.version, c.anchor_hash)
+    group_id, members = planned_group(ours, c.fragment, context, cfg, prefix, last_group)
     if a.matchmaking == "clock":  # under matchmaking, the quorum counts what the records show (as it always did)
-        context = with_last_group(context, c, last_group)
+        context = with_last_group(context, ours, last_group)
     clock = context.clock
     boundary = clock.boundary(now, c.fragment, context.fragments) if clock is not None else None
     bits, grid = "", a.groups == "grid"
@@ -88,11 +114,6 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
         group = grid_group(context, clock.round_index(now, c.fragment, context.fragments), a.target_group_size, prefix)
         bits = grid_group_bits(round(boundary * 1000), group[0])
     window_s = context.window_s
-    no_group: tuple[str, tuple[str, ...]] = ("", ())  # matchmaking finds the group
-    group_id, members = (clock_group(prefix, c.fragment, (c.version, c.anchor_hash),  # the group is known: no window
-                                     clock.round_index(now, c.fragment, context.fragments), context.own_id,
-                                     dict(context.peers))
-                         if a.matchmaking == "clock" and clock is not None and boundary is not None else no_group)
     if boundary is not None:
         scheduled = max((boundary if boundary <= now else now) + window_s, now + a.request_timeout_s)
     else:
@@ -100,11 +121,11 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     payload = payload_bytes(sum(t.numel() for t in c.tensors.values()), cfg.outer.codec)
     group_size = expected_group_size(len(context.peer_ranks), a)
     timeouts = round_timeouts(allreduce_bytes(payload, group_size), context.link, a, window_s)
-    ours = (c.version, c.anchor_hash)
     doomed = None if grid else doomed_check(ours, context.live_ranks)
-    at_rank = 0 if grid else peers_at_rank(ours, context.peer_ranks)
+    # a group from the clock has its own rule, which counts members that declined out (core.groups.without_absent)
+    at_rank = 0 if grid or members else peers_at_rank(ours, context.peer_ranks)
     return RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits, at_rank=at_rank,
-                     group_id=group_id, members=members)
+                     group_id=group_id, members=members, boundary_ms=clock_boundary_ms(c.fragment, context, cfg))
 
 
 def doomed_check(ours: Rank, live_ranks: Callable[[], Sequence[Rank]]) -> Callable[[], bool]:

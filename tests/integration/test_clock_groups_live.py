@@ -119,11 +119,12 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
     tests/unit/test_clock_groups.py's, on the same host outcome.) Then b's offer does not reach a while a's reaches
     b (``blind@serving-offers``): a fails the round as a member missing, b starts the all-reduce, a refuses its
     parts (not its group) and b stops waiting for a's parts at once -- both fail, well within the sender timeout --
-    and the round after commits on both."""
+    and the round after commits on both. Then b skips a boundary and says so (``decline_round``): a's round there
+    fails as "1 of 2 members showed (1 declined)" -- told, not timed out -- and the round after commits on both."""
     from hivemind.utils import get_dht_time
 
     from p2p_diloco.averaging.faulty import FaultyAveragerHost
-    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
+    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan, decline_round
     from p2p_diloco.core import faults
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.net.keys import load_or_create_identity
@@ -168,6 +169,18 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
         assert not b.committed and b.duration_s < SENDER_TIMEOUT_S / 2, (b.reason, b.duration_s)
         time.sleep(1.0)  # the blind spell ends
         assert all(o.committed for o in round_of("offers-4")), "the round after did not commit"
+        # b skips the next boundary and says so: a hears it at once, instead of waiting out b's offer
+        boundary_ms = round((get_dht_time() + 1.0) * 1000)
+        decline_round(hosts[1], boundary_ms)
+        start = get_dht_time() + VERDICT_CFG.averaging.window_s
+        c = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=100, steps=10, weight=100.0, norms={},
+                         tensors={n: torch.zeros(VERDICT_SHAPES[n]) for n in VERDICT_NAMES})
+        alone = hosts[0].start_round(c, RoundPlan(start, VERDICT_CFG.averaging.window_s, due=get_dht_time(),
+                                                  group_id="declined-5", members=members, boundary_ms=boundary_ms))
+        a = alone.result(timeout=60)
+        print(f"round 5: a {a.reason!r} in {a.duration_s:.1f} s")
+        assert a.reason == f"{MISSING}: 1 of 2 members showed (1 declined)", a.reason
+        assert all(o.committed for o in round_of("offers-6")), "the round after the declined one did not commit"
     finally:
         faults.arm([])
         for h in hosts:

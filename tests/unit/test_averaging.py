@@ -117,6 +117,8 @@ def test_completeness_problem_names_the_partial_cause() -> None:
     assert completeness_problem(1000, 0, 0, 6, 6) is None
     assert "300 of 1000 elements" in (completeness_problem(1000, 300, 0, 6, 6) or "")
     assert "1 sender(s) dropped" in (completeness_problem(1000, 0, 1, 6, 6) or "")
+    assert completeness_problem(1000, 300, 1, 6, 6) == ("partial all-reduce: 300 of 1000 elements not averaged (a "
+                                                        "reducer failed), 1 sender(s) dropped mid-round")
     assert "received 4 of 6 parts" in (completeness_problem(1000, 0, 0, 6, 4) or "")
 
 

@@ -20,8 +20,8 @@ from p2p_diloco.core.groups import clock_group, without_absent
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.averaging.host import RoundOutcome, step_failure
 from p2p_diloco.averaging.linktime import estimate_link
-from p2p_diloco.sync.fragment import Contribution
-from p2p_diloco.transport.inprocess import MISSING, NO_GROUP, VERDICTS_LOST, Hub
+from p2p_diloco.averaging.decisions import MISSING
+from p2p_diloco.transport.inprocess import NO_GROUP, VERDICTS_LOST, Hub
 from p2p_diloco.transport.network import RoundContext
 from p2p_diloco.transport.planning import LastGroup, with_last_group
 
@@ -77,6 +77,22 @@ def test_more_than_half_of_a_group_goes_on_without_the_members_that_did_not_show
     assert without_absent(*clock_group("run/f0", 0, A, 7, "p1", {"p2": A}), {"p2"}) == ("", ())  # alone
 
 
+def test_members_that_declined_count_in_neither_part_of_a_group() -> None:
+    """A member that skips the boundary says so: it is in no part of the group, so more than half of the members that
+    did not decline may go on -- two disjoint parts still cannot (each part is more than half of the same rest)."""
+    group_id, members = clock_group("run/f0", 0, A, 7, "p1", {"p2": A, "p3": A, "p4": A})
+    pair_id, pair = without_absent(group_id, members, (), {"p3", "p4"})
+    assert pair == ("p1", "p2")  # two of four, the other two declined: the pair goes on
+    # p3 declined, p4 did not show (or its word was lost): two of the three that did not decline, the same group
+    assert (pair_id, pair) == without_absent(group_id, members, {"p4"}, {"p3"})
+    assert without_absent(group_id, members, {"p2", "p3"}, {"p4"}) == ("", ())  # one left: no group
+    for absent in ({"p1", "p2"}, {"p3"}, {"p1"}):  # whichever part saw which: two disjoint parts never both go on
+        rest = set(members) - absent - {"p4"}
+        parts = [without_absent(group_id, members, absent, {"p4"})[1], without_absent(group_id, members, rest, {"p4"})[1]]
+        assert not all(parts), parts
+    assert without_absent(group_id, members, (), {"p2", "p3", "p4"}) == ("", ())  # alone
+
+
 def test_the_last_groups_members_count_at_our_rank_until_their_records_catch_up() -> None:
     """Records are republished on a heartbeat, not at every commit: right after a round, each member of it still
     shows the version before in the others' views. Planning counts the last group's members at our rank meanwhile,
@@ -84,7 +100,7 @@ def test_the_last_groups_members_count_at_our_rank_until_their_records_catch_up(
     context = RoundContext(due=0.0, window_s=1.0, link=estimate_link([], []), clock=None, fragments=2, own_id="p1",
                            roster=("p1", "p2", "p3", "p4"), peers=(("p2", (1, "old")), ("p3", (1, "old")),
                                                                      ("p4", (3, "new"))), live_ranks=lambda: ())
-    ours = Contribution(fragment=0, version=2, anchor_hash="aa", tokens=1, steps=1, weight=1.0, tensors={}, norms={})
+    ours = (2, "aa")  # our version and anchor
     raised = with_last_group(context, ours, (2, ("p1", "p2", "p4")))
     assert raised.peers == (("p2", (2, "aa")), ("p3", (1, "old")), ("p4", (3, "new")))  # p4's record is ahead: kept
     assert with_last_group(context, ours, (3, ("p1", "p2"))) is context  # we are not where that round led
@@ -178,10 +194,34 @@ def test_half_of_a_group_does_not_go_on_without_the_other_half(cfg: Config) -> N
         loops[name].pauses[60] = 2.0
     finish(loops)
     print([(r.fragment, r.version, r.members, r.reason, r.absent) for r in hub.rounds])
-    halves = [r for r in hub.rounds if r.absent == 2]
+    # two of a group of four in, the other two silent (once they thaw they may skip a boundary and say so, and then
+    # the pair goes on: test_members_whose_round_is_still_in_flight_decline_and_the_others_go_on_at_once)
+    halves = [r for r in hub.rounds if r.absent == 2 and len(r.members) == 2 and not r.declined]
     assert halves, "no round missed two members (the fault did not fire)"
     assert all(not r.committed and r.reason == f"{MISSING}: 2 of 4 members showed" for r in halves), halves
     assert_no_fork(hub)
+
+
+def test_members_whose_round_is_still_in_flight_decline_and_the_others_go_on_at_once(cfg: Config) -> None:
+    """Two of four members' round ends late (a slow link's tail: still in flight at the fragment's next boundary, 1.6 s
+    on): they skip that boundary and say so, and the two others go on as a pair at once -- two of four, but the two
+    that declined are in no part of the group (before, the round failed: "2 of 4 members showed", after waiting out
+    the scheduled time). The four end on one model."""
+    hub = Hub(cfg)
+    loops = start(hub, cfg, "abcd")
+    a = loops["a"]
+    wait_for(lambda: len(a.rounds("committed")) >= 2 or a.error is not None, RUN_DEADLINE_S, "a's first rounds")
+    before = len(hub.rounds)
+    for name in "cd":
+        hub.delay(name, 2.5)
+    finish(loops)
+    after = hub.rounds[before:]
+    print([(r.fragment, r.version, r.members, r.reason, r.absent, r.complete) for r in after])
+    pairs = [r for r in after if set(r.members) == {"a", "b"} and r.absent == 2]
+    assert pairs, "no round went on without the two late members (the fault did not fire)"
+    assert all(r.declined == 2 for r in pairs), pairs
+    assert all(r.committed and r.complete for r in pairs), pairs  # committed, and at once: nobody waited for them
+    assert not [r for r in after if not r.committed and r.reason.startswith(MISSING)], after
 
 
 def assert_no_fork(hub: Hub) -> None:
