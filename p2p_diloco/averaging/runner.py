@@ -166,6 +166,20 @@ class ExactAllReduceRunner(AllReduceRunner):
             return torch.full(shape, math.nan), 0.0
         return torch.zeros(shape), 0.0
 
+    async def _ban_sender(self, peer_id: Any) -> None:
+        """hivemind's ban, except when our handler of a sender whose every part is in is being cancelled: the sender
+        closes its stream after reading our last answer (the module's docstring), which may cancel the handler before
+        it saw the input end, and hivemind's handler bans on any exception -- the round was then "partial: 1 sender
+        dropped" with every byte moved (the main job, groups from the clock and matchmaking alike). Its parts are all
+        counted; nothing is left to wait for or to exclude. A ban for a refused part (one too many included) stands."""
+        reducer, task = self.tensor_part_reducer, asyncio.current_task()
+        if (task is not None and task.cancelling()
+                and reducer.num_parts_received[self.sender_peer_ids.index(peer_id)] >= reducer.num_parts):
+            logger.debug("fragment %s: sender %s ended its stream after its last part: not banned", self.fragment,
+                         peer_id)
+            return
+        await super()._ban_sender(peer_id)
+
     def _leave_out(self, sender: Any, part_index: int, error: PeerDataError) -> None:
         """Count a left-out part of ``sender``; log it with its reason code once per sender per round."""
         if sender not in self.left_out:

@@ -38,7 +38,8 @@ from p2p_diloco.core.model import build_model
 from p2p_diloco.engine.engine import DiLoCo
 from p2p_diloco.engine.options import SyncOptions
 from p2p_diloco.sim.simulator import Attack, Event, SimResult, dp_fp32_bytes, evaluate_on, poison, progress_line
-from p2p_diloco.transport.inprocess import NO_GROUP, Hub, Member, Tamper
+from p2p_diloco.averaging.decisions import NO_GROUP
+from p2p_diloco.transport.inprocess import Hub, Member, Tamper
 
 log = logging.getLogger(__name__)
 

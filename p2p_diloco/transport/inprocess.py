@@ -39,21 +39,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.averaging.decisions import NO_GROUP, RoundMeta, anchor_order, is_ahead, missing_reason, quorum_problem
+from p2p_diloco.averaging.decisions import RoundMeta, anchor_order, is_ahead
 from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
-from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.identity import config_hash
-from p2p_diloco.hivemind_ext import compression
+from p2p_diloco.transport.hubgroups import (Member, Offer, OpenGroup, RoundRecord, absent_members, average,
+                                             failed_outcomes, refusal)
 from p2p_diloco.transport.planning import LastGroup, clock_boundary_ms, plan_round
 
 if TYPE_CHECKING:
@@ -86,103 +85,6 @@ def check_supported(cfg: Config) -> None:
                          "or averaging.schedule = \"steps\"")
 
 
-@dataclass(eq=False)
-class Member:
-    """One learner of the hub: its identity, what its record would say, and its engine once it has one."""
-
-    peer_id: str
-    name: str
-    state: str = "joining"
-    alive: bool = True
-    engine: Any = None
-    """Its :class:`~p2p_diloco.engine.engine.DiLoCo` (set when the engine makes its view)."""
-    side: int = 0
-    """Its side of a network partition (:meth:`Hub.partition`): members see and average only with their side."""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-    def ranks(self) -> list[Rank]:
-        out = []
-        for s in self.engine.slots:
-            with s.lock:
-                out.append(s.rank)
-        return out
-
-
-@dataclass(eq=False)
-class _Offer:
-    member: Member
-    contribution: Contribution
-    plan: RoundPlan
-    done: Future[RoundOutcome]
-    arrived: float = field(default_factory=time.monotonic)
-
-
-@dataclass(eq=False)
-class _Group:
-    key: tuple[int, int, str, int, str]
-    """(fragment, version, anchor hash, side of a partition, group id from the clock or ""): who averages together."""
-    offers: list[_Offer]
-    closed: bool = False
-    members: tuple[str, ...] = ()
-    """Groups from the clock: the peer ids the group's id names (it starts once all are in or declined)."""
-    boundary_ms: int = -1
-    """Groups from the clock: the boundary it meets at (DHT ms; members that skip it decline: :meth:`Hub.decline`)."""
-    complete: bool = False
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """A round the hub ran (for tests and reports): its fragment, version, members' names, outcome, reason."""
-
-    fragment: int
-    version: int
-    members: tuple[str, ...]
-    committed: bool
-    reason: str
-    weights: tuple[float, ...] = ()
-    """The members' weights (their progress), in ``members`` order."""
-    tokens: int = 0
-    """The tokens of progress the members sent."""
-    complete: bool = False
-    """Groups from the clock: it started as soon as every member its id names was in (no window waited out)."""
-    absent: int = 0
-    """Groups from the clock: the members its id names that were not in by the scheduled time (declined included)."""
-    declined: int = 0
-    """Groups from the clock: the members its id names that declined its boundary (:meth:`Hub.decline`)."""
-
-
-def _absent(offers: Sequence[_Offer]) -> set[str]:
-    """Groups from the clock: the members a group's id names that are not among its ``offers`` (one group: one plan's
-    members for all)."""
-    return set(offers[0].plan.members) - {o.member.peer_id for o in offers}
-
-
-def _refusal(cfg: Config, offers: Sequence[_Offer], declined: set[str]) -> str:
-    """Why a group of ``offers`` cannot commit, before reducing (empty: it may); ``declined``: the members its id names
-    that declined its boundary."""
-    a = cfg.averaging
-    members = offers[0].plan.members
-    if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
-        missing = _absent(offers)
-        if missing and not without_absent(offers[0].plan.group_id, members, missing - declined, declined)[1]:
-            return missing_reason(len(members) - len(missing), len(members), len(declined & missing))
-    if len(offers) < max(2, a.min_group_size):
-        return NO_GROUP
-    for o in offers:
-        problem = quorum_problem(len(offers), o.plan.at_rank, a.target_group_size)
-        if problem is not None:
-            return problem
-    return ""
-
-
-def _failed(group: _Group, offers: Sequence[_Offer], reason: str) -> list[RoundOutcome]:
-    now = time.monotonic()
-    return [RoundOutcome(fragment=group.key[0], version=group.key[1], committed=False, reason=reason,
-                         group_size=len(offers) if reason != NO_GROUP else 0, finished_at=now,
-                         window_s=o.plan.window_s) for o in offers]
-
-
 class Hub:
     """An in-process swarm of one run: members join with :meth:`join` and build their engines with the network it
     returns (``DiLoCo(model, opt, swarm, network=swarm.network)``)."""
@@ -198,7 +100,7 @@ class Hub:
         self.robust = outer.robust_rule(cfg.outer.robust, cfg.outer.clip_factor)
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
-        self._open: dict[tuple[int, int, str, int, str], _Group] = {}
+        self._open: dict[tuple[int, int, str, int, str], OpenGroup] = {}
         self._ids = itertools.count()
         self.rounds: list[RoundRecord] = []
         """Every round that ended, in order."""
@@ -305,12 +207,12 @@ class Hub:
                 return done
             group = self._open.get(key)
             if group is None:
-                group = self._open[key] = _Group(key, [], members=plan.members, boundary_ms=plan.boundary_ms)
+                group = self._open[key] = OpenGroup(key, [], members=plan.members, boundary_ms=plan.boundary_ms)
                 if not self.manual:
                     timer = threading.Timer(max(0.0, plan.scheduled_time - time.time()), self._close, (group,))
                     timer.daemon = True
                     timer.start()
-            group.offers.append(_Offer(member, c, plan, done))
+            group.offers.append(Offer(member, c, plan, done))
             group.complete = self._all_in(group)
         if group.complete:  # groups from the clock: everyone named is in, the all-reduce starts (no window to wait out)
             self._close(group)
@@ -331,11 +233,11 @@ class Hub:
         for group in ready:
             self._close(group)
 
-    def _declined(self, group: _Group) -> set[str]:
+    def _declined(self, group: OpenGroup) -> set[str]:
         """The members ``group`` names that declined its boundary (under the lock)."""
         return self._declines.get((group.key[0], group.boundary_ms), (set(), 0.0))[0] & set(group.members)
 
-    def _all_in(self, group: _Group) -> bool:
+    def _all_in(self, group: OpenGroup) -> bool:
         """Groups from the clock: every member the group's id names is in or declined (under the lock)."""
         return bool(group.members) and set(group.members) <= {o.member.peer_id for o in group.offers} | self._declined(group)
 
@@ -359,7 +261,7 @@ class Hub:
                     o.done.set_result(RoundOutcome(fragment=fragment, version=group.key[1], committed=False,
                                                    reason=LEAVING, finished_at=time.monotonic()))
 
-    def _close(self, group: _Group, failure: str = "") -> None:
+    def _close(self, group: OpenGroup, failure: str = "") -> None:
         with self._lock:
             if group.closed:
                 return
@@ -369,14 +271,14 @@ class Hub:
             offers, declined = list(group.offers), self._declined(group)
         if not offers:
             return
-        reason = failure or _refusal(self.cfg, offers, declined)
-        outcomes = _failed(group, offers, reason) if reason else self._reduced(group, offers)
+        reason = failure or refusal(self.cfg, offers, declined)
+        outcomes = failed_outcomes(group, offers, reason) if reason else self._reduced(group, offers)
         committed = any(o.committed for o in outcomes)  # a member whose verdicts were lost discards what others commit
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,
                                        "committed" if committed else outcomes[0].reason,
                                        tuple(o.contribution.weight for o in offers),
                                        sum(o.contribution.tokens for o in offers), group.complete,
-                                       len(_absent(offers)), len(declined & _absent(offers))))
+                                       len(absent_members(offers)), len(declined & absent_members(offers))))
         for o, outcome in zip(offers, outcomes):
             with self._lock:
                 late_s = self._delays.pop(o.member.name, 0.0)
@@ -387,32 +289,22 @@ class Hub:
             else:
                 o.done.set_result(outcome)
 
-    def _reduced(self, group: _Group, offers: Sequence[_Offer]) -> list[RoundOutcome]:
+    def _reduced(self, group: OpenGroup, offers: Sequence[Offer]) -> list[RoundOutcome]:
         """The weighted average of the group's contributions through the run's codec, merged: the same for all."""
         o_cfg, t0 = self.cfg.outer, time.monotonic()
         weights = [o.contribution.weight for o in offers]
-        names = list(offers[0].contribution.tensors)
         sent = [(o.contribution.tensors, o.contribution.norms) if self.tamper is None
                 else self.tamper(o.member, o.contribution.tensors, o.contribution.norms) for o in offers]
-        averaged: dict[str, torch.Tensor] = {}
-        for n in names:
-            tensors = [t[n] for t, _ in sent]
-            if self.robust.active:  # as a robust reducer: decode the parts, its rule, codec(result) back to all
-                received = [compression.roundtrip(o_cfg.codec, t) for t in tensors]
-                reduced = outer.robust_mean(received, outer.clip_to_median(weights, self.robust.clip_factor),
-                                            self.robust)
-                averaged[n] = compression.roundtrip(o_cfg.codec, reduced)
-            else:
-                averaged[n] = compression.simulate_allreduce(o_cfg.codec, tensors, weights)
+        averaged = average(o_cfg.codec, [t for t, _ in sent], weights, self.robust)
         now = time.monotonic()
         if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
-            return _failed(group, offers, "averaged tensors are not finite")
+            return failed_outcomes(group, offers, "averaged tensors are not finite")
         merged = outer.decode_merged(averaged, [norms for _, norms in sent], weights, o_cfg.merge, self.robust)
         total, peers = sum(weights), tuple(o.member.peer_id for o in offers)
         dues = [o.plan.due for o in offers]
         moved = int(2 * (len(offers) - 1) / len(offers)
                     * payload_bytes(sum(t.numel() for t in averaged.values()), o_cfg.codec))
-        outcomes, absent = [], len(_absent(offers))
+        outcomes, absent = [], len(absent_members(offers))
         with self._lock:
             self.round_bytes += moved * len(offers)
         for o in offers:

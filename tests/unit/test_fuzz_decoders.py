@@ -13,6 +13,7 @@ is logged with the sender's peer id and a reason code, and the round is reported
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import math
@@ -437,6 +438,33 @@ def test_the_reducer_bans_a_sender_whose_part_is_refused(case: str, caplog: pyte
     assert THEIRS in runner.banned_senders
     assert "dropped mid-round" in (runner.completeness_problem() or "")
     assert f"rejected a tensor part from {THEIRS}: {reason.value}: " in caplog.text, caplog.text
+
+
+def test_a_sender_whose_every_part_is_in_is_not_banned_when_its_stream_ends_badly() -> None:
+    """Its stream may end with a cancellation once it closes it after our last answer (hivemind's handler then bans
+    on any exception): every part is counted, so the round stays complete; a sender short of a part is banned."""
+    async def ban_while_cancelled(runner: ExactAllReduceRunner) -> None:
+        async def handler() -> None:  # as hivemind's: the sender's close cancels it, it bans in its except clause
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                await runner._ban_sender(THEIRS)
+                raise
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    runner, answered = asyncio.run(_reduce("int8", None))
+    asyncio.run(ban_while_cancelled(runner))
+    assert answered == runner.tensor_part_reducer.num_parts
+    assert THEIRS not in runner.banned_senders and runner.completeness_problem() is None
+    short, _ = asyncio.run(_reduce("int8", None, lambda m: m.pop()))  # its last part never came
+    asyncio.run(ban_while_cancelled(short))
+    assert THEIRS in short.banned_senders and "dropped mid-round" in (short.completeness_problem() or "")
+    asyncio.run(runner._ban_sender(THEIRS))  # not while cancelled (a refused part: one too many): it stands
+    assert THEIRS in runner.banned_senders
 
 
 def test_the_reducer_accepts_valid_parts() -> None:

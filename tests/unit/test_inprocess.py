@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from p2p_diloco import DiLoCo, SyncOptions, build_model, events, load_config, training_batches
 from p2p_diloco.core.config import Config
-from p2p_diloco.transport.inprocess import NO_GROUP, Hub
+from p2p_diloco.averaging.decisions import NO_GROUP
+from p2p_diloco.transport.inprocess import Hub
 
 OVERRIDES = ["outer.sync_every=8", "outer.fragments=2", "averaging.schedule=steps", "inner.batch_size=4",
              "averaging.window_s=1.0", "averaging.window_max_s=2.0"]
