@@ -66,8 +66,8 @@ def median(values: list[float]) -> float | None:
     return statistics.median(finite) if finite else None
 
 
-def measure(arm: str, folder: Path) -> dict[str, Any]:
-    """An arm's figures, from its learners' events and the swarm's summary."""
+def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, Any]:
+    """An arm's figures, from its learners' events and the swarm's summary (``sync_every``: the run's H)."""
     report = json.loads((folder / "summary.json").read_text())
     logs = {p.stem: events_of(p) for p in sorted((folder / "logs").glob("*.jsonl"))}
     rounds = {n: [e for e in log if isinstance(e, RoundEvent)] for n, log in logs.items()}
@@ -89,9 +89,9 @@ def measure(arm: str, folder: Path) -> dict[str, Any]:
         "arm": arm, "learners": len(logs), "rounds": len(every), "committed": len(committed),
         "committed_share": len(committed) / len(every) if every else None,
         "discard_reasons": dict(reasons.most_common(3)),
-        "median_step_s": step_s, "h_x_step_s": SYNC_EVERY * step_s if step_s else None,
+        "median_step_s": step_s, "h_x_step_s": sync_every * step_s if step_s else None,
         "realized_period_s": median(intervals), "published_period_s": periods[-1] if periods else None,
-        "period_ratio": (median(intervals) or 0) / (SYNC_EVERY * step_s) if step_s else None,
+        "period_ratio": (median(intervals) or 0) / (sync_every * step_s) if step_s else None,
         "median_round_s": duration, "median_allreduce_s": allreduce, "median_rtt_s": rtt, "round_bound_s": bound,
         "coordination_share": 1 - allreduce / duration if duration and allreduce is not None else None,
         "anchors_identical": report.get("anchors_identical"),

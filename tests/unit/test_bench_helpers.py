@@ -130,7 +130,7 @@ PAGES = [
     ("bench_learners.py", "learners"), ("bench_learners.py", "learners-steps"), ("bench_overhead.py", "overhead"),
     ("bench_parity.py", "parity"), ("bench_parity_demo.py", "parity-demo"),
     ("bench_parity_demo.py", "parity-llama-3m"), ("bench_poison.py", "poison"),
-    ("bench_rejoin.py", "rejoin"), ("bench_fast_steps.py", "fast-steps"),
+    ("bench_rejoin.py", "rejoin"), ("bench_fast_steps.py", "fast-steps"), ("bench_mainjob.py", "mainjob-rounds"),
     ("bench_reference.py", "reference"), ("wan/bench_wan.py", "wan"), ("wan/rpc_tally/summarize.py", "wan-bytes"),
 ]
 """Every results folder whose page a script generates, and that script."""
