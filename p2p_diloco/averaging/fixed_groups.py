@@ -145,8 +145,9 @@ class FixedGroupMeeting:
 
     def decline(self, boundary_ms: int) -> MPFuture:
         """(host) We skip our fragment's boundary ``boundary_ms`` (DHT ms): members of a group that counts on us there
-        asking for our offer hear so at once (CANCELLED) and go on without us (:func:`~p2p_diloco.core.groups.
-        without_absent`), and no step of ours meets a group of that round later -- the others count on that."""
+        asking for our offer hear so at once (CANCELLED) instead of waiting out our offer (we count as a member that
+        did not show: :func:`~p2p_diloco.core.groups.without_absent`), and no step of ours meets a group of that round
+        later."""
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_decline", [], dict(future=future, boundary_ms=boundary_ms)))
         return future

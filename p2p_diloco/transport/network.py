@@ -92,8 +92,8 @@ class Host(Protocol):
 
     def decline(self, context: RoundContext) -> None:
         """We skip the fragment's round due now (our link still carries another round, or the fragment's last one is
-        in flight): with groups from the clock, any group that counts on us in the clock's round hears so at once and
-        goes on without us (:func:`~p2p_diloco.core.groups.without_absent`) instead of waiting out our offer --
+        in flight): with groups from the clock, any group that counts on us in the clock's round hears so at once
+        (:func:`~p2p_diloco.core.groups.without_absent`) instead of waiting out our offer --
         whatever rank it counts us at (a round of ours in flight moves it); otherwise nothing. Never waits."""
         ...
 

@@ -78,20 +78,27 @@ def test_more_than_half_of_a_group_goes_on_without_the_members_that_did_not_show
     assert without_absent(*clock_group("run/f0", 0, A, 7, "p1", {"p2": A}), {"p2"}) == ("", ())  # alone
 
 
-def test_members_that_declined_count_in_neither_part_of_a_group() -> None:
-    """A member that skips the boundary says so: it is in no part of the group, so more than half of the members that
-    did not decline may go on -- two disjoint parts still cannot (each part is more than half of the same rest)."""
+def test_members_that_declined_count_as_members_that_did_not_show() -> None:
+    """A member that skips the boundary says so, and the round fails at once instead of at its deadline; but it still
+    counts in the group: only more than half of all members go on. (With the members that declined counted out, two
+    disjoint parts of one group could commit the same version at two boundaries -- see below.)"""
     group_id, members = clock_group("run/f0", 0, A, 7, "p1", {"p2": A, "p3": A, "p4": A})
-    pair_id, pair = without_absent(group_id, members, (), {"p3", "p4"})
-    assert pair == ("p1", "p2")  # two of four, the other two declined: the pair goes on
-    # p3 declined, p4 did not show (or its word was lost): two of the three that did not decline, the same group
-    assert (pair_id, pair) == without_absent(group_id, members, {"p4"}, {"p3"})
-    assert without_absent(group_id, members, {"p2", "p3"}, {"p4"}) == ("", ())  # one left: no group
+    assert without_absent(group_id, members, (), {"p3", "p4"}) == ("", ())  # two of four: no group
+    three_id, three = without_absent(group_id, members, (), {"p4"})
+    assert three == ("p1", "p2", "p3")  # three of four go on, whether p4 declined or did not show: the same group
+    assert (three_id, three) == without_absent(group_id, members, {"p4"})
+    # five members: at one boundary p3, p4, p5 decline (their link is busy) and p1, p2 are in; at the next, p1 and
+    # p2's round is still in flight (they do not show or decline) and p3, p4, p5 are in. Were the declines counted
+    # out, both parts would go on with the same version: a fork
+    group_id, members = clock_group("run/f0", 0, A, 7, "p1", {f"p{k}": A for k in range(2, 6)})
+    first = without_absent(group_id, members, (), {"p3", "p4", "p5"})[1]
+    second = without_absent(group_id, members, {"p1", "p2"}, ())[1]
+    assert not (first and second), (first, second)
+    assert second == ("p3", "p4", "p5") and not first
     for absent in ({"p1", "p2"}, {"p3"}, {"p1"}):  # whichever part saw which: two disjoint parts never both go on
         rest = set(members) - absent - {"p4"}
         parts = [without_absent(group_id, members, absent, {"p4"})[1], without_absent(group_id, members, rest, {"p4"})[1]]
         assert not all(parts), parts
-    assert without_absent(group_id, members, (), {"p2", "p3", "p4"}) == ("", ())  # alone
 
 
 def test_the_last_groups_members_count_at_our_rank_until_their_records_catch_up() -> None:
@@ -195,19 +202,19 @@ def test_half_of_a_group_does_not_go_on_without_the_other_half(cfg: Config) -> N
         loops[name].pauses[60] = 2.0
     finish(loops)
     print([(r.fragment, r.version, r.members, r.reason, r.absent) for r in hub.rounds])
-    # two of a group of four in, the other two silent (once they thaw they may skip a boundary and say so, and then
-    # the pair goes on: test_members_whose_round_is_still_in_flight_decline_and_the_others_go_on_at_once)
-    halves = [r for r in hub.rounds if r.absent == 2 and len(r.members) == 2 and not r.declined]
-    assert halves, "no round missed two members (the fault did not fire)"
-    assert all(not r.committed and r.reason == f"{MISSING}: 2 of 4 members showed" for r in halves), halves
+    # two of a group of four in, the other two silent (once they thaw they may skip a boundary and say so: the same
+    # failure, named "(2 declined)", test_members_whose_round_is_still_in_flight_decline_and_the_round_fails_at_once)
+    halves = [r for r in hub.rounds if r.absent == 2 and len(r.members) == 2]
+    assert [r for r in halves if not r.declined], "no round missed two members (the fault did not fire)"
+    assert all(not r.committed and r.reason.startswith(f"{MISSING}: 2 of 4 members showed") for r in halves), halves
     assert_no_fork(hub)
 
 
-def test_members_whose_round_is_still_in_flight_decline_and_the_others_go_on_at_once(cfg: Config) -> None:
+def test_members_whose_round_is_still_in_flight_decline_and_the_round_fails_at_once(cfg: Config) -> None:
     """Two of four members' round ends late (a slow link's tail: still in flight at the fragment's next boundary, 1.6 s
-    on): they skip that boundary and say so, and the two others go on as a pair at once -- two of four, but the two
-    that declined are in no part of the group (before, the round failed: "2 of 4 members showed", after waiting out
-    the scheduled time). The four end on one model."""
+    on): they skip that boundary and say so, and the two others' round fails at once -- "2 of 4 members showed (2
+    declined)" -- instead of after waiting out the scheduled time; two of four never commit (a fork: see
+    test_members_that_declined_count_as_members_that_did_not_show). The four end on one model."""
     hub = Hub(cfg)
     loops = start(hub, cfg, "abcd")
     a = loops["a"]
@@ -222,7 +229,9 @@ def test_members_whose_round_is_still_in_flight_decline_and_the_others_go_on_at_
     assert declined, "nobody declined a boundary (the fault did not fire)"
     pairs = [r for r in declined if set(r.members) == {"a", "b"} and r.declined == 2]
     assert pairs, declined
-    assert all(r.committed and r.complete for r in pairs), pairs  # committed, and at once: nobody waited for them
+    assert all(not r.committed and r.complete and r.reason == f"{MISSING}: 2 of 4 members showed (2 declined)"
+               for r in pairs), pairs  # failed, and at once: nobody waited for them
+    assert_no_fork(hub)
 
 
 def assert_no_fork(hub: Hub) -> None:
