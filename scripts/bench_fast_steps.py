@@ -9,7 +9,8 @@ Per arm, from the learners' events: the realized period (the median time between
 learner) against H x the median step (each learner's training time over its inner steps); the rounds committed
 (every learner lives the whole run, so every discard is a round lost with every member alive) and the commonest
 reasons of the others; a committed round's median time against its all-reduce's and its fastest verdict round trip
-(issue 48 asks for at most 2 x (all-reduce + 2 round trips)); and whether the learners ended with identical anchors.
+(issue 48 asks for at most 2 x (all-reduce + 2 round trips)), and its time from the group's last member's hand-off
+(less the wait for the others to arrive); and whether the learners ended with identical anchors.
 The swarm is ``p2p-diloco swarm`` on ``configs/tiny.toml`` (a model whose step is far shorter than the pacing), no
 data-parallel reference.
 
@@ -83,6 +84,8 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
     periods = [e.period_s for log in logs.values() for e in log if isinstance(e, ClockEvent)]
     duration, allreduce, rtt = (median([getattr(e, k) for e in committed]) for k in ("duration_s", "allreduce_s",
                                                                                        "rtt_s"))
+    # the round once its last member handed off: a member's duration less its wait for the others to arrive
+    after_last = median([e.duration_s - e.waited_s for e in committed if e.waited_s is not None])
     reasons = Counter(_bench.normalise_reason(e.reason, REASON_CHARS) for e in every if not e.committed)
     bound = 2 * (allreduce + 2 * rtt) if allreduce is not None and rtt is not None else None
     return {
@@ -94,6 +97,9 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
         "period_ratio": (median(intervals) or 0) / (sync_every * step_s) if step_s else None,
         "median_round_s": duration, "median_allreduce_s": allreduce, "median_rtt_s": rtt, "round_bound_s": bound,
         "coordination_share": 1 - allreduce / duration if duration and allreduce is not None else None,
+        "median_waited_s": median([e.waited_s for e in committed if e.waited_s is not None]),
+        "median_after_last_s": after_last,
+        "coordination_after_last": 1 - allreduce / after_last if after_last and allreduce is not None else None,
         "anchors_identical": report.get("anchors_identical"),
         "tokens": report.get("tokens"),
     }
@@ -103,10 +109,19 @@ def fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def after_last(arm: dict[str, Any]) -> str:
+    """A committed round's median time from its last member's hand-off, and the coordination share of it."""
+    share = arm.get("coordination_after_last")
+    if arm.get("median_after_last_s") is None:
+        return "-"
+    return f"{fmt(arm['median_after_last_s'])} s ({fmt(None if share is None else 100 * share, '.0f')}%)"
+
+
 def table(payload: dict[str, Any]) -> str:
     rows = ["| matchmaking | H x step | realized period (ratio) | rounds committed | median round | all-reduce | "
-            "fastest verdict RTT | bound 2 x (AR + 2 RTT) | coordination | anchors identical | discards |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "fastest verdict RTT | bound 2 x (AR + 2 RTT) | coordination | after the last hand-off (coordination) | "
+            "anchors identical | discards |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in payload["arms"]:
         reasons = "; ".join(f"{n}x {r}" for r, n in a["discard_reasons"].items()) or "-"
         rows.append(f"| {a['arm']} | {fmt(a['h_x_step_s'])} s | {fmt(a['realized_period_s'])} s "
@@ -115,7 +130,7 @@ def table(payload: dict[str, Any]) -> str:
                     f"{fmt(a['median_round_s'])} s | {fmt(a['median_allreduce_s'], '.3f')} s | "
                     f"{fmt(a['median_rtt_s'], '.3f')} s | {fmt(a['round_bound_s'])} s | "
                     f"{fmt(100 * a['coordination_share'] if a['coordination_share'] is not None else None, '.0f')}% | "
-                    f"{a['anchors_identical']} | {reasons} |")
+                    f"{after_last(a)} | {a['anchors_identical']} | {reasons} |")
     note = (f"\n{payload['peers']} learners, {payload['seconds']:g} s of training an arm, steps paced at "
             f"{STEP_S} s, H = {SYNC_EVERY}; {_bench.code_line(payload['code'])}.")
     return "\n".join(rows) + "\n" + note
@@ -133,9 +148,11 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         left.set_title("sync period")
         left.legend()
         ar = [a["median_allreduce_s"] or 0 for a in arms]
-        rest = [max(0.0, (a["median_round_s"] or 0) - r) for a, r in zip(arms, ar)]
+        after = [max(r, a.get("median_after_last_s") or a["median_round_s"] or 0) for a, r in zip(arms, ar)]
+        wait = [max(0.0, (a["median_round_s"] or 0) - t) for a, t in zip(arms, after)]
         right.bar(list(x), ar, 0.5, label="all-reduce")
-        right.bar(list(x), rest, 0.5, bottom=ar, label="coordination")
+        right.bar(list(x), [t - r for t, r in zip(after, ar)], 0.5, bottom=ar, label="coordination")
+        right.bar(list(x), wait, 0.5, bottom=after, label="waiting for the last member")
         right.set_xticks(list(x), names)
         right.set_ylabel("seconds (median committed round)")
         right.set_title("a round's time")

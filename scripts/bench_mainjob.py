@@ -5,7 +5,9 @@ with groups from the clock (``averaging.matchmaking = "clock"``) and once with h
 one arm after the other on the same machine.
 
 Per arm, from the learners' events and the swarm's report: a committed round's median time against its all-reduce's
-(the coordination share is the rest; issue 48 asks for at most 30%); the rounds committed (every learner lives the
+(the coordination share is the rest; issue 48 asks for at most 30%), and the same from the group's last member's
+hand-off (a member's round less its wait for the others to arrive: learners of different speeds hand off up to a
+step apart, a wait their loops never see); the rounds committed (every learner lives the
 whole run, so every discard is a round lost with every member alive) and the commonest reasons of the others; the
 realized period (the median time between two rounds of a fragment on a learner) against H x the median step; the
 held-out eval loss at the end against data-parallel training at the same tokens (the stored curve the report
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench
-from bench_fast_steps import fmt, measure, plot
+from bench_fast_steps import after_last, fmt, measure, plot
 
 from p2p_diloco.core.config import load_config
 
@@ -64,14 +66,14 @@ def pct(v: float | None, spec: str = ".1f", sign: str = "") -> str:
 
 
 def table(payload: dict[str, Any]) -> str:
-    rows = ["| matchmaking | rounds committed | median round | all-reduce | coordination | realized period | "
-            "H x step | eval vs data-parallel | anchors identical | discards |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| matchmaking | rounds committed | median round | all-reduce | coordination | after the last hand-off "
+            "(coordination) | realized period | H x step | eval vs data-parallel | anchors identical | discards |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in payload["arms"]:
         reasons = "; ".join(f"{n}x {r}" for r, n in a["discard_reasons"].items()) or "-"
         rows.append(f"| {a['arm']} | {a['committed']} of {a['rounds']} ({pct(a['committed_share'])}) | "
                     f"{fmt(a['median_round_s'])} s | {fmt(a['median_allreduce_s'], '.3f')} s | "
-                    f"{pct(a['coordination_share'], '.0f')} | {fmt(a['realized_period_s'])} s | "
+                    f"{pct(a['coordination_share'], '.0f')} | {after_last(a)} | {fmt(a['realized_period_s'])} s | "
                     f"{fmt(a['h_x_step_s'])} s | {pct(a['eval_vs_dp'], '.1f', '+')} | {a['anchors_identical']} | "
                     f"{reasons} |")
     note = (f"\n`p2p-diloco swarm --set averaging.matchmaking=ARM --minutes {payload['minutes']:g}` (otherwise its "

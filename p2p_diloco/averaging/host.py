@@ -134,6 +134,9 @@ class RoundOutcome:
     finished_at: float = float("nan")
     """When the round ended (committed or not), on this process's ``time.monotonic()`` clock."""
     arrival_spread_s: float = float("nan")
+    waited_s: float = float("nan")
+    """Seconds from our hand-off to the group's last member's (their DHT times): the part of ``duration_s`` spent
+    waiting for the others to arrive; NaN: no group formed."""
     window_s: float = 0.0
     allreduce_s: float = float("nan")
     """Seconds the all-reduce itself ran (timed in the averager process); NaN: no group formed."""
@@ -164,7 +167,7 @@ class RoundOutcome:
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
-        for key in ("arrival_spread_s", "allreduce_s", "rtt_s", "group_distance"):
+        for key in ("arrival_spread_s", "waited_s", "allreduce_s", "rtt_s", "group_distance"):
             if not math.isfinite(d[key]):
                 d[key] = None
         d["timeouts"] = self.timeouts.event() if self.timeouts is not None else None
@@ -378,8 +381,10 @@ class FragmentAveragerHost:
         except ValueError as e:
             return failed(f"bad metadata from a member: {e}", group_size=len(peers), peers=peers)
         weights = tuple(m.weight for m in metas)
-        spread = max(m.due for m in metas) - min(m.due for m in metas)
-        extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights, arrival_spread_s=spread,
+        last = max(m.due for m in metas)
+        extra: dict[str, Any] = dict(group_size=len(peers), peers=peers, weights=weights,
+                                     arrival_spread_s=last - min(m.due for m in metas),
+                                     waited_s=max(0.0, last - meta.due),
                                      absent=len(set(plan.members) - set(peers)))
         decision = check_group(meta, metas, self.radial_names, min_group_size=a.min_group_size,
                                weighting=self.cfg.outer.weighting, grid=self.grid)

@@ -131,6 +131,9 @@ class RoundEvent(Event):
     """Seconds from handing the round to the averager to its end."""
     arrival_spread_s: float | None
     """Seconds between the first and the last member joining the group; None: not measured."""
+    waited_s: float | None = None
+    """Seconds from our hand-off to the group's last member's: the part of ``duration_s`` spent waiting for the
+    others to arrive (the rest is the round once all are there); None: not measured."""
     window_s: float
     """The matchmaking window (seconds) the round ran with."""
     allreduce_s: float | None

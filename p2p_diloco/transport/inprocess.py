@@ -324,7 +324,8 @@ class Hub:
                 fragment=group.key[0], version=group.key[1], committed=True, reason="committed", group_size=len(offers),
                 peers=peers, own_share=o.contribution.weight / total, weights=tuple(weights), bytes_sent=moved,
                 bytes_received=moved, duration_s=now - o.arrived, finished_at=now,
-                arrival_spread_s=max(dues) - min(dues), window_s=o.plan.window_s, allreduce_s=now - t0,
+                arrival_spread_s=max(dues) - min(dues),
+                waited_s=max(0.0, max(dues) - o.plan.due), window_s=o.plan.window_s, allreduce_s=now - t0,
                 merged={n: t.clone() for n, t in merged.items()}, absent=absent))
         return outcomes
 

@@ -37,7 +37,7 @@ from p2p_diloco.engine.rounds import _round_event
 ENVELOPE = {"name", "step", "tokens", "time", "loss", "event"}
 ROUND_KEYS = ENVELOPE | {
     "fragment", "version", "committed", "reason", "group_size", "peers", "absent", "own_share", "weights", "bytes_sent",
-    "bytes_received", "duration_s", "arrival_spread_s", "window_s", "allreduce_s", "rtt_s", "timeouts",
+    "bytes_received", "duration_s", "arrival_spread_s", "waited_s", "window_s", "allreduce_s", "rtt_s", "timeouts",
     "version_after", "group_distance", "outcome", "anchor_hash", "tokens_sent", "steps_sent"}
 DOWNLOAD = {"donors_tried", "donor_failures", "duration_s"}
 APPLIED = ENVELOPE | {"fragment", "outcome", "version", "version_after", "anchor_hash_before", "anchor_hash"} | DOWNLOAD
@@ -46,7 +46,7 @@ STAMP = {"name": "peer-a", "step": 120, "tokens": 15360, "time": 1_700_000_000.2
 OUTCOME = RoundOutcome(
     fragment=1, version=4, committed=True, reason="ok", group_size=2, peers=("QmA", "QmB"), own_share=0.25,
     weights=(0.25, 0.75), bytes_sent=1000, bytes_received=1200, duration_s=2.5, finished_at=10.0,
-    arrival_spread_s=0.4, window_s=3.0, allreduce_s=1.25, rtt_s=float("nan"),
+    arrival_spread_s=0.4, waited_s=0.1, window_s=3.0, allreduce_s=1.25, rtt_s=float("nan"),
     timeouts=floor_timeouts(load_config(None).averaging), version_after=5)
 SLOT = SimpleNamespace(version=5, anchor_hash="abc123")
 

@@ -139,6 +139,13 @@ def test_four_engines_in_one_process_with_a_straggler_a_kill_and_a_rejoin(cfg: C
                for e in loop.rounds("committed")), "the rejoined peer never contributed"
     lone = [r for r in hub.rounds if r.reason == NO_GROUP]
     assert all(len(r.members) == 1 for r in lone), lone
+    # a member's wait for the others to arrive is part of its round, never more than the group's arrival spread;
+    # beside the straggler (a tenth of the speed) the others wait for it
+    heard = [e for loop in survivors for e in loop.rounds("committed")]
+    assert all(e.waited_s is not None and e.arrival_spread_s is not None
+               and 0 <= e.waited_s <= min(e.arrival_spread_s, e.duration_s) + 1e-6 for e in heard), heard
+    assert any(e.waited_s > 0 for loop in (a, loops["b"]) for e in loop.rounds("committed")
+               if e.waited_s is not None and loops["slow"].swarm.member.peer_id in e.peers)
 
 
 def test_a_partition_forks_the_swarm_and_the_fork_heals_when_it_ends(cfg: Config) -> None:
