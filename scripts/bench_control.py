@@ -146,8 +146,9 @@ def write_run_files(folder: Path, n: int) -> tuple[Path, Path]:
 
 
 
-def run_size(n: int, window_s: float, settle_s: float, logs: Path) -> dict[str, Any]:
-    """A bootstrap and ``n`` learners: their bytes by purpose over the window, memory, start-up time."""
+def run_size(n: int, window_s: float, settle_s: float, logs: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A bootstrap and ``n`` learners (each with the config ``overrides``, ``KEY=VALUE``): their bytes by purpose over
+    the window, memory, start-up time."""
     if logs.exists():  # a previous run's tallies and events must not mix in
         shutil.rmtree(logs)
     tally = logs / "tally"
@@ -167,6 +168,7 @@ def run_size(n: int, window_s: float, settle_s: float, logs: Path) -> dict[str, 
                 "join", "--initial-peers", peers, "--config", str(config), "--name", name, "--profile", str(profile),
                 "--steps", str(NO_STEP_LIMIT), "--max-time", f"{max_time_s:g}", "--join-timeout", f"{JOIN_TIMEOUT_S:g}",
                 "--linger", f"{LINGER_S:g}", "--events", str(logs / f"{name}.jsonl"),
+                *(a for kv in overrides for a in ("--set", kv)),
             ], tally) for name in names[first:first + START_BATCH]]
             for child in batch:
                 child.wait_for(r"^joined run ", JOIN_DEADLINE_S)
@@ -225,7 +227,7 @@ def run_size(n: int, window_s: float, settle_s: float, logs: Path) -> dict[str, 
 
 
 def bench(sizes: list[int], window_s: float, settle_s: float, out: Path, quick: bool,
-          code_label: str | None = None) -> dict[str, Any]:
+          code_label: str | None = None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every size that fits, smallest first; what was skipped and why."""
     t0 = time.monotonic()
     result: dict[str, Any] = {
@@ -233,7 +235,8 @@ def bench(sizes: list[int], window_s: float, settle_s: float, out: Path, quick: 
         "params": {"sizes_requested": sizes, "window_s": window_s, "settle_s": settle_s, "step_s": STEP_S,
                    "quick": quick, "memory_budget_gib": MEMORY_BUDGET_BYTES / GIB, "memory_margin": MEMORY_MARGIN,
                    "target_bps_per_peer": TARGET_BYTES_PER_S, "target_growth": TARGET_GROWTH,
-                   "config": TINY_CONFIG.format(run_id="control-n<N>"), "profile": PROFILE},
+                   "config": TINY_CONFIG.format(run_id="control-n<N>"), "profile": PROFILE,
+                   "overrides": list(overrides)},
         "runs": [], "skipped": [],
     }
     per_learner: float | None = None
@@ -251,7 +254,7 @@ def bench(sizes: list[int], window_s: float, settle_s: float, out: Path, quick: 
             run_n, note = alternative, f"in place of {n}"
             log.info("N=%d runs %s", run_n, note)
         planned.append(run_n)
-        row = run_size(run_n, window_s, settle_s, out / "logs" / f"n{run_n}")
+        row = run_size(run_n, window_s, settle_s, out / "logs" / f"n{run_n}", overrides)
         row["note"] = note
         row["code_changed"] = _bench.sources_digest() != result["code"]["sources_sha256"]  # edited while it ran: mixed code
         result["runs"].append(row)
@@ -275,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-s", type=float, help=f"seconds of counting per size (default: {DEFAULT_WINDOW_S:g})")
     p.add_argument("--code-label", help="names the code the learners run, on the page (default: none; the git commit "
                                         "and changed files, when there is a checkout, are recorded anyway)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every learner, e.g. averaging.matchmaking=clock (repeatable; named on "
+                        "the page)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if _bench.rerender(args, BENCH, markdown, plot):
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _swarm.raise_on_sigterm()
     try:
-        bench(sizes, window_s, settle_s, out, args.quick, args.code_label)
+        bench(sizes, window_s, settle_s, out, args.quick, args.code_label, tuple(args.overrides))
     except (RuntimeError, ValueError) as e:  # a learner that died, a deadline missed: everything is stopped already
         print(f"bench_control: {e}", file=sys.stderr)
         return 1

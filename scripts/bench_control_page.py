@@ -76,7 +76,8 @@ def markdown(result: dict[str, Any]) -> str:
     p, runs = result["params"], result["runs"]
     lines = [f"{'Quick run (checks the pipeline, not the numbers): ' if p['quick'] else ''}"
              f"Steps padded to {p['step_s']:g} s, {p['settle_s']:g} s settle, then a {p['window_s']:g} s window; "
-             f"whole benchmark {result.get('wall_s', 0) / 60:.1f} min. Code: {_bench.code_line(result['code'])}.", "",
+             f"whole benchmark {result.get('wall_s', 0) / 60:.1f} min. Code: {_bench.code_line(result['code'])}."
+             + "".join(f" `--set {kv}`." for kv in p.get("overrides", ())), "",
              "| N | control B/s per peer | top 3 purposes, B/s per peer | payload B/s per peer | busiest learner, "
              "control B/s | rounds in window: committed / discarded (median group) | s per step | CPU cores: swarm / "
              "whole machine | PSS per learner | start-up (all training) | wall |",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
@@ -166,10 +167,18 @@ class StateDownloads:
                 tensors.append(decode(parts))
                 parts = []
             parts.append(message.tensor_part)
-        if parts:
-            tensors.append(decode(parts))
         if metadata is None:
             raise PeerDataError(Reason.MALFORMED, "the donor sent no state")
+        if parts:  # the stream ended: a last tensor shorter than its shape is a cut transfer, not bad data
+            got = sum(len(part.buffer) for part in parts)
+            want = 4 * math.prod(expected[len(tensors)]) if len(tensors) < len(expected) else 0
+            if 0 < got < want and parts[0].dtype == "float32":
+                raise PeerDataError(Reason.TRUNCATED, f"the donor's stream ended inside tensor {len(tensors) + 1} of "
+                                                      f"{len(expected)} ({got} of its {want} bytes)")
+            tensors.append(decode(parts))
+        if len(tensors) < len(expected):
+            raise PeerDataError(Reason.TRUNCATED, f"the donor's stream ended after {len(tensors)} of {len(expected)} "
+                                                  "tensors")
         return metadata, tensors
 
     def _donor_parts(self, stream: AsyncIterator[Any], silence_s: float) -> AsyncIterator[Any]:

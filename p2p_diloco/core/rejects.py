@@ -28,6 +28,9 @@ class Reason(str, Enum):
     """Content that does not match the hash the peer announced for it."""
     UNVOUCHED = "unvouched"
     """A downloaded anchor that no peer other than its donor has signed for (see ``averaging.decisions.vouchers``)."""
+    TRUNCATED = "truncated"
+    """A stream that ended inside what it declared (its sender died, closed or was cut off mid-transfer): a failed
+    transfer, the same as a peer gone silent, not bad data."""
     MALFORMED = "malformed"
     """Anything else: wrong types, missing or unknown keys, undecodable bytes."""
 

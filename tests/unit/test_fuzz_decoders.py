@@ -637,6 +637,12 @@ def test_a_state_download_stream_round_trips_and_lies_are_refused() -> None:
     with pytest.raises(PeerDataError) as info:
         _download(_donor_stream(), cap=200)
     assert info.value.reason == Reason.OVERSIZE
+    whole = _donor_stream()
+    first_tensor = next(i for i, m in enumerate(whole) if i and m.tensor_part.dtype)  # where the second tensor starts
+    for cut, says in ((1, "ended inside tensor 1 of"), (first_tensor, "ended after 1 of")):  # a donor cut off
+        with pytest.raises(PeerDataError) as info:
+            _download(whole[:cut])
+        assert info.value.reason == Reason.TRUNCATED and says in str(info.value), info.value
     lying = _donor_stream()
     lying[0].tensor_part.ClearField("size")
     lying[0].tensor_part.size.extend([10**6, 10**6])  # declares 4 TB; sends 48 bytes
