@@ -200,6 +200,11 @@ class AveragingConfig:
     record_ttl_s: float = _f(30.0, "Lifetime of the learner's peer record; republished every ttl/3.")
 
 
+    @property
+    def clock_groups(self) -> bool:
+        """Do rounds meet in groups from the clock (``matchmaking = 'clock'``)?"""
+        return self.matchmaking == "clock"
+
 @dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)

@@ -89,13 +89,16 @@ def model_identity(m: ModelConfig) -> dict[str, Any]:
 
 def averaging_identity(cfg: Config) -> dict[str, Any] | None:
     """What the averaging section contributes to the config hash: every key, but ``groups`` and ``matchmaking`` only when
-    they are not the defaults 'heal' and 'dht', so that the hashes of runs from before ``groups`` existed stay valid. None for a config whose
-    section was set to None on purpose (the hash of what a simulation reads: ``scripts/bench_parity_demo.py``)."""
+    they are not the defaults 'heal' and 'dht', so that the hashes of runs from before either existed stay valid. None
+    for a config whose section was set to None on purpose (the hash of what a simulation reads:
+    ``scripts/bench_parity_demo.py``)."""
     if cfg.averaging is None:
         return None
     d = dataclasses.asdict(cfg.averaging)
     if d["groups"] == "heal":
         del d["groups"]
-    if d["matchmaking"] == "dht":  # likewise: hashes from before groups from the clock stay valid
+    if cfg.averaging.clock_groups:
+        d["matchmaking"] = "clock"
+    else:  # likewise: hashes from before groups from the clock stay valid
         del d["matchmaking"]
     return d

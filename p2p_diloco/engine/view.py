@@ -355,7 +355,7 @@ class SwarmView:
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         links = [me.rounds.sync_link_s(), *(r.sync_link_s for r in training)]
-        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s, a.matchmaking),
+        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s, a.clock_groups),
                                sync_link_s=links)
         now, wall = me.dht_time(), time.monotonic()
         clock = self.clock

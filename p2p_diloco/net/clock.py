@@ -167,8 +167,8 @@ def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: f
     return SyncClock(period_s, max(0.0, first - period_s), current.epoch + 1).after(current, now_s)
 
 
-def min_period_s(window_max_s: float, commit_timeout_s: float, matchmaking: str = "dht") -> float:
-    """The shortest derived period. With groups from the clock (``matchmaking = "clock"``) none: a round costs its
+def min_period_s(window_max_s: float, commit_timeout_s: float, clock_groups: bool = False) -> float:
+    """The shortest derived period. With groups from the clock (``clock_groups``) none: a round costs its
     bytes and two round trips (the offers, the verdicts), so the period is the work's -- H x the median step, or the
     link's time for one sync (:func:`derive_period`) -- and a round that does not fit skips a boundary. With
     matchmaking: one round's matching (at most ``averaging.window_max_s``) and verdicts (at
@@ -176,7 +176,7 @@ def min_period_s(window_max_s: float, commit_timeout_s: float, matchmaking: str 
     at 0.46 s a step then synced every 43 steps instead of H = 28 and ended 2.9% behind the simulator at the
     same steps (``results/learners``). A round that does not fit anyway (a slow all-reduce) is skipped, not
     broken: the fragment's progress waits for the next boundary."""
-    return 0.0 if matchmaking == "clock" else window_max_s + commit_timeout_s
+    return 0.0 if clock_groups else window_max_s + commit_timeout_s
 
 
 def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float,

@@ -74,7 +74,7 @@ def clock_boundary_ms(fragment: int, context: RoundContext, cfg: Config) -> int:
     round, named so that a retuned clock's rounds never share a name with the old one's; -1 under matchmaking or
     before the clock is known (matchmaking finds the group)."""
     clock = context.clock
-    if cfg.averaging.matchmaking != "clock" or clock is None:
+    if not cfg.averaging.clock_groups or clock is None:
         return -1
     return round(clock.boundary(context.due, fragment, context.fragments) * 1000)
 
@@ -86,7 +86,7 @@ def planned_group(ours: Rank, fragment: int, context: RoundContext, cfg: Config,
     our last committed round counted at our rank: :func:`with_last_group`); ``("", ())`` under matchmaking or before
     the clock is known."""
     clock = context.clock
-    if cfg.averaging.matchmaking != "clock" or clock is None:
+    if not cfg.averaging.clock_groups or clock is None:
         return "", ()
     context = with_last_group(context, ours, last_group)
     return clock_group(prefix, fragment, ours, clock.round_index(context.due, fragment, context.fragments),
@@ -103,7 +103,7 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     a, c, now = cfg.averaging, contribution, context.due
     ours = (c.version, c.anchor_hash)
     group_id, members = planned_group(ours, c.fragment, context, cfg, prefix, last_group)
-    if a.matchmaking == "clock":  # under matchmaking, the quorum counts what the records show (as it always did)
+    if a.clock_groups:  # under matchmaking, the quorum counts what the records show (as it always did)
         context = with_last_group(context, ours, last_group)
     clock = context.clock
     boundary = clock.boundary(now, c.fragment, context.fragments) if clock is not None else None

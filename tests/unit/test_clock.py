@@ -56,7 +56,7 @@ def test_the_period_floor_is_one_rounds_matching_and_verdicts() -> None:
     assert derive_period([], 10, 1.0) is None and derive_period([0.0, math.nan], 10, 1.0) is None
     # groups from the clock: no floor from the window; fast steps sync at H (0.1 s steps, H = 20: every 2 s), and a
     # slow link stretches the period to fit one sync (LINK_PERIOD_SAFETY x its link time), nothing else
-    clock_floor = min_period_s(a.window_max_s, a.commit_timeout_s, "clock")
+    clock_floor = min_period_s(a.window_max_s, a.commit_timeout_s, clock_groups=True)
     assert clock_floor == 0.0
     assert derive_period([0.1] * 4, sync_every=20, min_period_s=clock_floor) == pytest.approx(2.0)
     assert derive_period([0.1] * 4, sync_every=20, min_period_s=clock_floor, sync_link_s=[10.0]) > 10.0
