@@ -100,6 +100,8 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
         "median_waited_s": median([e.waited_s for e in committed if e.waited_s is not None]),
         "median_after_last_s": after_last,
         "coordination_after_last": 1 - allreduce / after_last if after_last and allreduce is not None else None,
+        "median_setup_s": median([e.setup_s for e in committed if e.setup_s is not None]),
+        "median_verdicts_s": median([e.verdicts_s for e in committed if e.verdicts_s is not None]),
         "anchors_identical": report.get("anchors_identical"),
         "tokens": report.get("tokens"),
     }
@@ -115,6 +117,22 @@ def after_last(arm: dict[str, Any]) -> str:
     if arm.get("median_after_last_s") is None:
         return "-"
     return f"{fmt(arm['median_after_last_s'])} s ({fmt(None if share is None else 100 * share, '.0f')}%)"
+
+
+def breakdown(payloads: list[dict[str, Any]]) -> str:
+    """A line per arm that measured them: a committed round from its last hand-off, by part (medians)."""
+    lines = []
+    for a in payloads:
+        if a.get("median_setup_s") is None or a.get("median_after_last_s") is None:
+            continue
+        known = a["median_setup_s"] + (a["median_allreduce_s"] or 0) + (a.get("median_verdicts_s") or 0)
+        lines.append(f"- {a['arm']}: of {fmt(a['median_after_last_s'], '.3f')} s from the last hand-off, setup "
+                     f"{fmt(a['median_setup_s'], '.3f')} s (timeouts, group, tensors into the averager), all-reduce "
+                     f"{fmt(a['median_allreduce_s'], '.3f')} s, verdicts {fmt(a.get('median_verdicts_s'), '.3f')} s, "
+                     f"the rest {fmt(max(0.0, a['median_after_last_s'] - known), '.3f')} s (offers or matchmaking, "
+                     "the averager's hops, checks and the merge)")
+    return ("\n\nA committed round's parts (medians of each, so they need not add up):\n\n" + "\n".join(lines)
+            if lines else "")
 
 
 def table(payload: dict[str, Any]) -> str:
@@ -133,7 +151,7 @@ def table(payload: dict[str, Any]) -> str:
                     f"{after_last(a)} | {a['anchors_identical']} | {reasons} |")
     note = (f"\n{payload['peers']} learners, {payload['seconds']:g} s of training an arm, steps paced at "
             f"{STEP_S} s, H = {SYNC_EVERY}; {_bench.code_line(payload['code'])}.")
-    return "\n".join(rows) + "\n" + note
+    return "\n".join(rows) + "\n" + note + breakdown(payload["arms"])
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench
-from bench_fast_steps import after_last, fmt, measure, plot
+from bench_fast_steps import after_last, breakdown, fmt, measure, plot
 
 from p2p_diloco.core.config import load_config
 
@@ -78,7 +78,7 @@ def table(payload: dict[str, Any]) -> str:
                     f"{reasons} |")
     note = (f"\n`p2p-diloco swarm --set averaging.matchmaking=ARM --minutes {payload['minutes']:g}` (otherwise its "
             f"defaults), {payload['arms'][0]['learners']} learners; {_bench.code_line(payload['code'])}.")
-    return "\n".join(rows) + "\n" + note
+    return "\n".join(rows) + "\n" + note + breakdown(payload["arms"])
 
 
 def main(argv: list[str] | None = None) -> int:

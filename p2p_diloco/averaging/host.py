@@ -138,6 +138,10 @@ class RoundOutcome:
     """Seconds from our hand-off to the group's last member's (their DHT times): the part of ``duration_s`` spent
     waiting for the others to arrive; NaN: no group formed."""
     window_s: float = 0.0
+    setup_s: float = float("nan")
+    """Seconds from the round's start to its step in the averager (timeouts and group set, tensors copied in)."""
+    verdicts_s: float = float("nan")
+    """Seconds the members' verdicts took to agree, after the all-reduce; NaN: none exchanged."""
     allreduce_s: float = float("nan")
     """Seconds the all-reduce itself ran (timed in the averager process); NaN: no group formed."""
     rtt_s: float = float("nan")
@@ -167,7 +171,7 @@ class RoundOutcome:
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
-        for key in ("arrival_spread_s", "waited_s", "allreduce_s", "rtt_s", "group_distance"):
+        for key in ("arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "allreduce_s", "rtt_s", "group_distance"):
             if not math.isfinite(d[key]):
                 d[key] = None
         d["timeouts"] = self.timeouts.event() if self.timeouts is not None else None
@@ -351,6 +355,7 @@ class FragmentAveragerHost:
         # a lone peer gives up after two windows past the scheduled start (plus a slow link's join round trips)
         matchmaking_timeout_s = (max(0.0, plan.scheduled_time - get_dht_time()) + 2 * plan.window_s
                                  + limits.matchmaking_slack_s)
+        base["setup_s"] = time.monotonic() - t0
         control = self.averager.step(gather=meta.to_wire(), weight=meta.weight, scheduled_time=plan.scheduled_time,
                                      timeout=matchmaking_timeout_s, allow_retries=False, wait=False)
         give_up_at = time.monotonic() + matchmaking_timeout_s + limits.allreduce_timeout_s + limits.request_timeout_s
@@ -399,12 +404,13 @@ class FragmentAveragerHost:
                 decision = Decision(False, "averaged tensors are not finite")
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         own = "ok" if decision.ok else decision.reason
+        agreeing = time.monotonic()
         try:  # a group from the clock: the verdicts go to its members directly; else through the DHT
             verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own) if plan.members else
                                          agree_in_dht(self, commit_key(self.prefix, dict(zip(peers, metas))), peers, own))
         except Leaving:  # our verdict, if posted, stays: members that read every "ok" commit without us
             return failed(LEAVING, **extra)
-        extra["rtt_s"] = rtt_s
+        extra.update(rtt_s=rtt_s, verdicts_s=time.monotonic() - agreeing)
         if not decision.ok:
             return failed(decision.reason, **extra)
         keep = withdrawn and not self.grid  # grid rounds mix anchors: nothing to adopt later

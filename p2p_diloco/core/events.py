@@ -136,6 +136,11 @@ class RoundEvent(Event):
     others to arrive (the rest is the round once all are there); None: not measured."""
     window_s: float
     """The matchmaking window (seconds) the round ran with."""
+    setup_s: float | None = None
+    """Seconds from the round's start to its step in the averager (timeouts and group set, tensors copied in); None:
+    not measured."""
+    verdicts_s: float | None = None
+    """Seconds the members' verdicts took to agree after the all-reduce; None: none exchanged or not measured."""
     allreduce_s: float | None
     """Seconds the all-reduce itself ran; None: no group formed."""
     rtt_s: float | None

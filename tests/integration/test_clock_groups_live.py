@@ -84,6 +84,9 @@ def test_groups_from_the_clock_commit_over_hivemind_and_go_on_without_a_killed_m
         assert {e["fragment"] for e in three} == {0, 1}, three
         # each member's wait for the group's last hand-off is part of its round, at most the arrival spread
         assert all(0 <= e["waited_s"] <= min(e["arrival_spread_s"], e["duration_s"]) + 1e-3 for e in three), three
+        # ... and its parts are timed: the setup before the step, the verdicts after the all-reduce
+        assert all(0 <= e["setup_s"] and 0 <= e["verdicts_s"] and e["setup_s"] + e["allreduce_s"] + e["verdicts_s"]
+                   <= e["duration_s"] + 1e-3 for e in three), three
         after = [e for e in rounds if e["time"] > killed_at]
         # the rounds that named the member that did not show went on without it
         without = [e for e in after if e["outcome"] == "committed" and e["absent"] == 1 and e["group_size"] == 2]

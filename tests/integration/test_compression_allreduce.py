@@ -37,6 +37,7 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException
 
 from p2p_diloco.core.codecs import allreduce_error_bound
 from p2p_diloco.hivemind_ext.compression import get_codec, simulate_allreduce, simulate_allreduce_per_peer
@@ -185,6 +186,18 @@ def _inputs() -> list[torch.Tensor]:
 
 
 def _run_round(swarm: Swarm, codec: str, weights: tuple[float, ...] = WEIGHTS) -> Round:
+    """One round of fresh averagers; once more, under a new prefix, if hivemind's matchmaking found no group (what is
+    measured here is the codec's error and bytes, not matchmaking: under the suite's load on 2 cores the three peers
+    missed each other within the matchmaking time once)."""
+    try:
+        return _run_round_once(swarm, codec, weights, "")
+    except AllreduceException as e:
+        if "could not find a group" not in str(e):
+            raise
+        return _run_round_once(swarm, codec, weights, "_again")
+
+
+def _run_round_once(swarm: Swarm, codec: str, weights: tuple[float, ...], attempt: str) -> Round:
     inputs = _inputs()
     averagers: list[DecentralizedAverager] = []
     try:
@@ -193,7 +206,7 @@ def _run_round(swarm: Swarm, codec: str, weights: tuple[float, ...] = WEIGHTS) -
                 DecentralizedAverager(
                     [tensor.clone()],
                     dht=dht,
-                    prefix=f"codec_{codec}_{'_'.join(map(str, weights)).replace('.', 'p')}",
+                    prefix=f"codec_{codec}_{'_'.join(map(str, weights)).replace('.', 'p')}{attempt}",
                     compression=get_codec(codec),
                     start=True,
                     **AVERAGER_KWARGS,
