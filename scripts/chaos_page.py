@@ -55,7 +55,8 @@ def markdown(payload: dict[str, Any]) -> str:
     kills, stops = sum(s["kind"] == "kill" for s in sched), sum(s["kind"] == "stop" for s in sched)
     good, stall, v = a["goodput"], a["stall"], a["verdicts"]
     lines = [
-        f"Chaos against a local swarm ({Path(payload['config']).name}, {len(a['learners'])} learners, "
+        f"Chaos against a local swarm ({Path(payload['config']).name}"
+        + "".join(f" `--set {kv}`" for kv in payload.get("overrides") or ()) + f", {len(a['learners'])} learners, "
         f"{payload['duration_s']:.0f} s of training, seed {payload['seed']}, {kills} kill -9 + restart and {stops} "
         f"SIGSTOP/SIGCONT, {'quick' if payload['quick'] else 'full'} run, "
         + (f"checkpoints every {payload['checkpoint_every_s']:g} s and restarts resume from them):"

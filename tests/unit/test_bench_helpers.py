@@ -126,7 +126,7 @@ def test_no_committed_result_holds_an_absolute_path() -> None:
 
 PAGES = [
     ("chaos.py", "chaos"), ("chaos.py", "chaos-run-a"), ("chaos.py", "chaos-run-c"), ("chaos.py", "chaos-run-f"),
-    ("chaos.py", "chaos-run-g"), ("bench_control.py", "control"), ("bench_goodput.py", "goodput"), ("bench_hetero.py", "hetero"),
+    ("chaos.py", "chaos-run-g"), ("chaos.py", "chaos-clock"), ("bench_control.py", "control"), ("bench_goodput.py", "goodput"), ("bench_hetero.py", "hetero"),
     ("bench_learners.py", "learners"), ("bench_learners.py", "learners-steps"), ("bench_overhead.py", "overhead"),
     ("bench_parity.py", "parity"), ("bench_parity_demo.py", "parity-demo"),
     ("bench_parity_demo.py", "parity-llama-3m"), ("bench_poison.py", "poison"),
