@@ -188,6 +188,7 @@ def table(payload: dict[str, Any]) -> str:
             top = "; ".join(f"{n} × {k}" for k, n in list(r["discard_reasons"].items())[:3])
             notes.append(f"- {r['case']} discarded: {top}")
     code = _bench.code_line(payload["code"]) if payload.get("code") else ""
+    code += "".join(f" `--set {kv}`" for kv in payload.get("params", {}).get("overrides") or ())
     return "\n".join([*lines, "", *notes, "", code]).strip() + "\n"
 
 
