@@ -7,8 +7,8 @@ A member whose offer is not in by the group's ``show_by`` (plus a request's roun
 showed, if more than half of the group, meet again as the group without it (:func:`~p2p_diloco.core.groups.
 without_absent`: its own id, one more exchange of offers) and go on; else, or when they saw different members absent,
 the round fails for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves. A member
-that skips the boundary says so (:meth:`FixedGroupMeeting.decline`): the others hear it at once and count it in
-neither part.
+that skips the boundary says so (:meth:`FixedGroupMeeting.decline`): the others hear it at once instead of at the
+deadline, and count it as a member that did not show.
 
 A mixin of :class:`~p2p_diloco.averaging.process.FragmentAveragerProcess`: hivemind's averager steps through
 ``self._matchmaking.look_for_group``, which :meth:`FixedGroupMeeting.set_next_group` wraps once (in the averager
@@ -54,8 +54,8 @@ MAX_OFFER_BYTES = 1 << 20
 
 
 class Declined(MatchmakingException):
-    """A member said it will not meet the group (it skips the boundary): it is missing, and counts as neither half
-    when the others decide whether to go on without it (:func:`~p2p_diloco.core.groups.without_absent`)."""
+    """A member said it will not meet the group (it skips the boundary): it is missing, and counts as a member that
+    did not show when the others decide whether to go on without it (:func:`~p2p_diloco.core.groups.without_absent`)."""
 
 
 @dataclass(frozen=True)

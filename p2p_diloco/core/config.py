@@ -199,11 +199,11 @@ class AveragingConfig:
                               "by one learner and published in the DHT.")
     record_ttl_s: float = _f(30.0, "Lifetime of the learner's peer record; republished every ttl/3.")
 
-
     @property
     def clock_groups(self) -> bool:
         """Do rounds meet in groups from the clock (``matchmaking = 'clock'``)?"""
         return self.matchmaking == "clock"
+
 
 @dataclass(frozen=True)
 class Config:

@@ -61,8 +61,9 @@ DRAIN_SLICE_S = 0.2
 SHOW_STEPS = 2.0
 """Groups from the clock: a member's offer is awaited at least this many of the slowest live learner's steps past the
 boundary (it hands off at its first step end past it). The window from the arrival spreads alone (1 s at least) was
-shorter than one step of a half-speed learner under load: the main job lost 2 of 104 rounds of its 4 learners as "2 of 4 members
-showed". Waiting longer costs only when a member is really missing (one that skips the boundary says so)."""
+shorter than one step of a half-speed learner under load: the main job lost 2 of 104 rounds of its 4 learners as "2
+of 4 members showed". Waiting longer costs only when a member is really missing (one that skips the boundary says
+so)."""
 
 Event = Callable[[events.Event], None]
 """Logs an event: the learner fills its envelope (``Learner._event``)."""

@@ -22,7 +22,7 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
   the clock's round and the ranks its view holds (:func:`~p2p_diloco.core.groups.clock_group`); the hub groups the
   contributions by that id -- as hivemind's runner refuses streams of another group id -- and starts the all-reduce
   as soon as every member named is in or declined (:meth:`Hub.decline`: it skips the boundary); by the scheduled
-  time it goes on without the members named that are not in, if more than half of those that did not decline are
+  time it goes on without the members named that are not in (declined or not), if more than half of all named are in
   (:func:`~p2p_diloco.core.groups.without_absent`), else fails the round for all alike (``incomplete group``).
 
 Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side

@@ -122,7 +122,7 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     group_size = expected_group_size(len(context.peer_ranks), a)
     timeouts = round_timeouts(allreduce_bytes(payload, group_size), context.link, a, window_s)
     doomed = None if grid else doomed_check(ours, context.live_ranks)
-    # a group from the clock has its own rule, which counts members that declined out (core.groups.without_absent)
+    # a group from the clock has its own rule: more than half of the members it names (core.groups.without_absent)
     at_rank = 0 if grid or members else peers_at_rank(ours, context.peer_ranks)
     return RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits, at_rank=at_rank,
                      group_id=group_id, members=members, boundary_ms=clock_boundary_ms(c.fragment, context, cfg))
