@@ -117,6 +117,12 @@ class FragmentAveragerProcess(StateDownloads, FixedGroupMeeting, DecentralizedAv
             problem = runner.completeness_problem()
             if problem is not None:
                 raise AllreduceException(problem)
+        except asyncio.CancelledError:
+            # hivemind's step cancels us at its all-reduce timeout, and its _aggregate_with_group turns the
+            # cancellation into "Unable to run All-Reduce: " (no reason): say which reducers we still waited on
+            problem = runner.cut_short(self._allreduce_timeout)
+            await self._post_veto(group_info, f"AllreduceException: {problem}")
+            raise AllreduceException(problem) from None
         except BaseException as e:
             # our step() will raise and the host will not know the group: post the veto from here, so
             # the members whose all-reduce looked fine stop waiting for our verdict at once

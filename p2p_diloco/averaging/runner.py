@@ -375,6 +375,22 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
+    def cut_short(self, timeout_s: float) -> str:
+        """Why an all-reduce cancelled at its ``timeout_s`` (hivemind's ``allreduce_timeout``) failed: the reducers
+        whose averages had not all come back -- a member killed while it reduced, when our link to it has not yet
+        broken. Also retrieves the exception hivemind's runner set on its own future when the cancellation went
+        through it, which nobody else awaits (asyncio logged "Future exception was never retrieved")."""
+        if self._future.done() and not self._future.cancelled():
+            self._future.exception()
+        container = self.tensor_part_container
+        waiting = [i for i, parts in enumerate(container.num_parts_by_peer)
+                   if container._outputs_registered_by_peer[i] < parts]
+        problem = (f"partial all-reduce: not over within its timeout of {timeout_s:.1f} s, averages missing from "
+                   f"{len(waiting)} of {len(container.num_parts_by_peer)} reducers")
+        if self.reducer_failures:
+            problem += f" [{'; '.join(self.reducer_failures)}]"
+        return problem
+
     def completeness_problem(self) -> str | None:
         reducer = self.tensor_part_reducer
         expected = reducer.num_parts * reducer.num_senders

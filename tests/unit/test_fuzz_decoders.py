@@ -486,6 +486,27 @@ def test_the_reducer_survives_any_part(case: tuple[str, runtime_pb2.Tensor], ind
         assert answered == runner.tensor_part_reducer.num_parts
 
 
+def test_an_allreduce_cut_at_its_timeout_names_the_reducers_it_waited_on() -> None:
+    """hivemind cancels an all-reduce at its timeout, and its runner sets the cancellation on a future nobody awaits
+    ("Future exception was never retrieved" on stderr); the reason then said nothing ("Unable to run All-Reduce: ").
+    Cut with our reducer's averages in and the other's missing: that reducer is named, the future's error read."""
+    async def cut() -> tuple[str, ExactAllReduceRunner]:
+        counters = (mp.Value(ctypes.c_longlong, 0), mp.Value(ctypes.c_longlong, 0))
+        runner = ExactAllReduceRunner(
+            p2p=_FakeP2P(OURS), servicer_type=ExactAllReduceRunner, prefix=None, group_id=b"g",
+            tensors=[torch.zeros(3000)], weight=1.0, ordered_peer_ids=[OURS, THEIRS], peer_fractions=(0.5, 0.5),
+            counters=counters, part_size_bytes=1024)
+        container = runner.tensor_part_container
+        for i in range(container.num_parts_by_peer[0]):  # our own reducer answered every part
+            container.register_processed_part(0, i, torch.zeros(1))
+        runner.finalize(exception=asyncio.CancelledError())  # what its run() does when the cancellation comes
+        return runner.cut_short(12.0), runner
+
+    problem, runner = asyncio.run(cut())
+    assert problem == "partial all-reduce: not over within its timeout of 12.0 s, averages missing from 1 of 2 reducers"
+    assert not runner._future._log_traceback  # type: ignore[attr-defined]  # read: asyncio will not log it
+
+
 # ---------------------------------------------------------------- state downloads
 
 NAMES = ("a", "b")
