@@ -1,14 +1,14 @@
 """Groups from the clock over hivemind: a round's group is known before it starts
 (:func:`~p2p_diloco.core.groups.clock_group`), so there is no matchmaking. Each member posts its offer -- what
-hivemind's matchmaking would have gathered from it: its bandwidth, mode and round metadata -- and fetches every other
-member's over their own connections (:meth:`FixedGroupMeeting.rpc_group_offer`, one request per member, answered once
-that member meets the same group); the all-reduce then runs on exactly that ``GroupInfo``, the same on every member.
-A member whose offer is not in by the group's ``show_by`` (plus a request's round trip) is left out: the members that
-showed, if more than half of the group, meet again as the group without it (:func:`~p2p_diloco.core.groups.
-without_absent`: its own id, one more exchange of offers) and go on; else, or when they saw different members absent,
-the round fails for all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves. A member
-that skips the boundary says so (:meth:`FixedGroupMeeting.decline`): the others hear it at once instead of at the
-deadline, and count it as a member that did not show.
+hivemind's matchmaking would have gathered from it: its bandwidth, mode and round metadata -- and the group's leader
+fetches every member's over their own connections (:meth:`FixedGroupMeeting.rpc_group_offer`, answered once that
+member meets the same group) and decides who is in (:mod:`~p2p_diloco.averaging.group_leader`); the all-reduce then
+runs on exactly that ``GroupInfo``, the same on every member. A member whose offer is not in by the group's
+``show_by`` (plus a request's round trip) is left out: the members that showed, if more than half of the group, go
+on as the group without it (:func:`~p2p_diloco.core.groups.without_absent`: its own id); else the round fails for
+all alike (:data:`~p2p_diloco.averaging.decisions.MISSING`), before any tensor moves. A member that skips the
+boundary says so (:meth:`FixedGroupMeeting.decline`): the leader hears it at once instead of at the deadline, and
+counts it as a member that did not show.
 
 A mixin of :class:`~p2p_diloco.averaging.process.FragmentAveragerProcess`: hivemind's averager steps through
 ``self._matchmaking.look_for_group``, which :meth:`FixedGroupMeeting.set_next_group` wraps once (in the averager
@@ -32,7 +32,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from p2p_diloco.averaging.decisions import missing_reason, vetoed
+from p2p_diloco.averaging.decisions import MISSING, vetoed
 from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
@@ -85,9 +85,8 @@ class FixedGroup:
 
     def without(self, absent: Collection[str], declined: Collection[str] = ()) -> FixedGroup | None:
         """The group that goes on without ``absent`` and ``declined`` members (:func:`~p2p_diloco.core.groups.
-        without_absent`): its offers are
-        due one request's round trip after ours were (by then every member knows who did not show); None when the
-        round must fail instead."""
+        without_absent`), as the leader decides it and every member checks it; None when the round must fail
+        instead."""
         group_id, showed = without_absent(self.group_id.hex(), self.peer_ids, absent, declined)
         if not showed:
             return None
@@ -108,6 +107,7 @@ class FixedGroupMeeting:
     fragment: int | None
     get_stub: Callable[..., Any]
     _refuse: Callable[..., Any]
+    _decision: Callable[[FixedGroup], Any]  # GroupLeading's: the leader's decision on a group we posted our offer to
 
     def init_fixed_groups(self) -> None:
         """(host, before the averager process starts) Empty state."""
@@ -196,36 +196,36 @@ class FixedGroupMeeting:
         return self._offer_waits[group_id][0]
 
     async def _meet(self, group: FixedGroup, step: StepControl) -> GroupInfo:
-        """Post our offer to ``group`` and fetch every other member's (each within ``show_by`` plus a round trip):
-        the group's :class:`GroupInfo`, the same on every member. Members missing: the group without them, if more
-        than half showed (:meth:`FixedGroup.without`, met the same way); else the round fails (raised)."""
+        """Post our offer to ``group`` and wait for its leader's decision (:mod:`~p2p_diloco.averaging.group_leader`):
+        the group's :class:`GroupInfo`, the same on every member -- the whole group, or the members that showed if
+        more than half of it did (:meth:`FixedGroup.without`); else the round fails (raised)."""
         own = self.peer_id.to_base58()
         if own not in group.peer_ids:
             raise MatchmakingException(f"we are not a member of group {group.group_id.hex()}")
         if group.boundary_ms in self._declined:
             raise MatchmakingException(f"we declined the round at {group.boundary_ms} ms: its groups go on without us")
-        offers, declined = await self._exchange_offers(group, step.data_for_gather)
-        if len(offers) < len(group.peer_ids):
-            # the members that did get every offer start their all-reduce, and its streams to us wait for us to
-            # register a group (hivemind's race guard): we never will, so release them now (BAD_GROUP_ID) and their
-            # round fails at once instead of at its sender timeout
+        offer = step.data_for_gather
+        self._post_offer(group, offer)
+        decision = await self._decision(group)
+        if decision.group is None or decision.group.group_id != group.group_id:
+            # a stream of a member that runs another group waits for us to register one (hivemind's race guard):
+            # we never register that one, so release it now (BAD_GROUP_ID) instead of at its sender timeout
             self._pending_groups_registered.set()
-            rest = group.without(set(group.peer_ids) - set(offers) - declined, declined)
-            if rest is None:  # (the streams waiting on us were released above)
-                raise MatchmakingException(missing_reason(len(offers), len(group.peer_ids), len(declined)))
-            logger.debug("fragment %s: group %s goes on as %s without %d member(s), %d of them declined",
-                         self.fragment, group.group_id.hex(), rest.group_id.hex(),
-                         len(group.peer_ids) - len(rest.peer_ids), len(declined))
-            group, (offers, _) = rest, await self._exchange_offers(rest, step.data_for_gather)
-            if len(offers) < len(group.peer_ids):
-                raise MatchmakingException(missing_reason(len(offers), len(group.peer_ids)))
-        return GroupInfo(group.group_id, tuple(PeerID.from_base58(p) for p in group.peer_ids),
-                         tuple(offers[p] for p in group.peer_ids))
+        if decision.group is None:
+            raise MatchmakingException(decision.reason)
+        if own not in decision.group.peer_ids:
+            raise MatchmakingException(f"{MISSING}: the group went on without us ({len(decision.group.peer_ids)} of "
+                                       f"{len(group.peer_ids)} members showed by its leader's deadline)")
+        if decision.group is not group:
+            logger.debug("fragment %s: group %s goes on as %s without %d member(s)", self.fragment,
+                         group.group_id.hex(), decision.group.group_id.hex(),
+                         len(group.peer_ids) - len(decision.group.peer_ids))
+            self._offers[decision.group.group_id] = (decision.group, offer)  # its verdicts and vetoes check members
+        return GroupInfo(decision.group.group_id, tuple(PeerID.from_base58(p) for p in decision.group.peer_ids),
+                         decision.offers)
 
-    async def _exchange_offers(self, group: FixedGroup, offer: bytes) -> tuple[dict[str, bytes], set[str]]:
-        """Post our ``offer`` to ``group`` and fetch every other member's: the offers in, ours included, by peer id
-        (a member missing is logged and left out), and the members that declined the group."""
-        own = self.peer_id.to_base58()
+    def _post_offer(self, group: FixedGroup, offer: bytes) -> None:
+        """Hold our ``offer`` to ``group`` for its leader's request (:meth:`rpc_group_offer`)."""
         event = self._offer_wait(group.group_id, group.boundary_ms)
         if event is None:  # every slot held by others' requests: make room for our own group
             oldest = next(iter(self._offer_waits))
@@ -235,19 +235,6 @@ class FixedGroupMeeting:
             assert event is not None
         self._offers[group.group_id] = (group, offer)
         event.set()
-        others = [p for p in group.peer_ids if p != own]
-        timeout_s = max(0.0, group.show_by - get_dht_time()) + group.request_timeout_s
-        answers = await asyncio.gather(*(self._ask_offer(p, group, timeout_s) for p in others), return_exceptions=True)
-        offers, declined = {own: offer}, set()
-        for p, answer in zip(others, answers):
-            if isinstance(answer, bytes):
-                offers[p] = answer
-            elif isinstance(answer, Declined):
-                declined.add(p)
-            else:
-                logger.debug("fragment %s: group %s: no offer from %s (%s: %s)", self.fragment, group.group_id.hex(),
-                             p, type(answer).__name__, answer)
-        return offers, declined
 
     async def _ask_offer(self, peer: str, group: FixedGroup, timeout_s: float) -> bytes:
         """``peer``'s offer to ``group`` (raises when it has none for it in time, refuses, or sends too much)."""
@@ -265,7 +252,7 @@ class FixedGroupMeeting:
 
     async def rpc_group_offer(self, request: averaging_pb2.JoinRequest,
                               context: P2PContext) -> averaging_pb2.MessageFromLeader:
-        """A member of a group from the clock asks for our offer to it: answered once we meet that group ourselves
+        """The leader of a group from the clock asks for our offer to it: answered once we meet that group ourselves
         (waiting until the asker's ``show_by`` at most), only to the group's members."""
         if await self._refuse(context, "a group offer request"):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)

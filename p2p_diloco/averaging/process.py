@@ -22,6 +22,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from p2p_diloco.averaging.downloads import StateDownloads
 from p2p_diloco.averaging.fixed_groups import FixedGroupMeeting
+from p2p_diloco.averaging.group_leader import GroupLeading
 from p2p_diloco.averaging.decisions import (
     RoundMeta,
     commit_key,
@@ -59,7 +60,7 @@ def throttled(read: Callable[..., Any], min_interval_s: float) -> Callable[..., 
     return call
 
 
-class FragmentAveragerProcess(StateDownloads, FixedGroupMeeting, DecentralizedAverager):
+class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, DecentralizedAverager):
     """One fragment's averager: exact all-reduce, completeness check, members-only handlers, state sharing.
 
     ``state_provider`` (host process) returns ``(metadata, tensors)`` for :meth:`get_current_state`:
@@ -90,6 +91,7 @@ class FragmentAveragerProcess(StateDownloads, FixedGroupMeeting, DecentralizedAv
         self.robust = robust
         """The robust merge rule (:func:`outer.robust_rule`): our reducer bounds each sender's influence."""
         self.init_fixed_groups()
+        self.init_group_leading()
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
@@ -152,6 +154,7 @@ class FragmentAveragerProcess(StateDownloads, FixedGroupMeeting, DecentralizedAv
         as at SIGTERM: the runners that started are cancelled (their peers are told), the others' futures too."""
         if not self.client_mode:
             await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        self.stop_leading()
         for future in list(self._running_groups.values()):
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().finalize(cancel=True)
