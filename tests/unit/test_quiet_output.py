@@ -195,6 +195,7 @@ def test_stopping_an_averager_with_a_round_in_flight_raises_nothing() -> None:
         pending: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         averager = FragmentAveragerProcess.__new__(FragmentAveragerProcess)  # no process: only the shutdown logic
         averager.client_mode, averager._running_groups = True, {b"running": running, b"pending": pending}
+        averager.init_group_leading()  # as __init__ does: no group led
         averager._parent_pid = 0  # hivemind's __del__ stops the process only in the process that started it
         await shutdown(averager, 1.0)
         return running, pending
