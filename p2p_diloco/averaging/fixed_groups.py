@@ -207,9 +207,10 @@ class FixedGroupMeeting:
         offer = step.data_for_gather
         self._post_offer(group, offer)
         decision = await self._decision(group)
-        if decision.group is None or decision.group.group_id != group.group_id:
-            # a stream of a member that runs another group waits for us to register one (hivemind's race guard):
-            # we never register that one, so release it now (BAD_GROUP_ID) instead of at its sender timeout
+        if decision.group is None or own not in decision.group.peer_ids:
+            # a stream of a member that runs a group with us waits for us to register it (hivemind's race guard):
+            # we never will, so release it now (BAD_GROUP_ID) instead of at its sender timeout. Only then: a release
+            # while we are about to register the group we run refuses its members' streams that came first
             self._pending_groups_registered.set()
         if decision.group is None:
             raise MatchmakingException(decision.reason)

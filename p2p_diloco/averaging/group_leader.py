@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import time
@@ -44,6 +43,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging.decisions import MISSING, missing_reason
 from p2p_diloco.averaging.fixed_groups import MAX_OFFER_BYTES, MAX_OFFER_WAITS, OFFER_KEEP_S, Declined, FixedGroup
+from p2p_diloco.core.groups import group_leader
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
 
@@ -60,9 +60,8 @@ MAX_REQUEST_TIMEOUT_S = 600.0
 
 
 def leader_of(group: FixedGroup) -> str:
-    """The member that decides ``group``'s round: the same on every member (a hash of the group's id picks it)."""
-    digest = hashlib.sha256(group.group_id).digest()
-    return group.peer_ids[int.from_bytes(digest[:8], "big") % len(group.peer_ids)]
+    """The member that decides ``group``'s round (:func:`~p2p_diloco.core.groups.group_leader`)."""
+    return group_leader(group.group_id, group.peer_ids)
 
 
 @dataclass(frozen=True)

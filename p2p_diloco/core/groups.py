@@ -232,3 +232,11 @@ def without_absent(group_id: str, members: Sequence[str], absent: Collection[str
         return "", ()
     blob = "\n".join((group_id, "without", *showed))
     return hashlib.sha256(blob.encode()).hexdigest()[:16], showed
+
+
+def group_leader(group_id: bytes, members: Sequence[str]) -> str:
+    """Groups from the clock: the member that decides the round of group ``group_id`` -- who showed, whether the
+    group goes on without the others (:func:`without_absent`) -- the same on every member: a hash of the group's id
+    picks it, so that a member that died leads only its share of the rounds that still name it."""
+    digest = hashlib.sha256(group_id).digest()
+    return members[int.from_bytes(digest[:8], "big") % len(members)]

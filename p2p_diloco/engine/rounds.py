@@ -10,7 +10,6 @@ is ahead on is downloaded), the swarm clock's boundaries, the adaptive matchmaki
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -270,9 +269,8 @@ class Rounds:
         """Wait for everything in flight and apply it (only at the end: training has stopped)."""
         while any(s.inflight is not None for s in self.slots):
             for s in self.slots:
-                if s.inflight is not None:
-                    with contextlib.suppress(TimeoutError):  # wait in slices; collect() below applies it
-                        s.inflight.result(timeout=DRAIN_SLICE_S)
+                if s.inflight is not None:  # wait in slices; collect() below applies it, or logs why it failed
+                    wait_futures([s.inflight], timeout=DRAIN_SLICE_S)  # (a download cut by our leaving raises)
             self.collect(step, min_age_steps=0)
 
     def apply_round(self, sync: FragmentSync, outcome: RoundOutcome) -> None:

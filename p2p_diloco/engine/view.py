@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 START_BARRIER_POLL_S = 0.1
 """Seconds between two looks at the live learners and the start proposals while waiting for peers."""
+UNKNOWN_VOUCHER_REREAD_S = 10.0
+"""Seconds before an unknown learner that vouches for our version (:func:`unknown_vouchers`) makes the head probe
+read the swarm again: a dead peer's vouches stay, a rejoiner's record may come a moment after its vouch."""
 STATUS_JOIN_TIMEOUT_S = 5.0
 """Seconds :meth:`SwarmView.stop` waits for the status thread (it is between two DHT calls at most)."""
 ANCHOR_HASH_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -104,6 +107,14 @@ def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str
             if peer != own and peer in live and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
 
 
+def unknown_vouchers(signed: dict[str, Any], version: int, live: set[str], own: str) -> set[str]:
+    """From one vouch key's signed values of ``version`` (our own version of a fragment): the peers that vouch for it
+    and are not among the live learners we know -- a newcomer or a rejoiner that downloaded it (its record is not in
+    our last full read yet), or a dead peer (its vouches stay in the DHT for a day)."""
+    return {peer for peer, value in signed.items()
+            if peer != own and peer not in live and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
+
+
 class Owner(Protocol):
     """What the status thread reads of its engine (:class:`~p2p_diloco.engine.engine.DiLoCo` is one; a protocol,
     because the engine builds its view: it imports this module, not the other way round)."""
@@ -139,6 +150,9 @@ class SwarmView:
         self._heads: dict[str, dict[int, tuple[Rank, float]]] = {}  # peer id -> fragment -> (probed rank, when)
         self._advanced: dict[int, tuple[int, float]] = {}
         """Our fragments' versions and the DHT time a probe first saw each (-inf: held since we started)."""
+        self._unknown_read: dict[tuple[str, int, int], float] = {}
+        """(peer, fragment, version) an unknown voucher of our version was read for -> when (monotonic): read once
+        per :data:`UNKNOWN_VOUCHER_REREAD_S`, not at every probe (a dead peer's vouches stay)."""
         self._others: list[Any] = []
         """The other live learners' records at the last full read."""
         self.peer_states: list[str] = []
@@ -219,7 +233,11 @@ class SwarmView:
         now = me.dht_time()
         wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots
                   if not known_past(self._anchors.values(), s.index, s.version) and not self._settled(s, now)}
-        keys = list(wanted) + ([clock_key(run_id)] if self.auto_clock else [])
+        # groups from the clock name only the learners our view holds at our rank: who else vouches for our version
+        # (a learner that just downloaded it) must be in it by the next boundary, not by the next full read
+        ours = ({vouch_key(averager_prefix(run_id, s.index), s.version): (s.index, s.version) for s in me.slots
+                 if s.version > 0} if me.cfg.averaging.clock_groups else {})
+        keys = list(wanted) + list(ours) + ([clock_key(run_id)] if self.auto_clock else [])
         if not keys:
             return True
         try:
@@ -227,8 +245,10 @@ class SwarmView:
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
             return False
+        if ours:
+            self._read_unknown_vouchers({rank: owned_values(found.get(key)) for key, rank in ours.items()})
         seen_at, heads, live = me.dht_time(), dict(self._heads), set(self._records)
-        for key, (f, version) in wanted.items():
+        for key, (f, version) in (wanted | ours).items():
             for peer, rank in vouched_heads(owned_values(found.get(key)), version, live, own).items():
                 heads[peer] = {**heads.get(peer, {}), f: (rank, seen_at)}
         self._heads = heads
@@ -236,6 +256,21 @@ class SwarmView:
         if self.auto_clock:
             self._adopt(clock_in(found.get(clock_key(run_id))))
         return True
+
+    def _read_unknown_vouchers(self, signed: dict[tuple[int, int], dict[str, Any]]) -> None:
+        """Read the swarm now if a peer we do not know vouches for our version of a fragment (``signed``: (fragment,
+        our version) -> the vouch key's signed values): a newcomer or a rejoiner, whose record we would otherwise read
+        only at the next full read, up to :func:`read_period_s` away -- meanwhile our groups from the clock leave it
+        out and its own groups, naming us, fail. Each unknown voucher once per :data:`UNKNOWN_VOUCHER_REREAD_S`."""
+        me, now = self.learner, time.monotonic()
+        self._unknown_read = {k: at for k, at in self._unknown_read.items() if now - at < UNKNOWN_VOUCHER_REREAD_S}
+        unknown = {(peer, f, version) for (f, version), values in signed.items()
+                   for peer in unknown_vouchers(values, version, set(self._records), me.joined.peer_id)}
+        fresh = unknown - set(self._unknown_read)
+        if fresh:
+            logger.debug("%d learner(s) we do not know vouch for our version: reading the swarm now", len(fresh))
+            self._unknown_read.update(dict.fromkeys(fresh, now))
+            self.read()
 
     def _settled(self, slot: FragmentSlot, now: float) -> bool:
         """:func:`settled` for one of our fragments on the sync clock (never without one: the step schedule's

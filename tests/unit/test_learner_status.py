@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from p2p_diloco.engine.options import published_key, publish_due, read_period_s, view_due
-from p2p_diloco.engine.view import SwarmView, known_past, settled, vouched_heads, with_heads
+from p2p_diloco.engine.view import SwarmView, known_past, settled, unknown_vouchers, vouched_heads, with_heads
 
 KEY = ("training", (3, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -81,6 +81,34 @@ def test_vouched_heads_are_live_peers_other_than_us_with_a_well_formed_hash() ->
     live = {"A", "B", "D", "E", "ME"}
     assert vouched_heads(signed, 5, live, "ME") == {"A": (5, "a" * 16), "B": (5, "b" * 16)}  # C: dead
     assert vouched_heads({}, 5, live, "ME") == {}
+
+
+def test_a_learner_we_do_not_know_that_vouches_for_our_version_makes_us_read_the_swarm_once() -> None:
+    """Groups from the clock name only the learners our view holds: a rejoiner that downloaded our version vouches for
+    it, and the next head probe reads the swarm for its record, instead of leaving it out of our groups (and failing
+    its groups, which name us) until the next full read. A dead peer's vouches stay: read again only after a while."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.core.config import load_config
+
+    signed = {"A": "a" * 16, "NEW": "b" * 16, "BAD": "nope", "ME": "c" * 16}
+    assert unknown_vouchers(signed, 5, {"A"}, "ME") == {"NEW"}
+    assert unknown_vouchers(signed, 5, {"A", "NEW"}, "ME") == set()
+    owner = SimpleNamespace(cfg=load_config(None, ["averaging.matchmaking=clock"]), slots=[],
+                            joined=SimpleNamespace(peer_id="ME"))
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    reads: list[int] = []
+    view.read = lambda snapshot=None: reads.append(1)  # type: ignore[method-assign, assignment, return-value]
+    view._records = {"A": ([(5, "a" * 16)], 0.0)}
+    view._read_unknown_vouchers({(0, 5): signed, (1, 3): {"A": "a" * 16}})
+    assert reads == [1]
+    view._read_unknown_vouchers({(0, 5): signed})  # the same voucher at the next probe: not read again yet
+    assert reads == [1]
+    view._read_unknown_vouchers({(1, 3): {"NEW": "d" * 16}})  # it vouches for another of our fragments
+    assert reads == [1, 1]
+    view._unknown_read = {k: at - 60.0 for k, at in view._unknown_read.items()}  # a while later: read again
+    view._read_unknown_vouchers({(0, 5): signed})
+    assert reads == [1, 1, 1]
 
 
 def test_a_fragment_known_to_be_behind_is_not_probed_again_until_we_catch_up() -> None:
