@@ -6,8 +6,9 @@ members and not by others: some went on without it, others ran the whole group, 
 member, each failing differently, with every member alive (docs/design.md, "Under chaos, the members' decisions
 part"). Now one member decides:
 
-- The group's **leader** is one of its members, picked by a hash of the group's id (:func:`leader_of`), so that a
-  member that died leads only its share of the rounds that still name it. It asks every other member for its offer
+- The group's **leader** is one of its members, picked by a hash of the group's id (:func:`leaders_of`: a member
+  that died comes first in only its share of the rounds that still name it, and a member that cannot reach it asks
+  the next -- two deciders' groups share a member, so at most one commits). It asks every other member for its offer
   (:meth:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting.rpc_group_offer`, answered once that member meets the
   group, at once when it declines the boundary), until the group's ``show_by`` plus a request's round trip, and
   decides (:func:`decide`): every member, the members that showed if more than half of the group did
@@ -17,8 +18,8 @@ part"). Now one member decides:
   members, or the group without the absent ones as it would derive it itself) and runs the all-reduce on it, or
   fails the round with the leader's reason. A member the decision leaves out fails the round as missing.
 - A leader that does not answer by ``show_by`` plus two round trips fails the round for every member alike (each
-  times out on it); a leader that skips the boundary still leads (its own offer counts as declined), and so does one
-  whose own view put it in another group: the members' request names the group.
+  times out on it; one out of reach is passed over at once); a leader that skips the boundary still leads (its own
+  offer counts as declined), and so does one whose own view put it in another group: the request names the group.
 
 One message delay more than each member asking every other (two round trips from the last offer to the all-reduce),
 and ``2 (n - 1)`` requests a round instead of ``n (n - 1)``.
@@ -43,7 +44,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging.decisions import MISSING, missing_reason
 from p2p_diloco.averaging.fixed_groups import MAX_OFFER_BYTES, MAX_OFFER_WAITS, OFFER_KEEP_S, Declined, FixedGroup
-from p2p_diloco.core.groups import group_leader
+from p2p_diloco.core.groups import group_leaders
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
 
@@ -59,9 +60,15 @@ MAX_REQUEST_TIMEOUT_S = 600.0
 """The longest request timeout a decision request may name (a longer one is refused: it would hold our wait)."""
 
 
+def leaders_of(group: FixedGroup) -> list[str]:
+    """The members that may decide ``group``'s round, in the order they are asked
+    (:func:`~p2p_diloco.core.groups.group_leaders`)."""
+    return group_leaders(group.group_id, group.peer_ids)
+
+
 def leader_of(group: FixedGroup) -> str:
-    """The member that decides ``group``'s round (:func:`~p2p_diloco.core.groups.group_leader`)."""
-    return group_leader(group.group_id, group.peer_ids)
+    """The member that decides ``group``'s round while it lives: the first of :func:`leaders_of`."""
+    return leaders_of(group)[0]
 
 
 @dataclass(frozen=True)
@@ -91,19 +98,21 @@ def decide(group: FixedGroup, offers: Mapping[str, bytes], declined: Collection[
     return Decision(rest, tuple(offers[p] for p in rest.peer_ids))
 
 
-def decision_request(group: FixedGroup) -> averaging_pb2.JoinRequest:
-    """A member's request for the decision on ``group``: it names the whole group, so that a leader that has not met
-    it (it skips the boundary, or its own view put it elsewhere) can still lead it."""
+def decision_request(group: FixedGroup, index: int) -> averaging_pb2.JoinRequest:
+    """A member's request for the decision on ``group`` to the leader at ``index`` of :func:`leaders_of` (the ones
+    before it were out of reach): it names the whole group, so that a leader that has not met it (it skips the
+    boundary, or its own view put it elsewhere) can still lead it."""
     return averaging_pb2.JoinRequest(group_key=f"{group.group_id.hex()}@{group.boundary_ms}", expiration=group.show_by,
-                                     gather=msgpack.packb([list(group.peer_ids), group.request_timeout_s]))
+                                     gather=msgpack.packb([list(group.peer_ids), group.request_timeout_s, index]))
 
 
-def read_decision_request(request: averaging_pb2.JoinRequest) -> FixedGroup:
-    """The group a decision request names (raises ``ValueError`` naming what is wrong with it)."""
+def read_decision_request(request: averaging_pb2.JoinRequest) -> tuple[FixedGroup, int]:
+    """The group a decision request names and the index of the leader it asks (raises ``ValueError`` naming what is
+    wrong with it)."""
     key, _, at = request.group_key.partition("@")
     group_id, boundary_ms = bytes.fromhex(key), int(at)
     try:
-        peers, request_timeout_s = msgpack.unpackb(request.gather[:MAX_GROUP_MEMBERS * 64])
+        peers, request_timeout_s, index = msgpack.unpackb(request.gather[:MAX_GROUP_MEMBERS * 64])
     except Exception as e:  # msgpack's errors have no common base: any is a malformed request
         raise ValueError(f"malformed group: {type(e).__name__}: {e}") from None
     if not (isinstance(peers, list) and 2 <= len(peers) <= MAX_GROUP_MEMBERS and all(isinstance(p, str) for p in peers)
@@ -112,7 +121,10 @@ def read_decision_request(request: averaging_pb2.JoinRequest) -> FixedGroup:
     if not (isinstance(request_timeout_s, (int, float)) and 0 < request_timeout_s <= MAX_REQUEST_TIMEOUT_S
             and math.isfinite(request.expiration)):
         raise ValueError(f"bad request timeout {request_timeout_s!r} or show-by time {request.expiration!r}")
-    return FixedGroup(group_id, tuple(peers), request.expiration, float(request_timeout_s), boundary_ms=boundary_ms)
+    if not (isinstance(index, int) and 0 <= index < len(peers)):
+        raise ValueError(f"bad leader index {index!r}")
+    group = FixedGroup(group_id, tuple(peers), request.expiration, float(request_timeout_s), boundary_ms=boundary_ms)
+    return group, index
 
 
 def decision_reply(decision: Decision, planned: FixedGroup) -> averaging_pb2.MessageFromLeader:
@@ -171,21 +183,34 @@ class GroupLeading:
 
     async def _decision(self, group: FixedGroup) -> Decision:
         """The decision on ``group`` (our offer to it posted): ours if we lead it, else the leader's answer (within
-        ``show_by`` plus two round trips); raises when the leader does not answer or answers out of the rules."""
-        wait_s = max(0.0, group.show_by - get_dht_time()) + 2 * group.request_timeout_s
-        leader = leader_of(group)
-        if leader == self.peer_id.to_base58():
-            return await asyncio.wait_for(asyncio.shield(self._lead(group)), wait_s)
-        stub = self.get_stub(self._p2p, PeerID.from_base58(leader), namespace=self.prefix)
-        try:
-            reply = await stub.rpc_group_decision(decision_request(group), timeout=wait_s)
-        except (asyncio.TimeoutError, ConnectionError, OSError, P2PDaemonError, P2PHandlerError) as e:
-            raise MatchmakingException(f"{MISSING}: no decision from the group's leader {leader[-8:]} "
-                                       f"({type(e).__name__})") from None
-        try:
-            return read_decision(reply, group)
-        except PeerDataError as e:
-            raise MatchmakingException(f"the group's leader {leader[-8:]} sent a bad decision: {e}") from None
+        ``show_by`` plus two round trips). A leader out of reach (its process is gone: the connection fails at once)
+        is passed over for the next of :func:`leaders_of`. Raises when no leader answers in time, or one answers out
+        of the rules."""
+        deadline = time.monotonic() + max(0.0, group.show_by - get_dht_time()) + 2 * group.request_timeout_s
+        own = self.peer_id.to_base58()
+        gone: list[str] = []
+        for index, leader in enumerate(leaders_of(group)):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                break
+            try:
+                if leader == own:
+                    return await asyncio.wait_for(asyncio.shield(self._lead(group)), left_s)
+                stub = self.get_stub(self._p2p, PeerID.from_base58(leader), namespace=self.prefix)
+                reply = await stub.rpc_group_decision(decision_request(group, index), timeout=left_s)
+            except (ConnectionError, OSError, P2PDaemonError) as e:  # out of reach: the next leader decides
+                logger.debug("fragment %s: group %s: leader %s out of reach (%s: %s)", self.fragment,
+                             group.group_id.hex(), leader, type(e).__name__, e)
+                gone.append(leader[-8:])
+                continue
+            except (asyncio.TimeoutError, P2PHandlerError) as e:
+                raise MatchmakingException(f"{MISSING}: no decision from the group's leader {leader[-8:]} "
+                                           f"({type(e).__name__})") from None
+            try:
+                return read_decision(reply, group)
+            except PeerDataError as e:
+                raise MatchmakingException(f"the group's leader {leader[-8:]} sent a bad decision: {e}") from None
+        raise MatchmakingException(f"{MISSING}: no decision in time (leaders out of reach: {', '.join(gone) or 'none'})")
 
     def _lead(self, group: FixedGroup) -> asyncio.Future[Decision]:
         """The decision we make on ``group``, started once per group (by our own step or the first member that
@@ -270,11 +295,11 @@ class GroupLeading:
         if await self._refuse(context, "a group decision request"):
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         try:
-            group = read_decision_request(request)
+            group, index = read_decision_request(request)
         except ValueError as e:
             logger.debug("fragment %s: a decision request from %s refused: %s", self.fragment, context.remote_id, e)
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        if context.remote_id.to_base58() not in group.peer_ids or leader_of(group) != self.peer_id.to_base58():
+        if context.remote_id.to_base58() not in group.peer_ids or leaders_of(group)[index] != self.peer_id.to_base58():
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
         kept = self._decisions.get(group.group_id)
         if kept is not None and kept[0].peer_ids != group.peer_ids:  # another member list under the same id

@@ -234,9 +234,11 @@ def without_absent(group_id: str, members: Sequence[str], absent: Collection[str
     return hashlib.sha256(blob.encode()).hexdigest()[:16], showed
 
 
-def group_leader(group_id: bytes, members: Sequence[str]) -> str:
-    """Groups from the clock: the member that decides the round of group ``group_id`` -- who showed, whether the
-    group goes on without the others (:func:`without_absent`) -- the same on every member: a hash of the group's id
-    picks it, so that a member that died leads only its share of the rounds that still name it."""
-    digest = hashlib.sha256(group_id).digest()
-    return members[int.from_bytes(digest[:8], "big") % len(members)]
+def group_leaders(group_id: bytes, members: Sequence[str]) -> list[str]:
+    """Groups from the clock: the members that may decide the round of group ``group_id`` -- who showed, whether the
+    group goes on without the others (:func:`without_absent`) -- in the order they are asked, the same on every
+    member: a hash of the group's id and each member orders them, so that a member that died comes first in only its
+    share of the rounds that still name it. The first one decides; a member that cannot reach it (its process is
+    gone: the connection fails at once) asks the next. Two deciders' groups each hold more than half of the group,
+    so they share a member, which runs only one of them: at most one commits."""
+    return sorted(members, key=lambda m: hashlib.sha256(group_id + b"/" + m.encode()).digest())

@@ -6,18 +6,18 @@ what hivemind's matchmaking, runner and verdicts decide over the network, as pur
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco.averaging.decisions import MISSING, NO_GROUP, missing_reason, quorum_problem
+from p2p_diloco.averaging.decisions import NO_GROUP, missing_reason, quorum_problem
 from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
-from p2p_diloco.core.groups import group_leader, without_absent
+from p2p_diloco.core.groups import without_absent
 from p2p_diloco.hivemind_ext import compression
 
 if TYPE_CHECKING:
@@ -97,16 +97,13 @@ def absent_members(offers: Sequence[Offer]) -> set[str]:
     return set(offers[0].plan.members) - {o.member.peer_id for o in offers}
 
 
-def refusal(cfg: Config, offers: Sequence[Offer], declined: set[str], gone: Collection[str] = ()) -> str:
+def refusal(cfg: Config, offers: Sequence[Offer], declined: set[str]) -> str:
     """Why a group of ``offers`` cannot commit, before reducing (empty: it may); ``declined``: the members its id names
-    that declined its boundary; ``gone``: the members that died or left (a group from the clock whose leader is one
-    of them gets no decision: :func:`~p2p_diloco.core.groups.group_leader`)."""
+    that declined its boundary. (Over hivemind one of the group's leaders decides this for all; a leader that died is
+    passed over: :func:`~p2p_diloco.core.groups.group_leaders`.)"""
     a = cfg.averaging
     members = offers[0].plan.members
     if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
-        leader = group_leader(offers[0].plan.group_id.encode(), members)
-        if leader in gone:
-            return f"{MISSING}: no decision from the group's leader {leader[-8:]} (gone)"
         missing = absent_members(offers)
         if missing and not without_absent(offers[0].plan.group_id, members, missing - declined, declined)[1]:
             return missing_reason(len(members) - len(missing), len(members), len(declined & missing))

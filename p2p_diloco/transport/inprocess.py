@@ -23,9 +23,8 @@ policy, catch-up, late commits and events are the engine's own; only what crosse
   contributions by that id -- as hivemind's runner refuses streams of another group id -- and starts the all-reduce
   as soon as every member named is in or declined (:meth:`Hub.decline`: it skips the boundary); by the scheduled
   time it goes on without the members named that are not in (declined or not), if more than half of all named are in
-  (:func:`~p2p_diloco.core.groups.without_absent`), else fails the round for all alike (``incomplete group``); a
-  group whose leader (:func:`~p2p_diloco.core.groups.group_leader`) died or left fails for all, as it gets no
-  decision over hivemind.
+  (:func:`~p2p_diloco.core.groups.without_absent`), else fails the round for all alike (``incomplete group``): the
+  decision one of the group's leaders makes over hivemind (:func:`~p2p_diloco.core.groups.group_leaders`).
 
 Faults from outside: :meth:`Hub.kill` (kill -9), :meth:`Hub.partition` and :meth:`Hub.heal` (a split network: each side
 sees and averages only with itself), :attr:`Hub.tamper` (a member that poisons what it sends), :meth:`Hub.blind` (a
@@ -271,10 +270,9 @@ class Hub:
             if self._open.get(group.key) is group:
                 del self._open[group.key]
             offers, declined = list(group.offers), self._declined(group)
-            gone = {m.peer_id for m in self._members.values() if not m.alive or m.state == "left"}
         if not offers:
             return
-        reason = failure or refusal(self.cfg, offers, declined, gone)
+        reason = failure or refusal(self.cfg, offers, declined)
         outcomes = failed_outcomes(group, offers, reason) if reason else self._reduced(group, offers)
         committed = any(o.committed for o in outcomes)  # a member whose verdicts were lost discards what others commit
         self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,

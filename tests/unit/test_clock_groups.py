@@ -101,27 +101,6 @@ def test_members_that_declined_count_as_members_that_did_not_show() -> None:
         assert not all(parts), parts
 
 
-def test_a_group_whose_leader_is_gone_fails_for_all_and_a_live_absent_leader_still_decides(cfg: Config) -> None:
-    """One decision per group (averaging/group_leader.py): over hivemind a group's leader collects the offers and
-    decides, so a group whose leader died gets no decision and fails for every member; the in-process hub says the
-    same. A leader alive but not in (it skips the boundary, or sees another group) still decides: the rest goes on."""
-    from p2p_diloco.averaging.host import RoundPlan
-    from p2p_diloco.core.groups import group_leader
-    from p2p_diloco.sync.fragment import Contribution
-    from p2p_diloco.transport.hubgroups import Member, Offer, refusal
-
-    members = ("p1", "p2", "p3")
-    plan = RoundPlan(0.0, 1.0, due=0.0, group_id="g7", members=members)
-    leader = group_leader(b"g7", members)
-    contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=1, steps=1, weight=1.0,
-                                tensors={}, norms={})
-    offers = [Offer(Member(p, p), contribution, plan, Future()) for p in members if p != leader]
-    assert refusal(cfg, offers, set(), gone={leader}) == (f"{MISSING}: no decision from the group's leader "
-                                                          f"{leader[-8:]} (gone)")
-    assert refusal(cfg, offers, set()) == ""  # two of three go on, on the live leader's word
-    assert refusal(cfg, offers, set(), gone={next(p for p in members if p != leader)}) == ""  # a member gone: the same
-
-
 def test_the_last_groups_members_count_at_our_rank_until_their_records_catch_up() -> None:
     """Records are republished on a heartbeat, not at every commit: right after a round, each member of it still
     shows the version before in the others' views. Planning counts the last group's members at our rank meanwhile,
