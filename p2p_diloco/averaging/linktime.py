@@ -68,7 +68,12 @@ PRIOR_RTT_S = 0.25
 LINK_HISTORY_ROUNDS = 8
 """How many recent rounds' throughput and RTT samples the estimate is taken from."""
 THROUGHPUT_QUANTILE = 0.25
-"""Which quantile of the recent throughputs is used (low: the timeouts fit a slower than typical round)."""
+"""Which quantile of the recent throughputs a round's deadlines use (low: they fit a slower than typical round)."""
+PLANNING_QUANTILE = 0.5
+"""Which quantile of the recent throughputs the plans use -- the sync period, the window (:meth:`LinkHistory.
+measured`): the typical round. With the deadlines' low quantile the period came out 2-3x one sync's link time on
+slow links (0.5 Mbit/s, 1 s queues: 45.7 s where a sync took about 16 s): the slowest committed rounds are those
+that shared the link with another round, and the period already leaves room for that (``LINK_PERIOD_SAFETY``)."""
 LATENCY_ROUND_TRIPS = 8.0
 """Round trips an all-reduce spends beyond its bytes: opening streams (connections, in a run's first round),
 TCP slow start, the first part's way to its reducer and the average's way back."""
@@ -180,13 +185,14 @@ def throughput_sample(bytes_moved: float, seconds: float) -> float | None:
     return bytes_moved / seconds
 
 
-def estimate_link(throughputs: Sequence[float], rtts: Sequence[float], failures: int = 0) -> LinkEstimate:
+def estimate_link(throughputs: Sequence[float], rtts: Sequence[float], failures: int = 0,
+                  quantile: float = THROUGHPUT_QUANTILE) -> LinkEstimate:
     """The link from recent samples (only the last ``LINK_HISTORY_ROUNDS`` count; non-finite or non-positive
-    ones are ignored): throughput at ``THROUGHPUT_QUANTILE`` (lower nearest rank), RTT the median, each its
+    ones are ignored): throughput at ``quantile`` (lower nearest rank), RTT the median, each its
     prior without samples; the throughput divided by ``BACKOFF_BASE`` per failed round in a row."""
     rates = sorted(x for x in throughputs[-LINK_HISTORY_ROUNDS:] if math.isfinite(x) and x > 0)
     trips = [x for x in rtts[-LINK_HISTORY_ROUNDS:] if math.isfinite(x) and x > 0]
-    rate = rates[int(THROUGHPUT_QUANTILE * (len(rates) - 1))] if rates else PRIOR_THROUGHPUT_BPS
+    rate = rates[int(quantile * (len(rates) - 1))] if rates else PRIOR_THROUGHPUT_BPS
     rate /= BACKOFF_BASE ** min(max(0, failures), MAX_BACKOFF_STEPS)
     rtt = statistics.median(trips) if trips else PRIOR_RTT_S
     return LinkEstimate(rate, rtt, len(rates), len(trips))
@@ -302,6 +308,8 @@ class LinkHistory:
         return estimate_link(self.throughputs, self.rtts, self.failures)
 
     def measured(self) -> LinkEstimate:
-        """The link for planning (the window, the period): the back-off only until a round committed -- a period
-        or window stretched by lost rounds would stretch further with every round they lose."""
-        return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures)
+        """The link for planning (the window, the period): the typical round's throughput (:data:`PLANNING_QUANTILE`),
+        the back-off only until a round committed -- a period or window stretched by lost rounds would stretch
+        further with every round they lose."""
+        return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
+                             quantile=PLANNING_QUANTILE)

@@ -201,7 +201,8 @@ def swarm_distance_estimate(per_axis_rms: Sequence[float]) -> float:
 
 def clock_group(run_id: str, fragment: int, rank: tuple[int, str], round_index: int, own_id: str,
                 peers: Mapping[str, tuple[int, str]]) -> tuple[str, tuple[str, ...]]:
-    """Groups from the clock: the group of our round ``round_index`` of ``fragment`` at ``rank`` (our version and
+    """Groups from the clock: the group of our round ``round_index`` (a name unique to the clock's round: the engine
+    passes its boundary's DHT milliseconds) of ``fragment`` at ``rank`` (our version and
     anchor hash), from what every member already holds -- the clock's round and the live records (``peers``: the
     other live learners' rank of the fragment, by peer id). Returns ``(group id, members)``: the members are us and
     every peer at exactly our rank, sorted by peer id; the id hashes the run, the fragment, the rank, the round and

@@ -89,8 +89,12 @@ def planned_group(ours: Rank, fragment: int, context: RoundContext, cfg: Config,
     if not cfg.averaging.clock_groups or clock is None:
         return "", ()
     context = with_last_group(context, ours, last_group)
-    return clock_group(prefix, fragment, ours, clock.round_index(context.due, fragment, context.fragments),
-                       context.own_id, dict(context.peers))
+    # the round is named by its boundary's instant, not by the clock's round index: a retuned clock counts its rounds
+    # from its new origin, and a fragment that stayed at its version through the retune then planned a group of the
+    # same id as a round before it (its leader answered with that round's decision: "our own metadata is not among
+    # the gathered", on slow links whose period was retuned)
+    return clock_group(prefix, fragment, ours, clock_boundary_ms(fragment, context, cfg), context.own_id,
+                       dict(context.peers))
 
 
 def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, prefix: str,

@@ -101,6 +101,25 @@ def test_members_that_declined_count_as_members_that_did_not_show() -> None:
         assert not all(parts), parts
 
 
+def test_a_retuned_clocks_rounds_never_name_a_group_of_the_old_one(cfg: Config) -> None:
+    """A retuned clock counts its rounds from its new origin: a fragment that stayed at its version through the retune
+    would plan a group of the same id as a round before it, were the id made from the round's index (its leader then
+    answered with that old round's decision). The boundary's instant names it instead."""
+    from p2p_diloco.net.clock import SyncClock
+    from p2p_diloco.transport.planning import planned_group
+
+    old, new = SyncClock(10.0, origin=1000.0, epoch=0), SyncClock(20.0, origin=1050.0, epoch=1)
+    assert old.round_index(1035.0, 0, 2) == new.round_index(1115.0, 0, 2)  # the same index in both clocks
+
+    def context(clock: SyncClock, due: float) -> RoundContext:
+        return RoundContext(due=due, window_s=1.0, link=estimate_link([], []), clock=clock, fragments=2, own_id="p1",
+                            roster=("p1", "p2"), peers=(("p2", (3, "aa")),), live_ranks=lambda: ())
+
+    before = planned_group((3, "aa"), 0, context(old, 1035.0), cfg, "run/f0")
+    after = planned_group((3, "aa"), 0, context(new, 1115.0), cfg, "run/f0")
+    assert before[1] == after[1] == ("p1", "p2") and before[0] != after[0]
+
+
 def test_the_last_groups_members_count_at_our_rank_until_their_records_catch_up() -> None:
     """Records are republished on a heartbeat, not at every commit: right after a round, each member of it still
     shows the version before in the others' views. Planning counts the last group's members at our rank meanwhile,

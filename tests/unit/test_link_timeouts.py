@@ -216,6 +216,16 @@ def test_planning_ignores_the_back_off_once_a_round_committed() -> None:
     assert h.measured().throughput_Bps == 5e4  # the window and the period do not
 
 
+def test_plans_take_the_typical_round_and_deadlines_a_slow_one() -> None:
+    """The period and the window plan for the median committed round; a round's deadlines fit a slower one (on slow
+    links the slowest committed rounds are those that shared the link with another)."""
+    h = LinkHistory()
+    for seconds in (2.0, 2.0, 4.0, 8.0, 8.0):  # 1e5 bytes each
+        h.observe(committed=True, bytes_moved=1e5, allreduce_s=seconds, rtt_s=0.2)
+    assert h.measured().throughput_Bps == pytest.approx(1e5 / 4.0)  # the median round
+    assert h.estimate().throughput_Bps == pytest.approx(1e5 / 8.0)  # the lower quartile's
+
+
 def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_period() -> None:
     """The engine's rule (:func:`p2p_diloco.engine.rounds.link_busy`) on a stand-in for its rounds: a round starts
     beside another fragment's only once a round measured the link and the period leaves it the time for a sync's
