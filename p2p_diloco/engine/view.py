@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 START_BARRIER_POLL_S = 0.1
 """Seconds between two looks at the live learners and the start proposals while waiting for peers."""
+OWN_VERSION_PROBE_EVERY = 3
+"""Groups from the clock: every this many head probes, one fragment's own-version vouchers are read (in turn), to
+find a rejoiner that vouches for our version (:func:`unknown_vouchers`)."""
 UNKNOWN_VOUCHER_REREAD_S = 10.0
 """Seconds before an unknown learner that vouches for our version (:func:`unknown_vouchers`) makes the head probe
 read the swarm again: a dead peer's vouches stay, a rejoiner's record may come a moment after its vouch."""
@@ -236,11 +239,13 @@ class SwarmView:
         wanted = {vouch_key(averager_prefix(run_id, s.index), s.version + 1): (s.index, s.version + 1) for s in me.slots
                   if not known_past(self._anchors.values(), s.index, s.version) and not self._settled(s, now)}
         # groups from the clock name only the learners our view holds at our rank: who else vouches for our version
-        # (a learner that just downloaded it) must be in it soon, not at the next full read. One fragment a probe, in
-        # turn: a rejoiner downloads and vouches for every fragment, and every key read costs control-plane bytes
-        # (all four at every probe doubled a learner's: bench_control, 7,752 B/s against 3,999)
+        # (a learner that just downloaded it) must be in it soon, not at the next full read. One fragment every
+        # OWN_VERSION_PROBE_EVERY probes, in turn: a rejoiner downloads and vouches for every fragment, and each key
+        # read costs control-plane bytes (all four at every probe doubled a learner's: bench_control, 7,752 B/s
+        # against 3,999; one at every probe: 5,337)
         self._probes += 1
-        turn = me.slots[self._probes % len(me.slots)] if me.slots else None
+        turn = (me.slots[(self._probes // OWN_VERSION_PROBE_EVERY) % len(me.slots)]
+                if me.slots and self._probes % OWN_VERSION_PROBE_EVERY == 0 else None)
         ours = ({vouch_key(averager_prefix(run_id, turn.index), turn.version): (turn.index, turn.version)}
                 if me.cfg.averaging.clock_groups and turn is not None and turn.version > 0 else {})
         keys = list(wanted) + list(ours) + ([clock_key(run_id)] if self.auto_clock else [])
