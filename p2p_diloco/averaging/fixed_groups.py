@@ -212,11 +212,9 @@ class FixedGroupMeeting:
             # we never will, so release it now (BAD_GROUP_ID) instead of at its sender timeout. Only then: a release
             # while we are about to register the group we run refuses its members' streams that came first
             self._pending_groups_registered.set()
-        if decision.group is None:
-            raise MatchmakingException(decision.reason)
-        if own not in decision.group.peer_ids:
-            raise MatchmakingException(f"{MISSING}: the group went on without us ({len(decision.group.peer_ids)} of "
-                                       f"{len(group.peer_ids)} members showed by its leader's deadline)")
+            raise MatchmakingException(decision.reason if decision.group is None else (
+                f"{MISSING}: the group went on without us ({len(decision.group.peer_ids)} of {len(group.peer_ids)} "
+                "members showed by its leader's deadline)"))
         if decision.group is not group:
             logger.debug("fragment %s: group %s goes on as %s without %d member(s)", self.fragment,
                          group.group_id.hex(), decision.group.group_id.hex(),

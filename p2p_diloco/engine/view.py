@@ -102,20 +102,24 @@ def settled(advanced_at: float, boundary: float) -> bool:
     return advanced_at >= boundary
 
 
+def vouchers(signed: dict[str, Any], own: str) -> dict[str, str]:
+    """One vouch key's signed values (peer id -> anchor hash): the peers other than us that vouch, and for which
+    anchor; a malformed value is skipped."""
+    return {peer: value for peer, value in signed.items()
+            if peer != own and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
+
+
 def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str) -> dict[str, Rank]:
-    """From one vouch key's signed values (peer id -> anchor hash) of ``version``: the live peers other than
-    us that hold that version, and their anchor. Dead peers' vouches stay in the DHT for a day; a malformed
-    value is skipped."""
-    return {peer: (version, value) for peer, value in signed.items()
-            if peer != own and peer in live and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
+    """From one vouch key's signed values of ``version``: the live peers other than us that hold that version, and
+    their anchor. Dead peers' vouches stay in the DHT for a day; a malformed value is skipped."""
+    return {peer: (version, value) for peer, value in vouchers(signed, own).items() if peer in live}
 
 
 def unknown_vouchers(signed: dict[str, Any], version: int, live: set[str], own: str) -> set[str]:
     """From one vouch key's signed values of ``version`` (our own version of a fragment): the peers that vouch for it
     and are not among the live learners we know -- a newcomer or a rejoiner that downloaded it (its record is not in
     our last full read yet), or a dead peer (its vouches stay in the DHT for a day)."""
-    return {peer for peer, value in signed.items()
-            if peer != own and peer not in live and isinstance(value, str) and ANCHOR_HASH_RE.match(value)}
+    return set(vouchers(signed, own)) - live
 
 
 class Owner(Protocol):
@@ -256,11 +260,12 @@ class SwarmView:
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
             return False
+        signed = {key: owned_values(found.get(key)) for key in wanted | ours}
         if ours:
-            self._read_unknown_vouchers({rank: owned_values(found.get(key)) for key, rank in ours.items()})
+            self._read_unknown_vouchers({rank: signed[key] for key, rank in ours.items()})
         seen_at, heads, live = me.dht_time(), dict(self._heads), set(self._records)
         for key, (f, version) in (wanted | ours).items():
-            for peer, rank in vouched_heads(owned_values(found.get(key)), version, live, own).items():
+            for peer, rank in vouched_heads(signed[key], version, live, own).items():
                 heads[peer] = {**heads.get(peer, {}), f: (rank, seen_at)}
         self._heads = heads
         self._merge()
