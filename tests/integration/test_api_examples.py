@@ -25,9 +25,9 @@ from test_learner_swarm import events, final_summary, write_profile
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN_S = 40.0
-"""Seconds each process trains: about 6 rounds of each fragment at the clock's period."""
-REFUSE_AFTER_S = 12.0
+TRAIN_S = 28.0
+"""Seconds each process trains: about 4 rounds of each fragment at the clock's period (40 s made 6, the suite's time)."""
+REFUSE_AFTER_S = 10.0
 """Seconds into its training at which the library learner makes the bad call (rounds have committed by then)."""
 DEADLINE_S = 180.0
 """Start to the ``final`` line, generous: start-up, training, the final rounds and the linger on a shared machine."""

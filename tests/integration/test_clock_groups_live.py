@@ -40,7 +40,7 @@ CLOCK = ("--set", "averaging.schedule=clock", "--set", "averaging.matchmaking=cl
          "averaging.sync_period_s=4.0", "--set", "averaging.window_s=1.5", "--set", "averaging.window_max_s=2.0",
          "--set", f"averaging.record_ttl_s={TTL_S:g}", "--set", "inner.total_steps=300")
 """Tiny learners, a round of each fragment every 4 s (2 s apart), groups from the clock."""
-TRAIN_S = 40.0
+TRAIN_S = 30.0
 """Seconds each learner trains: rounds of three, the kill, pairs without the victim until its record expires, pairs."""
 FIRST_ROUNDS_DEADLINE_S = 120.0
 """Start-up, the wait for peers and two committed rounds of three for every learner, on a loaded machine."""

@@ -19,7 +19,7 @@ GRID = ("--set", "averaging.groups=grid", "--set", "averaging.target_group_size=
         "--set", "outer.fragments=1", "--set", "averaging.schedule=clock", "--set", "averaging.sync_period_s=4.0",
         "--set", "averaging.window_max_s=3.0", "--set", "inner.total_steps=300")
 """Tiny learners, one fragment, a round every 4 s in groups of at most 2 on a 2 x 2 grid."""
-TRAIN_S = 30
+TRAIN_S = 20
 
 
 def test_grid_groups_keep_every_update_and_anchors_converge(tmp_path: Path) -> None:
