@@ -8,15 +8,12 @@ if [ ! -x .venv/bin/python ]; then
     echo "install: creating .venv with $($PYTHON --version)"
     "$PYTHON" -m venv .venv
 fi
-# --no-compile: pip byte-compiles every file of every package it installs (torch's and transformers' thousands, of
-# which a run imports a small part: Python compiles those on first import); skipping it cut a fresh install from 113 s
-# to 88 s on a 2-core machine
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     # torch first, pinned: a plain 'torch' requirement would pull a multi-GB CUDA build
     echo "install: torch==2.13.0 (CPU wheel)"
-    "${PIP[@]}" install --no-compile "torch==2.13.0" 2>&1 | { grep -v "^WARNING: Location" || true; }
+    "${PIP[@]}" install "torch==2.13.0" 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 echo "install: p2p-diloco and its dependencies"
-"${PIP[@]}" install --no-compile -e ".[test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+"${PIP[@]}" install -e ".[test]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 .venv/bin/python -c "import torch, hivemind, multiaddr, msgpack, uvloop, p2p_diloco; print('install: ok (torch', torch.__version__ + ', hivemind', hivemind.__version__ + ')')"
