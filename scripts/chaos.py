@@ -53,6 +53,8 @@ from chaos_run import run_chaos
 
 from p2p_diloco.local.chaos import ScheduleParams, check_schedule, make_schedule
 
+GIT_TIMEOUT_S = 10.0
+"""How long asking git which commit the run used may take (:func:`_bench.code_identity`)."""
 QUICK_SCHEDULE = ScheduleParams(every_s=20.0, jitter_s=4.0, stop_s=(4.0, 8.0), down_s=(5.0, 10.0), quiet_start_s=15.0,
                                 quiet_end_s=35.0, settle_s=6.0)
 """``--quick`` (90 s): a stop and a kill whose restart still gets ~15 s of training after its ~20 s start-up."""
@@ -106,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     print(f"chaos: {args.learners} learners x {duration_s:.0f} s on {args.config}, {len(schedule)} actions (seed "
           f"{args.seed}) -> {out}", file=sys.stderr, flush=True)
+    code = _bench.code_identity(None, GIT_TIMEOUT_S)  # the code the learners run: results outlive the checkout
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         chaos = run_chaos(args.config, args.overrides, args.learners, duration_s, schedule, out, stop,
                           checkpoint_every_s=args.checkpoint_every_s)
         payload: dict[str, Any] = {
-            "config": args.config, "overrides": args.overrides, "quick": args.quick, "seed": args.seed,
+            "code": code, "config": args.config, "overrides": args.overrides, "quick": args.quick, "seed": args.seed,
             "duration_s": duration_s, "schedule_params": asdict(params), "checkpoint_every_s": args.checkpoint_every_s,
             "fragments": cfg.outer.fragments,
             "tokens_per_step": cfg.inner.batch_size * cfg.model.block_size, "chaos": chaos, "baseline": None}

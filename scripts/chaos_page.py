@@ -59,8 +59,9 @@ def markdown(payload: dict[str, Any]) -> str:
         + "".join(f" `--set {kv}`" for kv in payload.get("overrides") or ()) + f", {len(a['learners'])} learners, "
         f"{payload['duration_s']:.0f} s of training, seed {payload['seed']}, {kills} kill -9 + restart and {stops} "
         f"SIGSTOP/SIGCONT, {'quick' if payload['quick'] else 'full'} run, "
-        + (f"checkpoints every {payload['checkpoint_every_s']:g} s and restarts resume from them):"
-           if payload.get("checkpoint_every_s") else "restarts start afresh):"),
+        + (f"checkpoints every {payload['checkpoint_every_s']:g} s and restarts resume from them"
+           if payload.get("checkpoint_every_s") else "restarts start afresh")
+        + (f"; {_bench.code_line(payload['code'])}):" if payload.get("code") else "):"),  # runs before 2026-12-05: none
         "",
         "| measure | result | target | verdict |",
         "|---|---|---|---|",

@@ -131,6 +131,10 @@ def test_report_from_a_small_payload(tmp_path: Path) -> None:
     assert "61.1%" in md and "FAIL" in md and "1 x round exceeded N s" in md
     assert "Restart l1.1: spawned at 35 s, up at 45 s (start-up 10 s), trained 100 s" in md
     assert (tmp_path / "chaos.png").stat().st_size > 0
+    assert "sources digest" not in md  # a run recorded before runs named their code
+    payload["code"] = {"label": None, "commit": "abc1234", "changed": [], "sources_sha256": "0123456789abcdef"}
+    chaos.write(payload, tmp_path)
+    assert "commit abc1234; sources digest 0123456789abcdef" in (tmp_path / "README.md").read_text()
 
 
 def test_resumed_incarnation_counts_its_steps_from_the_checkpoint(tmp_path: Path) -> None:
