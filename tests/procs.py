@@ -24,8 +24,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import pytest
+
 from p2p_diloco.core.waiting import poll_until
 from p2p_diloco.local.launcher import ChildExited, ChildProcess, cli_argv
+
+HEAVY = pytest.mark.xdist_group("heavy")
+"""The integration tests that run four or more learner processes on a timing premise (a pause, a kill, a slow
+learner's share): they run one after another on one pytest-xdist worker (``--dist loadgroup``), never two at once,
+while the tier's other tests share the other workers (on 3 workers without it, a straggler test failed once: two such
+tests at once are more learners than 2 cores pace)."""
 
 START_TIMEOUT_S = 60.0
 """Generous: importing hivemind (which imports torch) takes 3-10 s on a busy 2-core machine."""

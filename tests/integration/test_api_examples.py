@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from procs import ProcGroup, start_bootstrap
+from procs import HEAVY, ProcGroup, start_bootstrap
 from test_learner_swarm import events, final_summary, write_profile
 
 pytestmark = pytest.mark.integration
@@ -43,6 +43,7 @@ def clock_config(tmp: Path) -> Path:
     return path
 
 
+@HEAVY
 def test_both_examples_a_refused_call_and_a_cli_learner_share_one_model(tmp_path: Path) -> None:
     """One swarm of four: the plain loop, the Trainer, the library learner that makes the bad call and a
     ``p2p-diloco join`` learner (one swarm for all: a swarm each took the suite's time thrice for the same

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from procs import ProcGroup, start_bootstrap
+from procs import HEAVY, ProcGroup, start_bootstrap
 from test_learner_swarm import START_ALLOWANCE_S, TINY, events, final_summary, print_discards, start_learner, \
     write_profile
 
@@ -50,6 +50,7 @@ def committed(path: Path) -> list[dict[str, Any]]:
     return [e for e in events(path) if e["event"] == "round" and e["outcome"] == "committed"] if path.exists() else []
 
 
+@HEAVY
 def test_groups_from_the_clock_commit_over_hivemind_and_go_on_without_a_killed_member(tmp_path: Path) -> None:
     profile = write_profile(tmp_path, "paced")
     names = ("a", "b", "victim")

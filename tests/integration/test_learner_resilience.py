@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from procs import ProcGroup, start_bootstrap
+from procs import HEAVY, ProcGroup, start_bootstrap
 from test_learner_swarm import TINY, events, final_summary, print_discards, start_learner, write_profile
 
 from p2p_diloco.core.waiting import poll_until
@@ -94,6 +94,7 @@ def test_kill_mid_allreduce_survivors_discard_then_go_on(tmp_path: Path) -> None
     assert a["anchor_hashes"] == b["anchor_hashes"] and a["versions"] == b["versions"], (a, b)
 
 
+@HEAVY
 def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> None:
     from p2p_diloco.averaging.decisions import donor_order
     from p2p_diloco.net.keys import load_or_create_identity

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from procs import ProcGroup, Proc, start_bootstrap
+from procs import HEAVY, ProcGroup, Proc, start_bootstrap
 
 pytestmark = pytest.mark.integration
 
@@ -63,6 +63,7 @@ def print_discards(path: Path) -> None:
             print(f"  {path.stem} discarded f{e['fragment']} v{e['version']} at step {e['step']}: {e['reason']}")
 
 
+@HEAVY
 def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     """Swarm-clock schedule: a 3x slower learner meets the fast ones at the same DHT-time boundaries and
     brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import pytest
 
-from procs import Proc, ProcGroup, start_bootstrap
+from procs import HEAVY, Proc, ProcGroup, start_bootstrap
 from test_learner_swarm import TINY, events, final_summary
 
 from p2p_diloco.core.config import load_config
@@ -126,6 +126,7 @@ def check_back_within_3_rounds(tmp: Path, names: list[str], victim: str, resumed
         assert tried < 3, ours[:tried + 2]
 
 
+@HEAVY
 def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path) -> None:
     n, pauses = 2, (8.0, TTL_S + 6.0)  # the second past the record's lifetime: the partner sees it gone
     names = [f"l{i}" for i in range(n)]
@@ -152,6 +153,7 @@ def test_a_stopped_learner_comes_back_to_the_one_model(tmp_path: Path) -> None:
     check_identical(finals)
 
 
+@HEAVY
 def test_a_member_that_gave_up_on_a_round_its_partner_committed_commits_it_late(tmp_path: Path) -> None:
     spec = "blind@reading-verdicts:fragment=0:at=6:seconds=8"  # a few rounds in; longer than the commit timeout
     with ProcGroup(tmp_path) as procs:

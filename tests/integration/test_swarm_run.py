@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import ProcGroup
+from procs import HEAVY, ProcGroup
 
 from p2p_diloco.core.waiting import poll_until
 
@@ -122,10 +122,13 @@ def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:
                    detail=lambda: "processes left behind: " + ", ".join(
                        f"{pid} ({Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r})" for pid in started if alive(pid)))
     report = json.loads((out / "summary.json").read_text())
-    assert len(report["learners"]) == 2 and all(f["steps"] > 0 for f in report["learners"].values())
+    # both learners stopped gracefully and reported; the swarm trained (Ctrl+C comes at "2 live": under load one
+    # learner may not have taken its first step by then, and reports 0 steps -- a 3-worker suite run did)
+    assert len(report["learners"]) == 2 and sum(f["steps"] for f in report["learners"].values()) > 0, report["learners"]
     assert "interrupted: not computed" in report["reference"]["why"]  # Ctrl+C: no reference computed after it
 
 
+@HEAVY
 def test_chaos_kills_a_learner_and_it_rejoins(tmp_path: Path) -> None:
     """--chaos: kill -9 of the last learner at 1/3 of the run, a new one in its place at 1/2; the new one
     downloads the current anchors (it is behind on every fragment: a late joiner, from version 0) and takes part
