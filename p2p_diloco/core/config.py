@@ -128,7 +128,7 @@ CODECS = ("fp32", "fp16", "int8", "int4")
 ROBUST = ("none", "clip", "trim")
 SCHEDULES = ("clock", "steps")
 GROUPINGS = ("heal", "grid")
-MATCHMAKINGS = ("dht", "clock")
+MATCHMAKINGS = ("auto", "clock", "dht")
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,11 @@ class AveragingConfig:
     groups: str = _f("heal", "'heal': capped groups that commit side by side are forks, the losing side adopts the "
                      "winner's anchor; 'grid': each round's groups of at most target_group_size lie on a grid that "
                      "changes every round, every group keeps its update and anchors converge (docs/design.md).")
-    matchmaking: str = _f("dht", "How a round's group forms: 'dht' (hivemind's matchmaking: a DHT search and a leader's "
-                          "window) or 'clock' (the group is a pure function of the sync clock's round and the live "
-                          "records every member holds: no search, no window; needs averaging.schedule = 'clock'; "
-                          "docs/design.md 'Rounds that cost their bytes').")
+    matchmaking: str = _f("auto", "How a round's group forms: 'clock' (the group is a pure function of the sync clock's "
+                          "round and the live records every member holds: no search, no window; needs "
+                          "averaging.schedule = 'clock' and groups = 'heal'; docs/design.md 'Rounds that cost their "
+                          "bytes'), 'dht' (hivemind's matchmaking: a DHT search and a leader's window) or 'auto' "
+                          "(the default: 'clock' where it applies, else 'dht').")
     window_s: float = _f(2.0, "Initial matchmaking window: how long the first peer of a round waits for the others.")
     window_min_s: float = _f(1.0, "Lower bound of the adaptive matchmaking window.")
     window_max_s: float = _f(10.0, "Upper bound of the adaptive matchmaking window.")
@@ -201,7 +202,10 @@ class AveragingConfig:
 
     @property
     def clock_groups(self) -> bool:
-        """Do rounds meet in groups from the clock (``matchmaking = 'clock'``)?"""
+        """Do rounds meet in groups from the clock (``matchmaking = 'clock'``, or 'auto' where the schedule is the
+        clock's and the groups heal)?"""
+        if self.matchmaking == "auto":
+            return self.schedule == "clock" and self.groups == "heal"
         return self.matchmaking == "clock"
 
 
@@ -531,13 +535,14 @@ def validate(cfg: Config) -> None:
     _require(a.shutdown_timeout_s > 0, "averaging.shutdown_timeout_s", f"must be > 0, got {a.shutdown_timeout_s}")
     _require(a.matchmaking in MATCHMAKINGS, "averaging.matchmaking",
              f"must be one of {', '.join(MATCHMAKINGS)}, got {a.matchmaking!r}")
-    _require(a.matchmaking != "clock" or (a.schedule == "clock" and a.groups != "grid"), "averaging.matchmaking",
+    _require(a.matchmaking != "clock" or (a.schedule == "clock" and a.groups == "heal"), "averaging.matchmaking",
              f"'clock' needs averaging.schedule = 'clock' and averaging.groups = 'heal' (grid cells: not yet), got "
              f"{a.schedule!r} and {a.groups!r}")
     _require(a.schedule in SCHEDULES, "averaging.schedule", f"must be one of {', '.join(SCHEDULES)}, got {a.schedule!r}")
-    _require(a.sync_period_s == 0 or a.sync_period_s > a.window_max_s, "averaging.sync_period_s",
-             f"must be 0 or exceed averaging.window_max_s={a.window_max_s} (a round must fit in a period), "
-             f"got {a.sync_period_s}")
+    _require(a.sync_period_s >= 0, "averaging.sync_period_s", f"must be >= 0, got {a.sync_period_s}")
+    _require(a.sync_period_s == 0 or a.clock_groups or a.sync_period_s > a.window_max_s, "averaging.sync_period_s",
+             f"must be 0 or exceed averaging.window_max_s={a.window_max_s} under hivemind's matchmaking (a round "
+             f"must fit in a period), got {a.sync_period_s}")
     _require(a.sync_period_s == 0 or a.schedule == "clock", "averaging.sync_period_s",
              f"is only used with averaging.schedule = \"clock\" (schedule is {a.schedule!r}); set one or the other")
     _require(a.record_ttl_s > 0, "averaging.record_ttl_s", f"must be > 0, got {a.record_ttl_s}")

@@ -17,6 +17,7 @@ Figures are printed (``-s``); only loose bounds are asserted (the machine is sha
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,10 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     brings fewer tokens; its weight share is its token share (+-20%), and nobody waits for it."""
     fast = write_profile(tmp_path, "fast")
     slow = write_profile(tmp_path, "slow", slowdown=3.0)
-    # the derived clock: H x the median step time (1 s) is below the floor (window_max_s + commit_timeout_s = 5 s).
-    # When the slow learner leads the clock, it derives the first period from its own first steps alone (1.8 s each:
-    # 18 s, a round or two in the run; CI failed so): it must retune to the floor once it reads the others. 30 s of
-    # training: in 20 s a round lost under the suite's load (a reducer starved of CPU) left the slow learner
-    # without a commit of one fragment
+    # the derived clock (groups from the clock, the default on the clock's schedule): no window floor, the period is
+    # the work's. When the slow learner leads the clock, it derives the first period from its own first steps alone:
+    # it retunes once it reads the others. 30 s of training: in 20 s a round lost under the suite's load (a reducer
+    # starved of CPU) left the slow learner without a commit of one fragment
     clock = ("--set", "averaging.schedule=clock", "--set", "averaging.window_max_s=2.0", "--set",
              "averaging.window_s=1.5", "--set", "inner.total_steps=200", "--steps", "100000",
              "--max-time", str(30 + START_ALLOWANCE_S), "--wait-peers", "3", "--linger", "15")
@@ -111,16 +111,11 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
     leader = min(finals, key=lambda n: finals[n]["peer_id"])
     assert leaders == [leader], (leaders, leader)
     published = [e for e in events(tmp_path / f"{leader}.jsonl") if e["event"] == "clock"]
-    # the period depends on the measured step times (at least the floor 2 x window_max_s = 4 s); the leader
-    # may retune near the end, after a follower's last read of the clock: every follower ends on a period the
-    # leader published, and the leader on its latest
+    # the period depends on the measured step times; the leader may retune near the end, after a follower's last
+    # read of the clock: every follower ends on a period the leader published, and the leader on its latest. Which
+    # period the leader derives from which step times is the clock's unit tests' (tests/unit/test_clock.py)
     periods = {e["period_s"] for e in published}
     assert all(s["sync_period_s"] in periods for s in finals.values()), (periods, finals)
     assert finals[leader]["sync_period_s"] == published[-1]["period_s"], (published, finals[leader])
-    assert min(periods) >= 4.0
-    # the floor when a fast learner leads; a slow leader retunes to it once its full read shows the others' step
-    # times, which on a loaded machine (the suite's parallel workers) may come after this 20 s run's last retune
-    # (then it ends on its own H x step): which period the leader derives from which step times is the clock's unit
-    # tests' (tests/unit/test_clock.py)
-    assert published[-1]["period_s"] == 5.0 or leader == "s", published
+    assert all(0 < p < math.inf for p in periods), periods
     assert len({tuple(s["anchor_hashes"]) for s in finals.values()}) == 1, finals

@@ -149,14 +149,26 @@ def test_a_step_that_a_missing_member_failed_is_worded_as_on_every_transport() -
 
 
 def test_the_switch_is_checked_and_leaves_earlier_hashes_alone() -> None:
-    default = load_config("tiny")
-    assert config_hash(default) == config_hash(load_config("tiny", ["averaging.matchmaking=dht"]))
-    clock = ["averaging.schedule=clock", "averaging.matchmaking=clock"]
-    assert config_hash(load_config("tiny", clock[:1])) != config_hash(load_config("tiny", clock))
+    on_clock = ["averaging.schedule=clock"]
+    default = load_config("tiny", on_clock)
+    assert default.averaging.matchmaking == "auto" and default.averaging.clock_groups  # the clock's schedule, healing
+    assert config_hash(default) == config_hash(load_config("tiny", [*on_clock, "averaging.matchmaking=clock"]))
+    matchmaking = load_config("tiny", [*on_clock, "averaging.matchmaking=dht"])
+    assert not matchmaking.averaging.clock_groups and config_hash(matchmaking) != config_hash(default)
+    # 'auto' on the step schedule (tiny's) is hivemind's matchmaking, hashed as before groups from the clock existed
+    steps = load_config("tiny")
+    assert steps.averaging.schedule == "steps" and not steps.averaging.clock_groups
+    assert config_hash(steps) == config_hash(load_config("tiny", ["averaging.matchmaking=dht"]))
+    grid = load_config("tiny", [*on_clock, "averaging.groups=grid", "averaging.target_group_size=2", "outer.codec=fp32"])
+    assert not grid.averaging.clock_groups
     with pytest.raises(ConfigError, match="averaging.matchmaking"):
         load_config("tiny", ["averaging.matchmaking=gossip"])
     with pytest.raises(ConfigError, match="averaging.matchmaking"):
-        load_config("tiny", ["averaging.matchmaking=clock", "averaging.schedule=steps"])
+        load_config("tiny", ["averaging.matchmaking=clock"])  # tiny's step schedule
+    # a fixed period under 'window_max_s' is only refused where a matchmaking window must fit in it
+    assert load_config("tiny", [*on_clock, "averaging.sync_period_s=2"]).averaging.sync_period_s == 2
+    with pytest.raises(ConfigError, match="averaging.sync_period_s"):
+        load_config("tiny", [*on_clock, "averaging.sync_period_s=2", "averaging.matchmaking=dht"])
 
 
 # ------------------------------------------------------------------ engines on the in-process network
