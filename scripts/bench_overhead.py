@@ -103,9 +103,6 @@ class IdleAveraging:
     def wait_ready(self, timeout_s: float) -> None:
         pass
 
-    def set_anchor(self, version: int, anchor: str) -> None:
-        pass
-
     def vouch(self, version: int, anchor: str) -> None:
         pass
 

@@ -9,9 +9,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-DECLARE_DEADLINE_S = 60.0
-"""How long a test waits for a donor's declaration to be readable (a loaded machine: generous)."""
-
 
 @contextlib.contextmanager
 def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapping[str, torch.Size],
@@ -40,20 +37,6 @@ def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapp
             p.shutdown()
         for d in dhts:
             d.shutdown()
-
-
-def wait_declared(dht: Any, donor: Any, priority: float, timeout_s: float = DECLARE_DEADLINE_S) -> None:
-    """Until ``donor``'s state-sharing declaration (what newcomers rank donors by) is readable at ``priority``."""
-    from p2p_diloco.core.waiting import poll_until
-
-    key = f"{donor.prefix}.all_averagers"
-
-    def declared() -> bool:
-        found = dht.get(key, latest=True)
-        values = [v.value for v in found.value.values()] if found is not None and isinstance(found.value, dict) else []
-        return any(isinstance(v, float) and v >= priority for v in values)
-
-    poll_until(declared, timeout_s, f"the donor's declaration at {priority}")
 
 
 def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]], cfg: Any, tokens: Sequence[int],

@@ -4,13 +4,16 @@ returns, and tries every declared peer, behind us or not. Ours tries the donors 
 a donor silent past the link's deadline (never one that progresses), and refuses an anchor that no peer but its
 donor vouched for.
 
+The donors are the live learners the caller's view holds, ranked by what it saw them hold: no averager declares
+itself a donor in the DHT (hivemind's state-sharing declarations were a store at every commit and a read before
+each download, about 8% of a learner's control-plane bytes, and a departed learner's stayed until it expired).
+
 A mixin of :class:`~p2p_diloco.averaging.process.FragmentAveragerProcess` (it runs in the averager process).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -44,17 +47,6 @@ require_hivemind(__name__)  # reads the averager's private matchmaking state (it
 logger = logging.getLogger(__name__)
 
 
-def declared_priorities(found: Any) -> dict[str, float]:
-    """The state-sharing priorities declared under a fragment's ``all_averagers`` key (a DHT read), by base58 peer
-    id; a malformed declaration is skipped, not trusted."""
-    priorities: dict[str, float] = {}
-    for subkey, item in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-        with contextlib.suppress(Exception):
-            if isinstance(item.value, (int, float)) and not isinstance(item.value, bool):
-                priorities[PeerID(subkey).to_base58()] = float(item.value)
-    return priorities
-
-
 class StateDownloads:
     """The averager's side of a state download (mixed into the averager process class)."""
 
@@ -70,22 +62,25 @@ class StateDownloads:
     state_compression: Any
     get_stub: Callable[..., Any]
 
-    def download_state(self, ours: tuple[int, str], timeouts: DownloadTimeouts) -> MPFuture:
-        """(host) Download a state ahead of ``ours`` from the donors of :func:`donor_order`, trying the next on
-        any failure (a donor silent for ``timeouts.silence_s`` has failed; one that progresses is never cut off);
-        the future's result is ``(FetchedState | None, attempts, bytes received from all donors)``."""
+    def download_state(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]],
+                       timeouts: DownloadTimeouts) -> MPFuture:
+        """(host) Download a state ahead of ``ours`` from ``donors`` (base58 peer id -> the (version, anchor hash) the
+        caller saw it hold) in :func:`donor_order`, trying the next on any failure (a donor silent for
+        ``timeouts.silence_s`` has failed; one that progresses is never cut off); the future's result is
+        ``(FetchedState | None, attempts, bytes received from all donors)``."""
         future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, silence_s=timeouts.silence_s)))
+        priorities = {peer: sharing_priority(*rank) for peer, rank in donors.items()}
+        self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, priorities=priorities,
+                                                            silence_s=timeouts.silence_s)))
         return future
 
-    async def _download_state(self, future: MPFuture, ours: tuple[int, str], silence_s: float) -> None:
+    async def _download_state(self, future: MPFuture, ours: tuple[int, str], priorities: Mapping[str, float],
+                              silence_s: float) -> None:
         attempts: list[tuple[str, str, float]] = []  # (donor, "ok" or why not, seconds)
         received = [0]  # wire bytes from every donor, counted as they arrive (an aborted stream's too)
         try:
             assert self.layout is not None and self.fragment is not None, "download_state needs fragment and layout"
             names, shapes = self.layout
-            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-            priorities = declared_priorities(await self.dht.get(key, latest=True, return_future=True))
             cap = state_size_cap([shapes[n] for n in names])
             expected = [shapes[n] for n in names] * 2  # the anchor then the momentum, in names order
             for donor in donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]:
@@ -96,7 +91,7 @@ class StateDownloads:
                     fetched = await asyncio.get_event_loop().run_in_executor(
                         None, parse_state, metadata, tensors, self.fragment, names, shapes, ours)
                     if fetched is None:
-                        raise ValueError("its state is not ahead of ours (its declaration was stale)")
+                        raise ValueError("its state is not ahead of ours (our view of it was stale)")
                     await self._check_vouched(fetched.version, fetched.anchor_hash, donor)
                 except Exception as e:  # this donor failed us (died, stalled, sent too much or bad data): the next
                     if isinstance(e, PeerDataError):  # it sent something our checks refuse

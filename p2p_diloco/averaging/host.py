@@ -33,7 +33,6 @@ from p2p_diloco.averaging.decisions import (
     parse_gathered,
     quorum_problem,
     relative_distance,
-    sharing_priority,
     version_group_bits,
     vouch_key,
 )
@@ -59,17 +58,10 @@ from p2p_diloco.sync.fragment import Contribution
 
 logger = logging.getLogger(__name__)
 
-DECLARE_STATE_PERIOD_S = 30.0
-"""hivemind re-declares each averager as a state donor this often (its default; and at every commit, when its
-priority changes): every declaration is a store that the fragment's whole donor list answers, so it
-grows with the swarm; a departed donor's stays up to this long, and a download tries the next one."""
 VERDICT_POLL_S = (0.05, 0.1, 0.2, 0.4)
 """Seconds between two reads of a round's verdicts, the last one repeated: each read is a DHT search that the
 nodes nearest the key answer with every verdict posted so far, so a member waiting on a slow one stops
 re-reading 20 times a second (the control-plane bench counted the verdicts at 28% of the control plane)."""
-WITHDRAW_TIMEOUT_S = 0.5
-"""How long leaving waits for the DHT to take our withdrawn state declaration (:func:`
-withdraw_state`)."""
 SET_TIMEOUTS_DEADLINE_S = 10.0
 """How long a round waits for its averager process to take its timeouts (a control-pipe message: milliseconds
 when healthy; generous for a loaded machine)."""
@@ -276,7 +268,7 @@ class FragmentAveragerHost:
             next_chunk_timeout=floor.sender_timeout_s, sender_timeout=floor.sender_timeout_s,
             reducer_timeout=floor.reducer_timeout_s, compression=get_codec(cfg.outer.codec),
             shutdown_timeout=a.shutdown_timeout_s, allow_state_sharing=state_provider is not None,
-            declare_state_period=DECLARE_STATE_PERIOD_S, membership=membership, state_provider=state_provider,
+            membership=membership, state_provider=state_provider,
             runner_class=runner_class, report_subkey=self.report_subkey, fragment=fragment,
             robust=self.robust, layout=(self.names, {n: shapes[n] for n in self.names}),
         )
@@ -437,13 +429,14 @@ class FragmentAveragerHost:
         return self._wait(self.dht.get(key, latest=True, return_future=True), None), time.monotonic() - asked
 
     # -- state download
-    def fetch_state(self, ours: tuple[int, str], link: LinkEstimate | None = None) -> "Future[Download]":
-        """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order`, with deadlines
-        derived from its bytes and ``link`` (:func:`~p2p_diloco.averaging.linktime.download_timeouts`; None: the
-        prior, nothing measured yet)."""
-        return self._executor.submit(self._fetch, ours, link if link is not None else estimate_link([], []))
+    def fetch_state(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]],
+                    link: LinkEstimate | None = None) -> "Future[Download]":
+        """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order` from ``donors`` (peer
+        id -> the rank our view holds for it), with deadlines derived from its bytes and ``link``
+        (:func:`~p2p_diloco.averaging.linktime.download_timeouts`; None: the prior, nothing measured yet)."""
+        return self._executor.submit(self._fetch, ours, dict(donors), link if link is not None else estimate_link([], []))
 
-    def _fetch(self, ours: tuple[int, str], link: LinkEstimate) -> "Download":
+    def _fetch(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]], link: LinkEstimate) -> "Download":
         """Try the donors of :func:`donor_order` in turn; a donor silent for the derived ``silence_s`` is dropped,
         one that progresses is never; every payload is size-capped and checked (:func:`parse_state`: shapes,
         finite values, the anchor hash) before it is returned. Raises :class:`Leaving` when we leave meanwhile."""
@@ -451,7 +444,7 @@ class FragmentAveragerHost:
         t0 = time.monotonic()
         timeouts = download_timeouts(self.state_bytes, link, a)
         deadline_s = timeouts.total_s(MAX_DONORS_TRIED, VOUCH_WAIT_S) + a.request_timeout_s
-        fetched, attempts, received = self._wait(self.averager.download_state(ours, timeouts), deadline_s)
+        fetched, attempts, received = self._wait(self.averager.download_state(ours, donors, timeouts), deadline_s)
         return Download(fetched, tuple(attempts), time.monotonic() - t0, received, timeouts)
 
     def vouch(self, version: int, anchor: str) -> None:
@@ -467,11 +460,6 @@ class FragmentAveragerHost:
                                 subkey=self.report_subkey, return_future=True)
         stored.add_done_callback(logged)
 
-    def set_anchor(self, version: int, anchor: str) -> None:
-        """Advertise our anchor's rank as state-sharing priority (donors ahead in :func:`anchor_order` first)."""
-        if self.averager.allow_state_sharing:
-            self.averager.state_sharing_priority = sharing_priority(version, anchor)
-
     def refusals(self) -> int:
         """Requests from non-members that our handlers refused so far."""
         return int(self.averager.refused.value)
@@ -480,30 +468,10 @@ class FragmentAveragerHost:
         return int(self.averager.bytes_sent.value), int(self.averager.bytes_received.value)
 
     def shutdown(self) -> None:
-        """Cancel what is in flight (:meth:`cancel`: not waited for), withdraw our state declaration and stop the
-        averager process."""
+        """Cancel what is in flight (:meth:`cancel`: not waited for) and stop the averager process."""
         self.cancel()
-        withdraw_state(self)
         self._executor.shutdown(wait=False, cancel_futures=True)
         procguard.stop_process(self.averager, f"averager of fragment {self.fragment}")
-
-
-def withdraw_state(host: FragmentAveragerHost) -> None:
-    """Leaving: replace ``host``'s state-sharing declaration with none, so that newcomers do not try a donor that has
-    gone (they dialled it first and waited out a dial back-off, until the declaration expired). The averager
-    stops declaring, and we store the withdrawal ourselves (a newer expiration under our subkey wins), waiting
-    at most :data:`WITHDRAW_TIMEOUT_S`; a failure is logged, not raised: we leave anyway."""
-    if not host.averager.is_alive() or not host.averager.allow_state_sharing:
-        return
-    host.averager.allow_state_sharing = False
-    stored = host.dht.store(f"{host.prefix}.all_averagers", None, get_dht_time() + DECLARE_STATE_PERIOD_S,
-                            subkey=host.dht.peer_id.to_bytes(), return_future=True)
-    try:
-        if not stored.result(timeout=WITHDRAW_TIMEOUT_S):
-            logger.info("fragment %d: no DHT node took our withdrawn state declaration", host.fragment)
-    except Exception as e:  # a timeout or a DHT already stopping: newcomers skip us once it expires
-        logger.info("fragment %d: withdrawing our state declaration failed (%s: %s)", host.fragment,
-                    type(e).__name__, e)
 
 
 def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],

@@ -161,6 +161,11 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
             else:
                 future.cancel()
 
+    async def _declare_for_download_periodically(self) -> None:
+        """Declares nothing: hivemind stores each averager's state-sharing priority in the DHT at start, at every
+        change of it and every ``declare_state_period``, for its own ``load_state_from_peers``; ours downloads from
+        the donors the learner's view ranks (:mod:`.downloads`), so those stores would only cost bytes."""
+
     # -- per-round timeouts (:mod:`linktime`): hivemind reads these attributes afresh for every round
     def set_round_timeouts(self, timeouts: RoundTimeouts) -> MPFuture:
         """(host) Use ``timeouts`` from the next round on; the future's result is what the averager process then

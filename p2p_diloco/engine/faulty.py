@@ -47,11 +47,8 @@ class FaultyHost:
     def decline(self, context: RoundContext) -> None:
         self.host.decline(context)
 
-    def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
-        return self.host.fetch_state(ours, link)
-
-    def set_anchor(self, version: int, anchor: str) -> None:
-        self.host.set_anchor(version, anchor)
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
+        return self.host.fetch_state(ours, donors, link)
 
     def vouch(self, version: int, anchor: str) -> None:
         self.host.vouch(version, anchor)

@@ -74,8 +74,8 @@ class FragmentLink:
     (:meth:`context`: the host plans the round from it) and with each download our link estimate. Called on the
     training thread only."""
 
-    def __init__(self, host: Host, rounds: Rounds) -> None:
-        self.host, self.rounds = host, rounds
+    def __init__(self, host: Host, rounds: Rounds, fragment: int) -> None:
+        self.host, self.rounds, self.fragment = host, rounds, fragment
 
     def start_round(self, contribution: Contribution) -> Future[Any]:
         return self.host.start_round(contribution, self.context(contribution.fragment))
@@ -95,13 +95,14 @@ class FragmentLink:
         self.host.decline(self.context(fragment))
 
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
-        return self.host.fetch_state(ours, self.rounds.link.estimate())
+        """Download a state ahead of ``ours`` from the other live learners our view holds, ranked by what it saw them
+        hold (the download tries the best first and checks what it gets)."""
+        donors = dict(fragment_peers(self.rounds.view, self.fragment))
+        return self.host.fetch_state(ours, donors, self.rounds.link.estimate())
 
     def anchor_changed(self, version: int, anchor_hash: str) -> None:
-        """Our anchor moved (a commit, a checked download, the start or a verified restore): rank ourselves as a
-        donor by it, and vouch for it -- what a peer downloading it from another donor checks. Version 0 is
-        everyone's seeded start: nobody downloads it."""
-        self.host.set_anchor(version, anchor_hash)
+        """Our anchor moved (a commit, a checked download, the start or a verified restore): vouch for it -- what a
+        peer downloading it from another donor checks. Version 0 is everyone's seeded start: nobody downloads it."""
         if version > 0:
             self.host.vouch(version, anchor_hash)
 
@@ -132,7 +133,7 @@ class Rounds:
         self.own_id = own_id
         """Our peer id."""
         self.hosts = list(hosts)
-        self.links = [FragmentLink(h, self) for h in hosts]
+        self.links = [FragmentLink(h, self, f) for f, h in enumerate(hosts)]
         self.syncs = [FragmentSync(s, replica, cfg.outer, link, hash_anchor=anchor_hash)
                       for s, link in zip(slots, self.links)]
         self.spread_window_s = cfg.averaging.window_s

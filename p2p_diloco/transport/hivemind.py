@@ -67,11 +67,8 @@ class AveragerLink:
                         else torch.zeros_like(slot.anchor[n]) for n in slot.names}
         return replace(contribution, tensors={**contribution.tensors, **anchor, **momentum})
 
-    def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
-        return self.averager.fetch_state(ours, link)
-
-    def set_anchor(self, version: int, anchor: str) -> None:
-        self.averager.set_anchor(version, anchor)
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
+        return self.averager.fetch_state(ours, donors, link)
 
     def vouch(self, version: int, anchor: str) -> None:
         self.averager.vouch(version, anchor)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -332,11 +332,13 @@ class Hub:
 
     # ------------------------------------------------------------ downloads
 
-    def fetch(self, member: Member, fragment: int, ours: Rank) -> Future[Download]:
-        """The state of ``fragment`` from the live member ranked best ahead of ``ours`` (none: nothing newer)."""
+    def fetch(self, member: Member, fragment: int, ours: Rank, donors: Collection[str]) -> Future[Download]:
+        """The state of ``fragment`` from the live member among ``donors`` (peer ids: the member's view's) ranked best
+        ahead of ``ours`` by what it holds now (none: nothing newer)."""
         t0, done = time.monotonic(), Future[Download]()
-        donors = [(m, m.ranks()[fragment]) for m in self.others(member)]
-        ahead = sorted(((m, r) for m, r in donors if is_ahead(r, ours)), key=lambda d: anchor_order(*d[1]),
+        wanted = set(donors)
+        candidates = [(m, m.ranks()[fragment]) for m in self.others(member) if m.peer_id in wanted]
+        ahead = sorted(((m, r) for m, r in candidates if is_ahead(r, ours)), key=lambda d: anchor_order(*d[1]),
                        reverse=True)
         if not ahead:
             done.set_result(Download(None, (), time.monotonic() - t0))
@@ -419,11 +421,8 @@ class InProcessHost:
         if boundary_ms >= 0:
             self.hub.decline(self.member, self.fragment, boundary_ms)
 
-    def fetch_state(self, ours: Rank, link: LinkEstimate | None = None) -> Future[Download]:
-        return self.hub.fetch(self.member, self.fragment, ours)
-
-    def set_anchor(self, version: int, anchor: str) -> None:
-        """Nothing to advertise: the hub reads the members' slots."""
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
+        return self.hub.fetch(self.member, self.fragment, ours, donors)
 
     def vouch(self, version: int, anchor: str) -> None:
         """Nothing to sign: the hub's downloads are its members' own state."""

@@ -16,7 +16,6 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from averagers import wait_declared
 
 from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
 from p2p_diloco.averaging.decisions import anchor_hash
@@ -60,13 +59,14 @@ def round_of(peers: list[FragmentAveragerHost], group_id: str = "") -> list[Any]
 
 def test_keyed_non_member_is_refused_by_the_averaging_handlers(tmp_path: Path) -> None:
     with keyed_swarm(tmp_path) as (a, b, c):
-        by_b = b.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        donors = {a.dht.peer_id.to_base58(): (3, anchor_hash(ANCHOR))}  # A, as a member's view holds it
+        by_b = b.fetch_state((0, "f" * 16), donors).result(timeout=DEADLINE_S)
         refused_downloads = a.refusals()
         print(f"\nB (keyed, no record) downloading A's state: {by_b}; A refused {refused_downloads} request(s)")
         assert by_b.fetched is None and refused_downloads >= 1
         assert by_b.failures, by_b  # the refusal is reported as a failed donor, not silently empty
 
-        by_c = c.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        by_c = c.fetch_state((0, "f" * 16), donors).result(timeout=DEADLINE_S)
         fetched_by_c = by_c.fetched
         assert by_c.attempts and by_c.attempts[-1][1] == "ok", by_c
         assert fetched_by_c is not None and fetched_by_c.version == 3
@@ -122,9 +122,7 @@ def keyed_swarm(tmp_path: Path) -> Iterator[tuple[FragmentAveragerHost, Fragment
             peers.append(FragmentAveragerHost(
                 CFG, 0, NAMES, SHAPES, dht, key, membership=Membership(dht, local) if name == "a" else None,
                 state_provider=provide if name == "a" else None))
-        peers[0].set_anchor(3, anchor_hash(ANCHOR))  # A declares itself a donor at version 3
-        peers[2].vouch(3, anchor_hash(ANCHOR))  # and C signs that anchor, as A's co-committer of v3 would have
-        wait_declared(dhts[2], peers[0], 3.0)
+        peers[2].vouch(3, anchor_hash(ANCHOR))  # C signs A's anchor of v3, as A's co-committer of v3 would have
         yield peers[0], peers[1], peers[2]
     finally:
         for p in peers:

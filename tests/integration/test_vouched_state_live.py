@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 import pytest
 import torch
-from averagers import averaging_swarm, wait_declared
-from p2p_diloco.averaging.decisions import anchor_hash, sharing_priority, vouch_key
+from averagers import averaging_swarm
+from p2p_diloco.averaging.decisions import anchor_hash, vouch_key
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.engine.view import vouched_heads
@@ -25,15 +25,13 @@ def test_a_fabricated_newer_anchor_is_refused_and_the_next_donor_used(tmp_path: 
                  None]  # the newcomer
     with averaging_swarm(tmp_path, CFG, NAMES, SHAPES, (ExactAllReduceRunner,) * 4, providers) as peers:
         liar, donor, witness, newcomer = peers
-        liar.set_anchor(6, fake_hash)
-        donor.set_anchor(5, honest_hash)
         liar.vouch(6, fake_hash)  # signing for itself is not enough
         donor.vouch(5, honest_hash)
         witness.vouch(5, honest_hash)
-        wait_declared(newcomer.dht, liar, sharing_priority(6, fake_hash))
-        wait_declared(newcomer.dht, donor, sharing_priority(5, honest_hash))
-
-        got = newcomer.fetch_state((0, "f" * 16)).result(timeout=DEADLINE_S)
+        # the donors as the newcomer's view holds them (from their records): the liar claims v6
+        donors = {liar.dht.peer_id.to_base58(): (6, fake_hash), donor.dht.peer_id.to_base58(): (5, honest_hash),
+                  witness.dht.peer_id.to_base58(): (5, honest_hash)}
+        got = newcomer.fetch_state((0, "f" * 16), donors).result(timeout=DEADLINE_S)
         print(f"\nattempts: {[(d[-8:], why, round(s, 2)) for d, why, s in got.attempts]}")
         tried = [d for d, _, _ in got.attempts]
         assert tried[0] == liar.dht.peer_id.to_base58(), got.attempts  # the liar ranks first: it claims v6

@@ -64,12 +64,9 @@ class _Host:
         self.calls.append(("start_round", contribution.fragment))
         return _done("outcome")
 
-    def fetch_state(self, ours: Any, link: Any = None) -> Future[Any]:
-        self.calls.append(("fetch_state", ours, link))
+    def fetch_state(self, ours: Any, donors: Any, link: Any = None) -> Future[Any]:
+        self.calls.append(("fetch_state", ours, donors, link))
         return _done("download")
-
-    def set_anchor(self, version: int, anchor: str) -> None:
-        self.calls.append(("set_anchor", version, anchor))
 
     def vouch(self, version: int, anchor: str) -> None:
         self.calls.append(("vouch", version, anchor))
@@ -96,14 +93,13 @@ def test_faulty_host_hits_before_send_then_passes_everything_through(armed: Any,
     with pytest.raises(faults.FaultInjected, match=r"raise@before-send:fragment=1:at=2 \(hit 2\)"):
         host.start_round(offer[1], plan)  # raised on the training thread, before the host sees the contribution
     assert "FAULT fired: raise@before-send:fragment=1:at=2 (hit 2" in capfd.readouterr().err
-    assert host.fetch_state((3, "ab"), None).result() == "download"
-    host.set_anchor(3, "ab")
+    assert host.fetch_state((3, "ab"), {"QmA": (4, "cd")}, None).result() == "download"
     host.vouch(3, "ab")
     host.cancel()
     host.shutdown()
     assert host.bytes_total() == (3, 4) and host.prefix == "run-f0"
-    assert inner.calls == [("start_round", 0), ("start_round", 1), ("fetch_state", (3, "ab"), None),
-                           ("set_anchor", 3, "ab"), ("vouch", 3, "ab"), ("cancel",), ("shutdown",)]
+    assert inner.calls == [("start_round", 0), ("start_round", 1), ("fetch_state", (3, "ab"), {"QmA": (4, "cd")}, None),
+                           ("vouch", 3, "ab"), ("cancel",), ("shutdown",)]
 
 
 def test_the_join_loops_faulty_learner_runs_on_a_faulty_network_and_hits_inner_step_first(

@@ -253,8 +253,8 @@ def test_a_learner_that_leaves_leaves_the_others_averaging_as_a_pair(cfg: Config
     """A learner leaves mid-run (its ``with`` block ends: the final rounds, the linger, its tombstone): the others'
     next rounds form without it and commit as a pair, on every fragment, and the two end identical. (Replaces the
     integration test of a graceful leave beside two learners; the process side of a leave -- SIGTERM, exit 0, the
-    tombstone published, no process left -- is tests/integration/test_signals.py's, and the others passing over a
-    tombstoned peer test_withdrawn_donor_live.py's.)"""
+    tombstone published, no process left -- is tests/integration/test_signals.py's, and a download passing over a
+    tombstoned peer test_learner_status.py's.)"""
     torch.set_num_threads(1)
     hub = Hub(cfg)
     loops = {name: Loop(hub, cfg, name, seed, steps=steps, pace_s=STEP_S, wait_peers=3, linger_s=linger_s)

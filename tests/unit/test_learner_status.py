@@ -154,3 +154,40 @@ def test_a_learner_waiting_for_peers_joins_a_swarm_that_already_trains() -> None
     assert not swarm_started(["leaving"])  # a swarm that ended is no swarm to join
     assert swarm_started(["joining", "training"])
     assert swarm_started(["averaging"]) and swarm_started(["syncing"])
+
+
+def test_a_download_tries_the_live_learners_our_view_ranks_and_never_one_that_left() -> None:
+    """No averager declares itself a donor in the DHT: a fragment's download is handed the other live learners of
+    the view, each with the rank the view holds for it (its record, raised by the head probes). A learner that left
+    (its tombstone) is none of them, as a record of another shape is not."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+    from typing import Any
+
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.engine.rounds import FragmentLink
+    from p2p_diloco.net.records import PeerRecord
+
+    def record(peer: str, state: str, versions: tuple[int, ...]) -> Any:
+        return SimpleNamespace(peer_id=peer, record=PeerRecord(
+            run_id="r", protocol_version=1, config_hash="h", software_version="s", peer_id=peer, name=peer, state=state,
+            fragment_versions=versions, anchor_hashes=tuple(f"{peer.lower()}{v}".ljust(16, "0") for v in versions)))
+
+    slots = [SimpleNamespace(index=f, version=0) for f in range(2)]
+    owner = SimpleNamespace(cfg=load_config(None), slots=slots, joined=SimpleNamespace(peer_id="ME"))
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    snapshot = SimpleNamespace(live=lambda: [record("A", "training", (5, 4)), record("B", "leaving", (5, 3)),
+                                             record("GONE", "left", (6, 6)), record("ODD", "training", (9,)),
+                                             record("ME", "training", (5, 4))])
+    assert view.read(snapshot) is not None
+    view._heads = {"B": {1: ((4, "b4".ljust(16, "0")), math.inf)}}  # a head probe saw B vouch for v4 of fragment 1
+    view._merge()
+    asked: list[tuple[Any, ...]] = []
+
+    def fetch_state(ours: Any, donors: Any, link: Any = None) -> Future[Any]:
+        asked.append((ours, donors))
+        return Future()
+
+    rounds: Any = SimpleNamespace(view=view, link=SimpleNamespace(estimate=lambda: None))
+    FragmentLink(SimpleNamespace(fetch_state=fetch_state), rounds, 1).fetch_state((0, "0" * 16))  # type: ignore[arg-type]
+    assert asked == [((0, "0" * 16), {"A": (4, "a4".ljust(16, "0")), "B": (4, "b4".ljust(16, "0"))})]

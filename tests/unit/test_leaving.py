@@ -125,8 +125,8 @@ def test_a_round_reading_verdicts_from_a_stopped_dht_ends_when_the_learner_leave
 
 
 def test_a_download_from_a_stopped_averager_raises_leaving() -> None:
-    host = host_of(averager(None, download=lambda ours, timeouts: NeverResolved()))
-    running = host.fetch_state((3, "a" * 16))
+    host = host_of(averager(None, download=lambda ours, donors, timeouts: NeverResolved()))
+    running = host.fetch_state((3, "a" * 16), {"QmA": (4, "b" * 16)})
     took_s = cancelled_after(host, running)
     with pytest.raises(Leaving, match=LEAVING):
         running.result(timeout=0)
@@ -156,7 +156,6 @@ class Hanging:
 
     def start_background(self) -> None: ...
     def wait_ready(self, timeout_s: float) -> None: ...
-    def set_anchor(self, version: int, anchor: str) -> None: ...
     def vouch(self, version: int, anchor: str) -> None: ...
 
     def start_round(self, contribution: Contribution, plan: RoundPlan) -> Future[Any]:
