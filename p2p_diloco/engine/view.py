@@ -156,7 +156,8 @@ class SwarmView:
         self._records: dict[str, tuple[list[Rank], float]] = {}  # peer id -> ranks in its record, published at
         self._heads: dict[str, dict[int, tuple[Rank, float]]] = {}  # peer id -> fragment -> (probed rank, when)
         self._advanced: dict[int, tuple[int, float]] = {}
-        """Our fragments' versions and the DHT time a probe first saw each (-inf: held since we started)."""
+        """Our fragments' versions and the DHT time a probe first saw each (or first read the next one: see
+        :meth:`_settled`); a fragment not in it was never probed."""
         self._probes = 0
         """Head probes so far (the fragment whose own version a probe reads turns with it)."""
         self._unknown_read: dict[tuple[str, int, int], float] = {}
@@ -260,6 +261,8 @@ class SwarmView:
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
             return False
+        for f, version in wanted.values():  # read at the probe's start: see _settled
+            self._advanced.setdefault(f, (version - 1, now))
         signed = {key: owned_values(found.get(key)) for key in wanted | ours}
         if ours:
             self._read_unknown_vouchers({rank: signed[key] for key, rank in ours.items()})
@@ -291,10 +294,16 @@ class SwarmView:
     def _settled(self, slot: FragmentSlot, now: float) -> bool:
         """:func:`settled` for one of our fragments on the sync clock (never without one: the step schedule's
         rounds have no shared instants, so every fragment is probed). When the fragment advanced is when a
-        probe first saw its new version (within one view period of the commit)."""
+        probe first saw its new version (within one view period of the commit). A fragment that no probe has read
+        yet is probed; a probe that read its next version counts as an advance at the probe's start
+        (:meth:`probe_heads`): whoever was past us then is known, and nobody gets past before the next boundary.
+        (It counted as advanced long ago, so that every fragment was probed at every probe until its first commit:
+        the first period and more of a run, a learner's largest control-plane item at N = 4.)"""
         seen = self._advanced.get(slot.index)
-        if seen is None or seen[0] != slot.version:
-            seen = self._advanced[slot.index] = (slot.version, -math.inf if seen is None else now)
+        if seen is None:
+            return False
+        if seen[0] != slot.version:
+            seen = self._advanced[slot.index] = (slot.version, now)
         return self.clock is not None and settled(seen[1], self.clock.boundary(now, slot.index, len(self.learner.slots)))
 
     def look_before_training(self, stop: threading.Event) -> None:

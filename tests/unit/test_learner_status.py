@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from p2p_diloco.engine.options import published_key, publish_due, read_period_s, view_due
 from p2p_diloco.engine.view import SwarmView, known_past, settled, unknown_vouchers, vouched_heads, with_heads
 
@@ -133,7 +135,10 @@ def test_the_view_probes_a_fragment_from_its_boundary_until_it_advances() -> Non
     view = SwarmView(SimpleNamespace(cfg=load_config(None, ["averaging.sync_period_s=20.0"]), slots=slots))  # type: ignore[arg-type]
     assert view.clock == SyncClock(20.0)  # fragment 0 due at 20, 40, ...; fragment 1 at 30, 50, ...
     f0, f1 = slots
-    assert not view._settled(f0, 24.0) and not view._settled(f1, 24.0)  # held since we started: probe
+    assert not view._settled(f0, 24.0) and not view._settled(f1, 24.0)  # never probed: probe
+    view._advanced = {0: (0, 24.0), 1: (0, 24.0)}  # what a probe at 24 that read both next versions leaves
+    assert view._settled(f0, 25.0) and view._settled(f0, 39.9)  # nobody can be past us before the next boundary
+    assert not view._settled(f0, 40.0) and not view._settled(f1, 29.9)  # (fragment 1's first boundary, 30, is ahead)
     f0.version = 1  # our round of fragment 0 committed
     assert view._settled(f0, 26.0) and view._settled(f0, 39.9)  # advanced after its boundary at 20
     assert not view._settled(f0, 40.0)  # the next round: probed until it advances again
@@ -191,3 +196,37 @@ def test_a_download_tries_the_live_learners_our_view_ranks_and_never_one_that_le
     rounds: Any = SimpleNamespace(view=view, link=SimpleNamespace(estimate=lambda: None))
     FragmentLink(SimpleNamespace(fetch_state=fetch_state), rounds, 1).fetch_state((0, "0" * 16))  # type: ignore[arg-type]
     assert asked == [((0, "0" * 16), {"A": (4, "a4".ljust(16, "0")), "B": (4, "b4".ljust(16, "0"))})]
+
+
+def test_a_probe_that_read_a_next_version_settles_the_fragment_until_its_next_boundary(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its first commit a fragment was probed at every probe (it counted as advanced long ago): at N = 4 the
+    reads of all four next versions were a learner's largest control-plane item. A probe that read a fragment's next
+    version and found nobody past us settles it until its next boundary; one that failed settles nothing."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.net import membership
+
+    clock_now = [34.0]  # fragment 0's boundaries at 20, 40, ...; fragment 1's at 30, 50, ...
+    slots = [SimpleNamespace(index=f, version=3) for f in range(2)]
+    # hivemind's matchmaking: no own-version reads (every third probe under groups from the clock) to count in
+    owner = SimpleNamespace(cfg=load_config(None, ["averaging.sync_period_s=20.0", "averaging.matchmaking=dht"]),
+                            slots=slots, local=SimpleNamespace(run_id="r"), joined=SimpleNamespace(peer_id="ME", dht=None),
+                            dht_time=lambda: clock_now[0])
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    read: list[list[str]] = []
+
+    def failing(dht: object, keys: list[str]) -> dict[str, object]:
+        read.append(list(keys))
+        raise TimeoutError("no answer")
+
+    monkeypatch.setattr(membership, "read_many", failing)
+    assert not view.probe_heads() and len(read[0]) == 2  # both next versions asked; the read failed
+    assert view._advanced == {}  # nothing settled
+    monkeypatch.setattr(membership, "read_many", lambda dht, keys: read.append(list(keys)) or {})
+    assert view.probe_heads() and len(read[1]) == 2  # nobody vouches for v4 of either
+    clock_now[0] = 37.0
+    assert view.probe_heads() and len(read) == 2  # both settled (their boundaries 20 and 30 are past): nothing read
+    clock_now[0] = 40.0
+    assert view.probe_heads() and read[2] == read[1][:1]  # fragment 0's boundary at 40: it alone is probed again
