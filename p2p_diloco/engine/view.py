@@ -297,14 +297,19 @@ class SwarmView:
         probe first saw its new version (within one view period of the commit). A fragment that no probe has read
         yet is probed; a probe that read its next version counts as an advance at the probe's start
         (:meth:`probe_heads`): whoever was past us then is known, and nobody gets past before the next boundary.
-        (It counted as advanced long ago, so that every fragment was probed at every probe until its first commit:
-        the first period and more of a run, a learner's largest control-plane item at N = 4.)"""
+        A fragment whose first boundary is still ahead has none to be past: settled once a probe read it. (Both
+        counted as unsettled, so that every fragment was probed at every probe until its first commit, which
+        comes more than a period after the clock is first published: at N = 4, a minute of a learner's largest
+        control-plane item.)"""
         seen = self._advanced.get(slot.index)
         if seen is None:
             return False
         if seen[0] != slot.version:
             seen = self._advanced[slot.index] = (slot.version, now)
-        return self.clock is not None and settled(seen[1], self.clock.boundary(now, slot.index, len(self.learner.slots)))
+        if self.clock is None:
+            return False
+        boundary = self.clock.boundary(now, slot.index, len(self.learner.slots))  # the first one if none passed yet
+        return settled(seen[1], boundary if boundary <= now else -math.inf)
 
     def look_before_training(self, stop: threading.Event) -> None:
         """Joining a running swarm: read it now, before the first step, adopt its sync clock and download

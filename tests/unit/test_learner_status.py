@@ -138,7 +138,8 @@ def test_the_view_probes_a_fragment_from_its_boundary_until_it_advances() -> Non
     assert not view._settled(f0, 24.0) and not view._settled(f1, 24.0)  # never probed: probe
     view._advanced = {0: (0, 24.0), 1: (0, 24.0)}  # what a probe at 24 that read both next versions leaves
     assert view._settled(f0, 25.0) and view._settled(f0, 39.9)  # nobody can be past us before the next boundary
-    assert not view._settled(f0, 40.0) and not view._settled(f1, 29.9)  # (fragment 1's first boundary, 30, is ahead)
+    assert not view._settled(f0, 40.0) and not view._settled(f1, 30.0)
+    assert view._settled(f1, 29.9)  # fragment 1's first boundary is still ahead: nobody can be past us yet
     f0.version = 1  # our round of fragment 0 committed
     assert view._settled(f0, 26.0) and view._settled(f0, 39.9)  # advanced after its boundary at 20
     assert not view._settled(f0, 40.0)  # the next round: probed until it advances again
