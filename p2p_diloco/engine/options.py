@@ -46,8 +46,12 @@ logger = logging.getLogger(__name__)
 START_MARGIN_S = 2.0
 """How far ahead a learner proposes the common start (covers DHT propagation of the proposals)."""
 CLOCK_START_MARGIN_S = 2.0
-"""A newly derived sync clock starts this far beyond the leader's ``view_period_s`` in the future: the
-followers read the clock with the swarm, once per view period, and the read itself takes time."""
+"""A newly derived sync clock starts this far beyond :data:`CLOCK_READ_EVERY` of the leader's ``view_period_s`` in
+the future: the followers read the clock at every such head probe, and the read itself takes time."""
+CLOCK_READ_EVERY = 3
+"""A follower's head probes read the sync clock once in this many (and at any probe that reads a fragment's vouches:
+the same search carries it), its leader's at every one. A clock read at every probe, mostly alone, was a tenth of a
+learner's control-plane bytes at N = 4 (455 B/s); a retune starts this many view periods ahead instead of one."""
 CLOCK_WARMUP_STEPS = 3
 """A learner's step time is measured over at least this many steps (0, unknown, before)."""
 CLOCK_SKIP_STEPS = 5

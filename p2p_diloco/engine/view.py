@@ -16,6 +16,7 @@ from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_
 from p2p_diloco.core import events
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.engine.options import (
+    CLOCK_READ_EVERY,
     CLOCK_REPUBLISH_S,
     CLOCK_SKIP_STEPS,
     CLOCK_START_MARGIN_S,
@@ -93,13 +94,17 @@ def known_past(anchors: Iterable[list[Rank]], fragment: int, version: int) -> bo
     return any(len(ranks) > fragment and ranks[fragment][0] > version for ranks in anchors)
 
 
-def settled(advanced_at: float, boundary: float) -> bool:
-    """Our fragment advanced (a commit of ours, or a download) at DHT time ``advanced_at``, at or after its latest
-    round boundary ``boundary``: nobody can be past it before the next boundary, so a head probe need not ask.
-    Versions only grow by rounds, and a fragment's rounds start at its boundaries; a round that another group
-    committed at the same version (a fork) is the full read's to find, as before. Until it advances (its round
-    is matching, or failed, or we missed it), the fragment is probed: who got ahead is what we need then."""
-    return advanced_at >= boundary
+def settled(advanced_at: float, boundary: float, now: float) -> bool:
+    """Our fragment advanced (a commit of ours, a download, or a probe that read its next version and so knows who
+    was past us then) at DHT time ``advanced_at``, at or after its latest round boundary ``boundary`` (at ``now``;
+    a boundary still ahead is the fragment's first: none has passed to be past us at): nobody can be past it before
+    the next boundary, so a head probe need not ask. Versions only grow by rounds, and a fragment's rounds start at
+    its boundaries; a round that another group committed at the same version (a fork) is the full read's to find,
+    as before. Until it advances (its round is matching, or failed, or we missed it), the fragment is probed: who
+    got ahead is what we need then. (A first boundary ahead and a fragment only read counted as unsettled: every
+    fragment was probed at every probe until more than a period after the clock was first published, a learner's
+    largest control-plane item at N = 4.)"""
+    return boundary > now or advanced_at >= boundary
 
 
 def vouchers(signed: dict[str, Any], own: str) -> dict[str, str]:
@@ -177,6 +182,9 @@ class SwarmView:
         self._clock_published_at = self._clock_retuned_at = -math.inf
         self._clock_learners = 0  # how many learners' step times the current period was derived from
         self._untimed = False  # we lead the clock and a training learner's step time is not known yet
+        self._leading = False  # we derive the clock (the smallest peer id among the training learners, at our last look)
+        self.clock_read = False
+        """Did the last head probe read the sync clock (:data:`CLOCK_READ_EVERY`)?"""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
 
@@ -234,8 +242,8 @@ class SwarmView:
         each fragment's next version (who among the live learners is past us, and on which anchor) and for
         the sync clock. Its size does not grow with the swarm (the next version's vouchers are one group at
         most, and only while we are behind), unlike a full read. On the sync clock a fragment that advanced
-        since its latest boundary is left out (:func:`settled`): with rounds that commit, most probes read the
-        clock alone. False if the search failed (logged in one line, whole with -v; the last view is kept)."""
+        since its latest boundary is left out (:func:`settled`): with rounds that commit, most probes read
+        nothing, or the clock alone (:data:`CLOCK_READ_EVERY`). False if the search failed (logged in one line, whole with -v; the last view is kept)."""
         from p2p_diloco.net.membership import owned_values, read_many
 
         me = self.learner
@@ -253,13 +261,18 @@ class SwarmView:
                 if me.slots and self._probes % OWN_VERSION_PROBE_EVERY == 0 else None)
         ours = ({vouch_key(averager_prefix(run_id, turn.index), turn.version): (turn.index, turn.version)}
                 if me.cfg.averaging.clock_groups and turn is not None and turn.version > 0 else {})
-        keys = list(wanted) + list(ours) + ([clock_key(run_id)] if self.auto_clock else [])
+        # the clock, which changes only at a retune (announced CLOCK_READ_EVERY view periods ahead): in every search
+        # that goes out anyway, and once in CLOCK_READ_EVERY probes alone; its leader, and a learner without one, always
+        self.clock_read = self.auto_clock and bool(wanted or ours or self.clock is None or self._leading
+                                                   or self._probes % CLOCK_READ_EVERY == 0)
+        keys = list(wanted) + list(ours) + ([clock_key(run_id)] if self.clock_read else [])
         if not keys:
             return True
         try:
             found = read_many(me.joined.dht, keys)
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
+            self.clock_read = False
             return False
         for f, version in wanted.values():  # read at the probe's start: see _settled
             self._advanced.setdefault(f, (version - 1, now))
@@ -272,7 +285,7 @@ class SwarmView:
                 heads[peer] = {**heads.get(peer, {}), f: (rank, seen_at)}
         self._heads = heads
         self._merge()
-        if self.auto_clock:
+        if self.clock_read:
             self._adopt(clock_in(found.get(clock_key(run_id))))
         return True
 
@@ -293,23 +306,13 @@ class SwarmView:
 
     def _settled(self, slot: FragmentSlot, now: float) -> bool:
         """:func:`settled` for one of our fragments on the sync clock (never without one: the step schedule's
-        rounds have no shared instants, so every fragment is probed). When the fragment advanced is when a
-        probe first saw its new version (within one view period of the commit). A fragment that no probe has read
-        yet is probed; a probe that read its next version counts as an advance at the probe's start
-        (:meth:`probe_heads`): whoever was past us then is known, and nobody gets past before the next boundary.
-        A fragment whose first boundary is still ahead has none to be past: settled once a probe read it. (Both
-        counted as unsettled, so that every fragment was probed at every probe until its first commit, which
-        comes more than a period after the clock is first published: at N = 4, a minute of a learner's largest
-        control-plane item.)"""
+        rounds have no shared instants, so every fragment is probed), nor before a probe read it. When the fragment
+        advanced is when a probe first saw its new version (within one view period of the commit)."""
         seen = self._advanced.get(slot.index)
-        if seen is None:
-            return False
-        if seen[0] != slot.version:
+        if seen is not None and seen[0] != slot.version:
             seen = self._advanced[slot.index] = (slot.version, now)
-        if self.clock is None:
-            return False
-        boundary = self.clock.boundary(now, slot.index, len(self.learner.slots))  # the first one if none passed yet
-        return settled(seen[1], boundary if boundary <= now else -math.inf)
+        return seen is not None and self.clock is not None and settled(
+            seen[1], self.clock.boundary(now, slot.index, len(self.learner.slots)), now)
 
     def look_before_training(self, stop: threading.Event) -> None:
         """Joining a running swarm: read it now, before the first step, adopt its sync clock and download
@@ -391,9 +394,9 @@ class SwarmView:
                 probed_at = now
             else:
                 continue
-            # the clock leader tends the clock at every probe (from the last full read's step times): a
+            # the clock leader tends the clock at every probe that read it (from the last full read's step times): a
             # derived clock must not wait for a full read, which may be 30 s or more away
-            if self.probe_heads() and self.auto_clock and me.training:  # the probe adopted the newest clock
+            if self.probe_heads() and self.clock_read and me.training:  # the probe adopted the newest clock
                 self._tend_clock(step_time_s, self._others)
 
     def _adopt(self, published: SyncClock | None) -> None:
@@ -411,7 +414,7 @@ class SwarmView:
 
         me = self.learner
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
-        leading = clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) == me.joined.peer_id
+        leading = self._leading = clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) == me.joined.peer_id
         # the leader reads the swarm every view period until it has every learner's step time (its first clock
         # may come from a few learners' alone; a full read is 30 s or more away otherwise)
         self._untimed = leading and any(r.step_time_s <= 0 for r in training)
@@ -426,7 +429,7 @@ class SwarmView:
         clock = self.clock
         settled = retune_allowed(clock, wall - self._clock_retuned_at, len(times), self._clock_learners)
         if period is not None and settled and needs_retune(clock, period):
-            clock = retune(clock, period, now, CLOCK_START_MARGIN_S + me.opts.view_period_s, len(me.slots))
+            clock = retune(clock, period, now, CLOCK_START_MARGIN_S + CLOCK_READ_EVERY * me.opts.view_period_s, len(me.slots))
             self._clock_retuned_at, self._clock_learners = wall, len(times)
             logger.info("sync clock leader: period %.2f s (H %d x median step %.3f s of %d learners; a sync's link "
                         "time at most %.1f s), from DHT time %.1f", period, h, statistics.median(times), len(times),

@@ -121,8 +121,9 @@ def test_a_fragment_known_to_be_behind_is_not_probed_again_until_we_catch_up() -
 
 
 def test_a_fragment_that_advanced_since_its_boundary_is_not_probed_until_the_next_one() -> None:
-    assert settled(105.0, 100.0) and settled(100.0, 100.0)
-    assert not settled(99.0, 100.0) and not settled(-math.inf, 100.0)
+    assert settled(105.0, 100.0, 110.0) and settled(100.0, 100.0, 110.0)
+    assert not settled(99.0, 100.0, 110.0) and not settled(-math.inf, 100.0, 110.0)
+    assert settled(-math.inf, 120.0, 110.0)  # the fragment's first boundary is still ahead: nobody can be past us
 
 
 def test_the_view_probes_a_fragment_from_its_boundary_until_it_advances() -> None:
@@ -231,3 +232,37 @@ def test_a_probe_that_read_a_next_version_settles_the_fragment_until_its_next_bo
     assert view.probe_heads() and len(read) == 2  # both settled (their boundaries 20 and 30 are past): nothing read
     clock_now[0] = 40.0
     assert view.probe_heads() and read[2] == read[1][:1]  # fragment 0's boundary at 40: it alone is probed again
+
+
+def test_a_followers_probes_read_the_clock_once_in_three_and_its_leaders_at_every_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The derived clock changes only at a retune, which starts CLOCK_READ_EVERY view periods ahead: a follower reads
+    it alone once in CLOCK_READ_EVERY probes (and with any other key a probe reads), the leader and a learner without
+    a clock at every probe."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.engine.options import CLOCK_READ_EVERY
+    from p2p_diloco.net import membership
+    from p2p_diloco.net.clock import SyncClock, clock_key
+
+    slots = [SimpleNamespace(index=f, version=3) for f in range(2)]
+    owner = SimpleNamespace(cfg=load_config(None, ["averaging.matchmaking=dht"]), slots=slots,
+                            local=SimpleNamespace(run_id="r"), joined=SimpleNamespace(peer_id="ME", dht=None),
+                            dht_time=lambda: 100.0)
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    assert view.auto_clock and view.clock is None
+    read: list[list[str]] = []
+    monkeypatch.setattr(membership, "read_many", lambda dht, keys: read.append(list(keys)) or {})
+    assert view.probe_heads() and view.clock_read and clock_key("r") in read[0] and len(read[0]) == 3  # no clock yet
+    view.clock = SyncClock(20.0, origin=95.0)  # adopted; both fragments were read at 100: settled until 115 and 125
+    read.clear()
+    probes = 3 * CLOCK_READ_EVERY
+    for _ in range(probes):
+        assert view.probe_heads()
+    assert read == [[clock_key("r")]] * (probes // CLOCK_READ_EVERY)  # the clock alone, once in CLOCK_READ_EVERY
+    view._leading = True
+    read.clear()
+    for _ in range(probes):
+        assert view.probe_heads()
+    assert read == [[clock_key("r")]] * probes
