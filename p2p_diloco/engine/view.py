@@ -10,7 +10,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Protocol
 
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
 from p2p_diloco.core import events
@@ -92,6 +92,24 @@ def known_past(anchors: Iterable[list[Rank]], fragment: int, version: int) -> bo
     probing the next version again would only fetch the same vouchers -- a whole group's signed values, every
     view period -- until we have caught up."""
     return any(len(ranks) > fragment and ranks[fragment][0] > version for ranks in anchors)
+
+
+def behind_us(anchors: Mapping[str, list[Rank]], fragment: int, version: int, with_us: Collection[str]) -> bool:
+    """A live peer other than ``with_us`` (the members of our last committed round of ``fragment``, which led to
+    ``version``: they hold it too, whatever their records say) is behind ``version`` in our view (``anchors``: each
+    peer's ranks). It may catch up (a download, or its own round) at any moment, and our groups from the clock name
+    it only once our view shows it at our version: its record is republished on a heartbeat and read at a full read,
+    so a head probe reads who vouches for our version meanwhile. (A learner resumed after a stop chased the swarm a
+    version behind for a minute, every one of its rounds naming a group the others did not.)"""
+    return any(peer not in with_us and len(ranks) > fragment and ranks[fragment][0] < version
+               for peer, ranks in anchors.items())
+
+
+def with_us(last_groups: Mapping[int, tuple[int, tuple[str, ...]]], fragment: int, version: int) -> tuple[str, ...]:
+    """The members of our last committed round of ``fragment`` (``last_groups``: :attr:`Rounds.last_groups`), if it
+    led to ``version``, the one we hold."""
+    led_to, members = last_groups.get(fragment, (-1, ()))
+    return members if led_to == version else ()
 
 
 def settled(advanced_at: float, boundary: float, now: float) -> bool:
@@ -243,7 +261,8 @@ class SwarmView:
         the sync clock. Its size does not grow with the swarm (the next version's vouchers are one group at
         most, and only while we are behind), unlike a full read. On the sync clock a fragment that advanced
         since its latest boundary is left out (:func:`settled`): with rounds that commit, most probes read
-        nothing, or the clock alone (:data:`CLOCK_READ_EVERY`). False if the search failed (logged in one line, whole with -v; the last view is kept)."""
+        nothing, or the clock alone (:data:`CLOCK_READ_EVERY`). False if the search failed (logged in one line,
+        whole with -v; the last view is kept)."""
         from p2p_diloco.net.membership import owned_values, read_many
 
         me = self.learner
@@ -253,14 +272,15 @@ class SwarmView:
                   if not known_past(self._anchors.values(), s.index, s.version) and not self._settled(s, now)}
         # groups from the clock name only the learners our view holds at our rank: who else vouches for our version
         # (a learner that just downloaded it) must be in it soon, not at the next full read. One fragment every
-        # OWN_VERSION_PROBE_EVERY probes, in turn: a rejoiner downloads and vouches for every fragment, and each key
-        # read costs control-plane bytes (all four at every probe doubled a learner's: bench_control, 7,752 B/s
-        # against 3,999; one at every probe: 5,337)
+        # OWN_VERSION_PROBE_EVERY probes, in turn (each key read costs bytes: all four at every probe doubled a
+        # learner's, 7,752 B/s against 3,999), and every fragment a live peer is behind us on (behind_us) at each
         self._probes += 1
         turn = (me.slots[(self._probes // OWN_VERSION_PROBE_EVERY) % len(me.slots)]
                 if me.slots and self._probes % OWN_VERSION_PROBE_EVERY == 0 else None)
-        ours = ({vouch_key(averager_prefix(run_id, turn.index), turn.version): (turn.index, turn.version)}
-                if me.cfg.averaging.clock_groups and turn is not None and turn.version > 0 else {})
+        ours = ({vouch_key(averager_prefix(run_id, s.index), s.version): (s.index, s.version) for s in me.slots
+                 if s.version > 0 and (s is turn or behind_us(self._anchors, s.index, s.version,
+                                                              with_us(me.rounds.last_groups, s.index, s.version)))}
+                if me.cfg.averaging.clock_groups else {})
         # the clock, which changes only at a retune (announced CLOCK_READ_EVERY view periods ahead): in every search
         # that goes out anyway, and once in CLOCK_READ_EVERY probes alone; its leader, and a learner without one, always
         self.clock_read = self.auto_clock and bool(wanted or ours or self.clock is None or self._leading

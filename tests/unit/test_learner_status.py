@@ -266,3 +266,47 @@ def test_a_followers_probes_read_the_clock_once_in_three_and_its_leaders_at_ever
     for _ in range(probes):
         assert view.probe_heads()
     assert read == [[clock_key("r")]] * probes
+
+
+def test_a_peer_behind_us_outside_our_last_group_makes_the_probe_read_who_vouches_for_our_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups from the clock name a learner only once our view shows it at our version. A learner that fell behind
+    (stopped, restarted) catches up by a download and vouches for it; its record says so only at its heartbeat, read
+    at our next full read. So while a live peer is behind us on a fragment -- and was not in our last committed round
+    of it, whose members hold our version whatever their records say -- every probe reads that fragment's vouchers of
+    our version, and a peer that vouches is raised to it."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.averaging.decisions import averager_prefix, vouch_key
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.engine.view import behind_us, with_us
+    from p2p_diloco.net import membership
+
+    anchors = {"A": [(2, "a" * 16), (2, "a" * 16)], "B": [(3, "b" * 16), (2, "b" * 16)]}
+    last_groups = {0: (3, ("A", "B"))}
+    assert with_us(last_groups, 0, 3) == ("A", "B") and with_us(last_groups, 0, 4) == () and with_us({}, 1, 3) == ()
+    assert not behind_us(anchors, 0, 3, ("A", "B"))  # A's record is stale: it was in our round that led to v3
+    assert behind_us(anchors, 0, 3, ()) and behind_us(anchors, 1, 3, ()) and not behind_us(anchors, 1, 2, ())
+
+    slots = [SimpleNamespace(index=f, version=3) for f in range(2)]
+    owner = SimpleNamespace(cfg=load_config(None, ["averaging.sync_period_s=20.0"]), slots=slots,
+                            local=SimpleNamespace(run_id="r"), joined=SimpleNamespace(peer_id="ME", dht=None),
+                            dht_time=lambda: 100.0, rounds=SimpleNamespace(last_groups=last_groups))
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    assert owner.cfg.averaging.clock_groups
+    view._records = {p: (ranks, 0.0) for p, ranks in anchors.items()}
+    view._merge()
+    f1_ours = vouch_key(averager_prefix("r", 1), 3)
+    read: list[list[str]] = []
+
+    def found(dht: object, keys: list[str]) -> dict[str, object]:
+        read.append(list(keys))
+        return {f1_ours: SimpleNamespace(value={"A": SimpleNamespace(value="c" * 16)})} if f1_ours in keys else {}
+
+    monkeypatch.setattr(membership, "owned_values", lambda item: (
+        {} if item is None else {p: v.value for p, v in item.value.items()}))
+    monkeypatch.setattr(membership, "read_many", found)
+    assert view.probe_heads()
+    assert f1_ours in read[0] and vouch_key(averager_prefix("r", 0), 3) not in read[0]  # fragment 1 only
+    assert view._anchors["A"][1] == (3, "c" * 16) and view._anchors["B"][1] == (2, "b" * 16)  # A caught up
+    assert view.probe_heads() and f1_ours in read[1]  # B is still behind on fragment 1
