@@ -50,6 +50,9 @@ class FaultyHost:
     def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
         return self.host.fetch_state(ours, donors, link)
 
+    def last_group(self) -> tuple[int, tuple[str, ...]]:
+        return self.host.last_group()
+
     def vouch(self, version: int, anchor: str) -> None:
         self.host.vouch(version, anchor)
 

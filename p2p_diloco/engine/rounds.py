@@ -145,9 +145,6 @@ class Rounds:
         self.last_sync_time = 0.0
         """DHT time of our last committed round (0.0: none yet); published, ``status`` shows its age."""
         self.first_contribution_s: float | None = None
-        self.last_groups: dict[int, tuple[int, tuple[str, ...]]] = {}
-        """Fragment -> (the version its last committed round led to, that round's members): they hold it too until
-        they move on, whatever their records (republished on a heartbeat) still say."""
         self.advertise()
 
     @property
@@ -286,7 +283,6 @@ class Rounds:
             if self.grid and math.isfinite(outcome.group_distance):
                 slot.consensus_distance = outcome.group_distance
             self.last_sync_time = self.dht_time()
-            self.last_groups[slot.index] = (slot.version, tuple(outcome.peers))
             if self.first_contribution_s is None:  # when the round committed, not when we got to applying it
                 ended = outcome.finished_at if math.isfinite(outcome.finished_at) else time.monotonic()
                 self.first_contribution_s = ended - self.started_at

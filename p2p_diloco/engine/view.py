@@ -34,6 +34,7 @@ from p2p_diloco.engine.options import (
     wait_verdict,
     waiting_line,
 )
+from p2p_diloco.transport.planning import with_us
 from p2p_diloco.net.clock import (
     STEP_TIME_WINDOW_S,
     SyncClock,
@@ -94,22 +95,15 @@ def known_past(anchors: Iterable[list[Rank]], fragment: int, version: int) -> bo
     return any(len(ranks) > fragment and ranks[fragment][0] > version for ranks in anchors)
 
 
-def behind_us(anchors: Mapping[str, list[Rank]], fragment: int, version: int, with_us: Collection[str]) -> bool:
-    """A live peer other than ``with_us`` (the members of our last committed round of ``fragment``, which led to
+def behind_us(anchors: Mapping[str, list[Rank]], fragment: int, version: int, mates: Collection[str]) -> bool:
+    """A live peer other than ``mates`` (the members of our last committed round of ``fragment``, which led to
     ``version``: they hold it too, whatever their records say) is behind ``version`` in our view (``anchors``: each
     peer's ranks). It may catch up (a download, or its own round) at any moment, and our groups from the clock name
     it only once our view shows it at our version: its record is republished on a heartbeat and read at a full read,
     so a head probe reads who vouches for our version meanwhile. (A learner resumed after a stop chased the swarm a
     version behind for a minute, every one of its rounds naming a group the others did not.)"""
-    return any(peer not in with_us and len(ranks) > fragment and ranks[fragment][0] < version
+    return any(peer not in mates and len(ranks) > fragment and ranks[fragment][0] < version
                for peer, ranks in anchors.items())
-
-
-def with_us(last_groups: Mapping[int, tuple[int, tuple[str, ...]]], fragment: int, version: int) -> tuple[str, ...]:
-    """The members of our last committed round of ``fragment`` (``last_groups``: :attr:`Rounds.last_groups`), if it
-    led to ``version``, the one we hold."""
-    led_to, members = last_groups.get(fragment, (-1, ()))
-    return members if led_to == version else ()
 
 
 def settled(advanced_at: float, boundary: float, now: float) -> bool:
@@ -279,7 +273,7 @@ class SwarmView:
                 if me.slots and self._probes % OWN_VERSION_PROBE_EVERY == 0 else None)
         ours = ({vouch_key(averager_prefix(run_id, s.index), s.version): (s.index, s.version) for s in me.slots
                  if s.version > 0 and (s is turn or behind_us(self._anchors, s.index, s.version,
-                                                              with_us(me.rounds.last_groups, s.index, s.version)))}
+                                                              with_us(me.rounds.hosts[s.index].last_group(), s.version)))}
                 if me.cfg.averaging.clock_groups else {})
         # the clock, which changes only at a retune (announced CLOCK_READ_EVERY view periods ahead): in every search
         # that goes out anyway, and once in CLOCK_READ_EVERY probes alone; its leader, and a learner without one, always

@@ -40,7 +40,7 @@ class AveragerLink:
     def __init__(self, averager: FragmentAveragerHost, slot: FragmentSlot, cfg: Config) -> None:
         self.averager, self.slot, self.cfg = averager, slot, cfg
         self.grid = cfg.averaging.groups == "grid"
-        self.last_group = LastGroup()
+        self._last_group = LastGroup()
 
     @property
     def prefix(self) -> str:
@@ -49,8 +49,8 @@ class AveragerLink:
 
     def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
         c = self._with_state(contribution) if self.grid else contribution
-        plan = plan_round(c, context, self.cfg, self.prefix, self.last_group.get())
-        return self.last_group.watch(self.averager.start_round(c, plan))
+        plan = plan_round(c, context, self.cfg, self.prefix, self._last_group.get())
+        return self._last_group.watch(self.averager.start_round(c, plan))
 
     def decline(self, context: RoundContext) -> None:
         boundary_ms = clock_boundary_ms(self.slot.index, context, self.cfg)
@@ -69,6 +69,9 @@ class AveragerLink:
 
     def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
         return self.averager.fetch_state(ours, donors, link)
+
+    def last_group(self) -> tuple[int, tuple[str, ...]]:
+        return self._last_group.get()
 
     def vouch(self, version: int, anchor: str) -> None:
         self.averager.vouch(version, anchor)

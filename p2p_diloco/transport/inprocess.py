@@ -406,15 +406,15 @@ class InProcessHost:
     def __init__(self, hub: Hub, member: Member, fragment: int) -> None:
         self.hub, self.member, self.fragment = hub, member, fragment
         self.prefix = f"{hub.cfg.run.run_id}_f{fragment}"
-        self.last_group = LastGroup()
+        self._last_group = LastGroup()
 
     def start_round(self, contribution: Contribution, context: RoundContext) -> Future[RoundOutcome]:
         """Planned as the hivemind host plans it (:func:`~p2p_diloco.transport.planning.plan_round`): the hub closes
         the group at its scheduled time and checks its quorum. Its wire metadata is checked as the hivemind host's
         is (:meth:`RoundMeta.of`: raises on the training thread), though nothing is sent."""
         RoundMeta.of(contribution, self.hub.config_hash, context.due)
-        plan = plan_round(contribution, context, self.hub.cfg, self.prefix, self.last_group.get())
-        return self.last_group.watch(self.hub.offer(self.member, self.fragment, contribution, plan))
+        plan = plan_round(contribution, context, self.hub.cfg, self.prefix, self._last_group.get())
+        return self._last_group.watch(self.hub.offer(self.member, self.fragment, contribution, plan))
 
     def decline(self, context: RoundContext) -> None:
         boundary_ms = clock_boundary_ms(self.fragment, context, self.hub.cfg)
@@ -423,6 +423,9 @@ class InProcessHost:
 
     def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
         return self.hub.fetch(self.member, self.fragment, ours, donors)
+
+    def last_group(self) -> tuple[int, tuple[str, ...]]:
+        return self._last_group.get()
 
     def vouch(self, version: int, anchor: str) -> None:
         """Nothing to sign: the hub's downloads are its members' own state."""

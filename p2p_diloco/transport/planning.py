@@ -59,12 +59,19 @@ class LastGroup:
             return self._last
 
 
+def with_us(last: tuple[int, tuple[str, ...]], version: int) -> tuple[str, ...]:
+    """The members of our last committed round (``last``: :meth:`LastGroup.get`) if it led to ``version``, the one we
+    hold: they hold it too until they move on, whatever their records say; else ()."""
+    led_to, members = last
+    return members if led_to == version else ()
+
+
 def with_last_group(context: RoundContext, ours: Rank, last: tuple[int, tuple[str, ...]]) -> RoundContext:
     """``context`` with the members of our last committed round (``last``: :meth:`LastGroup.get`) at our rank where
     their records still show an older version, when ``ours`` (the version and anchor our round starts from) is where
     that round led."""
-    version, members = last
-    if version != ours[0] or not members:
+    members = with_us(last, ours[0])
+    if not members:
         return context
     return replace(context, peers=tuple((p, ours if p in members and r[0] < ours[0] else r) for p, r in context.peers))
 

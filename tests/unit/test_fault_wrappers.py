@@ -80,6 +80,9 @@ class _Host:
     def bytes_total(self) -> tuple[int, int]:
         return 3, 4
 
+    def last_group(self) -> tuple[int, tuple[str, ...]]:
+        return 5, ("QmA", "QmB")
+
 
 def test_faulty_host_hits_before_send_then_passes_everything_through(armed: Any,
                                                                      capfd: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +100,7 @@ def test_faulty_host_hits_before_send_then_passes_everything_through(armed: Any,
     host.vouch(3, "ab")
     host.cancel()
     host.shutdown()
-    assert host.bytes_total() == (3, 4) and host.prefix == "run-f0"
+    assert host.bytes_total() == (3, 4) and host.prefix == "run-f0" and host.last_group() == (5, ("QmA", "QmB"))
     assert inner.calls == [("start_round", 0), ("start_round", 1), ("fetch_state", (3, "ab"), {"QmA": (4, "cd")}, None),
                            ("vouch", 3, "ab"), ("cancel",), ("shutdown",)]
 

@@ -279,19 +279,22 @@ def test_a_peer_behind_us_outside_our_last_group_makes_the_probe_read_who_vouche
 
     from p2p_diloco.averaging.decisions import averager_prefix, vouch_key
     from p2p_diloco.core.config import load_config
-    from p2p_diloco.engine.view import behind_us, with_us
+    from p2p_diloco.engine.view import behind_us
     from p2p_diloco.net import membership
+    from p2p_diloco.transport.planning import with_us
 
     anchors = {"A": [(2, "a" * 16), (2, "a" * 16)], "B": [(3, "b" * 16), (2, "b" * 16)]}
-    last_groups = {0: (3, ("A", "B"))}
-    assert with_us(last_groups, 0, 3) == ("A", "B") and with_us(last_groups, 0, 4) == () and with_us({}, 1, 3) == ()
+    last_groups = [(3, ("A", "B")), (-1, ())]  # each fragment host's last committed round: (led to, members)
+    assert with_us(last_groups[0], 3) == ("A", "B") and with_us(last_groups[0], 4) == ()
+    assert with_us(last_groups[1], 3) == ()
     assert not behind_us(anchors, 0, 3, ("A", "B"))  # A's record is stale: it was in our round that led to v3
     assert behind_us(anchors, 0, 3, ()) and behind_us(anchors, 1, 3, ()) and not behind_us(anchors, 1, 2, ())
 
     slots = [SimpleNamespace(index=f, version=3) for f in range(2)]
     owner = SimpleNamespace(cfg=load_config(None, ["averaging.sync_period_s=20.0"]), slots=slots,
                             local=SimpleNamespace(run_id="r"), joined=SimpleNamespace(peer_id="ME", dht=None),
-                            dht_time=lambda: 100.0, rounds=SimpleNamespace(last_groups=last_groups))
+                            dht_time=lambda: 100.0, rounds=SimpleNamespace(hosts=[
+                                SimpleNamespace(last_group=lambda g=g: g) for g in last_groups]))
     view = SwarmView(owner)  # type: ignore[arg-type]
     assert owner.cfg.averaging.clock_groups
     view._records = {p: (ranks, 0.0) for p, ranks in anchors.items()}
