@@ -132,6 +132,21 @@ def vouched_heads(signed: dict[str, Any], version: int, live: set[str], own: str
     return {peer: (version, value) for peer, value in vouchers(signed, own).items() if peer in live}
 
 
+def probed_heads(heads: Mapping[str, dict[int, tuple[Rank, float]]], read: Mapping[tuple[int, int], Mapping[str, Rank]],
+                 seen_at: float) -> dict[str, dict[int, tuple[Rank, float]]]:
+    """``heads`` (peer -> fragment -> (rank, DHT time of the probe that saw it)) after a head probe at ``seen_at``
+    read ``read`` ((fragment, version) -> the live peers that vouch for it: :func:`vouched_heads`). A peer that
+    vouches for several versions of a fragment in one probe -- ours and the next: it holds the next one now, and its
+    vouch of ours is still in the DHT -- is at the highest. (The last key read won: a learner that downloaded a
+    fragment's version just before a boundary read the next one's vouchers at every probe and stayed at its own
+    for half a minute, its groups naming peers a version behind where they were.)"""
+    out = {peer: dict(fragments) for peer, fragments in heads.items()}
+    for (fragment, _), vouched in sorted(read.items(), key=lambda item: item[0][1]):  # lowest version first
+        for peer, rank in vouched.items():
+            out.setdefault(peer, {})[fragment] = (rank, seen_at)
+    return out
+
+
 def unknown_vouchers(signed: dict[str, Any], version: int, live: set[str], own: str) -> set[str]:
     """From one vouch key's signed values of ``version`` (our own version of a fragment): the peers that vouch for it
     and are not among the live learners we know -- a newcomer or a rejoiner that downloaded it (its record is not in
@@ -293,11 +308,8 @@ class SwarmView:
         signed = {key: owned_values(found.get(key)) for key in wanted | ours}
         if ours:
             self._read_unknown_vouchers({rank: signed[key] for key, rank in ours.items()})
-        seen_at, heads, live = me.dht_time(), dict(self._heads), set(self._records)
-        for key, (f, version) in (wanted | ours).items():
-            for peer, rank in vouched_heads(signed[key], version, live, own).items():
-                heads[peer] = {**heads.get(peer, {}), f: (rank, seen_at)}
-        self._heads = heads
+        read = {rank: vouched_heads(signed[key], rank[1], set(self._records), own) for key, rank in (wanted | ours).items()}
+        self._heads = probed_heads(self._heads, read, me.dht_time())
         self._merge()
         if self.clock_read:
             self._adopt(clock_in(found.get(clock_key(run_id))))

@@ -7,7 +7,15 @@ import math
 import pytest
 
 from p2p_diloco.engine.options import published_key, publish_due, read_period_s, view_due
-from p2p_diloco.engine.view import SwarmView, known_past, settled, unknown_vouchers, vouched_heads, with_heads
+from p2p_diloco.engine.view import (
+    SwarmView,
+    known_past,
+    probed_heads,
+    settled,
+    unknown_vouchers,
+    vouched_heads,
+    with_heads,
+)
 
 KEY = ("training", (3, 2, 2, 1), ("a", "b", "c", "d"))
 
@@ -83,6 +91,23 @@ def test_vouched_heads_are_live_peers_other_than_us_with_a_well_formed_hash() ->
     live = {"A", "B", "D", "E", "ME"}
     assert vouched_heads(signed, 5, live, "ME") == {"A": (5, "a" * 16), "B": (5, "b" * 16)}  # C: dead
     assert vouched_heads({}, 5, live, "ME") == {}
+
+
+def test_a_peer_that_vouches_for_our_version_and_the_next_one_in_one_probe_is_at_the_next() -> None:
+    """A probe reads our version's vouchers (a live peer is behind us) and the next version's (nobody is known past us)
+    of the same fragment: a peer found in both holds the next one -- its vouch of ours stays in the DHT. Whatever the
+    order the keys were read in, it is raised to the next, and so we know we are behind and download. (The last key
+    read won: a rejoiner stayed a version behind on a fragment for half a minute, its every round failing.)"""
+    a, b = "a" * 16, "b" * 16
+    old = {"A": {1: ((3, "c" * 16), 10.0)}, "B": {0: ((2, b), 10.0)}}
+    for read in ({(1, 5): {"A": (5, a)}, (1, 4): {"A": (4, b), "C": (4, b)}},
+                 {(1, 4): {"A": (4, b), "C": (4, b)}, (1, 5): {"A": (5, a)}}):
+        heads = probed_heads(old, read, 20.0)
+        assert heads == {"A": {1: ((5, a), 20.0)}, "B": {0: ((2, b), 10.0)}, "C": {1: ((4, b), 20.0)}}, heads
+        ranks = with_heads([(2, b), (4, b)], 15.0, heads["A"])
+        assert ranks == [(2, b), (5, a)] and known_past([ranks], 1, 4)
+    assert old == {"A": {1: ((3, "c" * 16), 10.0)}, "B": {0: ((2, b), 10.0)}}  # not changed in place
+    assert probed_heads(old, {}, 20.0) == old
 
 
 def test_a_learner_we_do_not_know_that_vouches_for_our_version_makes_us_read_the_swarm_once() -> None:
