@@ -456,8 +456,10 @@ class FragmentAveragerHost:
                 logger.warning("fragment %d: vouching for v%d (%s) in the DHT failed: %s", self.fragment, version,
                                anchor, done.exception() or "no DHT node accepted it")
 
-        stored = self.dht.store(vouch_key(self.prefix, version), anchor, get_dht_time() + VOUCH_TTL_S,
-                                subkey=self.report_subkey, return_future=True)
+        from p2p_diloco.net.membership import store
+
+        stored = store(self.dht, vouch_key(self.prefix, version), anchor, get_dht_time() + VOUCH_TTL_S,
+                       subkey=self.report_subkey, return_future=True)
         stored.add_done_callback(logged)
 
     def refusals(self) -> int:
@@ -486,13 +488,13 @@ def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],
     "ok" with a veto (a newer value under our subkey wins), and a member that reads late discards as we do. One
     that read our "ok" just before may still have committed: the caller keeps the round's result for that
     case (``RoundOutcome.pending``). Raises :class:`Leaving` when we leave meanwhile."""
-    from p2p_diloco.net.membership import owned_values
+    from p2p_diloco.net.membership import owned_values, store
 
     timeout_s = host.cfg.averaging.commit_timeout_s
     deadline = time.monotonic() + timeout_s
     keep_s = 10 * timeout_s + 60  # verdicts outlive every member's read of them
     posted_until = get_dht_time() + keep_s
-    host._wait(host.dht.store(key, own_verdict[:300], posted_until, subkey=host.report_subkey, return_future=True),
+    host._wait(store(host.dht, key, own_verdict[:300], posted_until, subkey=host.report_subkey, return_future=True),
                None)
     reports: dict[str, str] = {}
     rtt_s, reads = math.inf, 0
@@ -504,9 +506,9 @@ def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],
         if not silent or time.monotonic() >= deadline:
             withdrawn = silent and own_verdict == "ok"  # silence only: withdraw our "ok" (see above)
             if withdrawn:  # a later expiration than our "ok" replaces it under the same subkey
-                host._wait(host.dht.store(key, f"withdrawn: {decision.reason}"[:300],
-                                          max(posted_until + 1, get_dht_time() + keep_s),
-                                          subkey=host.report_subkey, return_future=True), None)
+                host._wait(store(host.dht, key, f"withdrawn: {decision.reason}"[:300],
+                                 max(posted_until + 1, get_dht_time() + keep_s),
+                                 subkey=host.report_subkey, return_future=True), None)
             return decision, rtt_s, withdrawn
         if host._cancelled.wait(min(VERDICT_POLL_S[min(reads, len(VERDICT_POLL_S) - 1)],
                                     max(0.0, deadline - time.monotonic()))):

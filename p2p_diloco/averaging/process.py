@@ -224,8 +224,10 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
                 _bandwidth, _mode, user = self.serializer.loads(blob)
                 metas.append(RoundMeta.from_wire(self.serializer.loads(user)))
             key = commit_key(self.prefix, dict(zip(peers, metas)))
-            await self.dht.store(key, reason[:300], get_dht_time() + 120, subkey=self.report_subkey,
-                                 return_future=True)
+            from p2p_diloco.net.membership import store
+
+            await store(self.dht, key, reason[:300], get_dht_time() + 120, subkey=self.report_subkey,
+                        return_future=True)
         except Exception:  # the veto is an optimisation: silence vetoes too, after commit_timeout_s
             log_handled(logger, "could not post our veto for a failed round")
 

@@ -480,7 +480,7 @@ def start_together(view: SwarmView, stop: threading.Event) -> None:
     the latest of the first ``wait_peers`` proposals -- the same instant for everyone, which keeps
     step-count schedules in phase (seeing the records at different moments would not)."""
     from p2p_diloco.averaging.decisions import start_instant
-    from p2p_diloco.net.membership import owned_values, owner_subkey
+    from p2p_diloco.net.membership import owned_values, owner_subkey, store
 
     me = view.learner
     opts, dht = me.opts, me.joined.dht
@@ -517,7 +517,7 @@ def start_together(view: SwarmView, stop: threading.Event) -> None:
         time.sleep(START_BARRIER_POLL_S)
     key = f"{me.local.run_id}_start_barrier"
     now = me.dht_time()
-    dht.store(key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
+    store(dht, key, now + START_MARGIN_S, now + 10 * START_MARGIN_S + 60, subkey=owner_subkey(me.joined.private_key))
     while True:
         proposals = {p: float(v) for p, v in owned_values(dht.get(key, latest=True)).items()
                      if isinstance(v, (int, float)) and math.isfinite(v)}

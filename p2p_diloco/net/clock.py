@@ -254,4 +254,6 @@ def clock_in(found: Any) -> SyncClock | None:
 
 def publish_clock(dht: Any, run_id: str, clock: SyncClock, subkey: bytes, now: float) -> bool:
     """Store ``clock`` under our signed subkey; True if some DHT node accepted it."""
-    return bool(dht.store(clock_key(run_id), clock.to_wire(), now + CLOCK_TTL_S, subkey=subkey))
+    from p2p_diloco.net.membership import store
+
+    return bool(store(dht, clock_key(run_id), clock.to_wire(), now + CLOCK_TTL_S, subkey=subkey))

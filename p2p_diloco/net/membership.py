@@ -213,6 +213,17 @@ written at every commit and only the latest versions' are read: losing the three
 commits loses at most a download's check, which the next commit's vouches restore."""
 
 
+def store(dht: Any, key: Any, value: Any, expiration_time: float, *, subkey: Any = None,
+          return_future: bool = False) -> Any:
+    """``dht.store``, its search for the nodes nearest ``key`` keeping as many as a value is stored on
+    (:data:`DHT_REPLICAS`), as a latest read does (:func:`read_many`). hivemind's default keeps a whole bucket (20):
+    the search asked every node of a small swarm, and each node asked answers with all it holds under the key -- a
+    shard's records, a version's vouches -- and its own nearest neighbours, so a store cost what a full read of the
+    key did. (A search that keeps three nearest finds the three nearest a read finds: both walk the same way.)"""
+    return dht.store(key, value, expiration_time, subkey=subkey, return_future=return_future,
+                     beam_size=DHT_REPLICAS)
+
+
 def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: SigningKey | None = None) -> DHT:
     """Start this peer's DHT node and join ``opts.initial_peers``; raise :class:`JoinError` on failure.
 
@@ -493,13 +504,13 @@ class RecordPublisher:
         record = replace(record or self.record, time=now)
         index_ttl_s = ttl_s if ttl_s is not None else INDEX_TTL_FACTOR * self.ttl_s  # a tombstone's: its own
         ttl_s = ttl_s if ttl_s is not None else self.ttl_s
-        futures = [self._dht.store(run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
-                                   subkey=self._subkey, return_future=True)]
+        futures = [store(self._dht, run_key(record.run_id, record.peer_id), record.to_wire(), now + ttl_s,
+                         subkey=self._subkey, return_future=True)]
         entry = IndexEntry.of(record)
         indexed = index_due(now, self._index_sent, entry, ttl_s)
         if indexed:
-            futures.append(self._dht.store(index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
-                                           subkey=self._subkey, return_future=True))
+            futures.append(store(self._dht, index_key(record.peer_id), entry.to_wire(), now + index_ttl_s,
+                                 subkey=self._subkey, return_future=True))
         ok = all(bool(f.result(timeout=self.store_timeout_s)) for f in futures)
         if ok and indexed:  # a refused index entry goes out again with the next publish
             self._index_sent = (now, replace(entry, time=0.0))

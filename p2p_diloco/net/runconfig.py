@@ -268,7 +268,9 @@ class RunAnnouncer:
         return (self.publish_announcement() if self.announcement is not None else True) and ok
 
     def _store(self, key: str, value: dict[str, Any], expiration: float, what: str) -> bool:
-        ok = bool(self._dht.store(key, value, expiration, subkey=self._subkey, return_future=True)
+        from p2p_diloco.net.membership import store
+
+        ok = bool(store(self._dht, key, value, expiration, subkey=self._subkey, return_future=True)
                   .result(timeout=self.store_timeout_s))
         if not ok:
             self.failures += 1

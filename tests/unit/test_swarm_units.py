@@ -223,6 +223,25 @@ def test_publish_within_retries_a_refused_first_store(tmp_path: Path) -> None:
     assert pub.failures == 2 and dht.calls == 6
 
 
+def test_every_store_of_a_record_searches_as_many_nearest_nodes_as_hold_it(tmp_path: Path) -> None:
+    """hivemind's store keeps a whole bucket (20) of nearest nodes while it searches, and every node it asks answers
+    with all it holds under the key: our stores keep :data:`DHT_REPLICAS`, as our latest reads do."""
+    from p2p_diloco.net.membership import DHT_REPLICAS
+
+    class _Beams(_FlakyDHT):
+        def __init__(self) -> None:
+            super().__init__(refusals=0)
+            self.beams: list[object] = []
+
+        def store(self, *args: object, **kwargs: object) -> Future[bool]:
+            self.beams.append(kwargs.get("beam_size"))
+            return super().store(*args, **kwargs)
+
+    dht = _Beams()
+    assert _publisher(dht, tmp_path).publish()
+    assert dht.beams == [DHT_REPLICAS, DHT_REPLICAS] and DHT_REPLICAS == 3  # the record and its index entry
+
+
 def test_publish_within_gives_up_at_its_deadline(tmp_path: Path) -> None:
     dht = _FlakyDHT(refusals=10**6)
     pub = _publisher(dht, tmp_path)
