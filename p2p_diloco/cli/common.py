@@ -5,7 +5,7 @@ the handlers, so ``p2p-diloco --help`` stays fast. Handlers return an exit code 
 ``ValueError`` (one line) for user errors, which ``cli.main`` prints and turns into exit code 2.
 
 DHT layout (see :mod:`p2p_diloco.net.records`): each run's records live under
-``p2p-diloco.run.<run_id>_peers_<shard>`` (16 shards by peer id) and its config under
+``p2p-diloco.run.<run_id>_peers_<shard>`` (``RECORD_SHARDS`` shards by peer id) and its config under
 ``p2p-diloco.run.<run_id>_config``; the well-known keys ``p2p-diloco_runs_<shard>`` index every peer of
 every run (and bootstraps' announcements),
 so ``status`` lists other runs sharing the DHT and shows their peers as foreign, and a peer given no

@@ -65,10 +65,11 @@ INDEX_STATES = STATES + (ANNOUNCE_STATE,)
 
 RUN_KEY_PREFIX = "p2p-diloco.run."
 INDEX_PREFIX = "p2p-diloco"
-RECORD_SHARDS = 16
+RECORD_SHARDS = 4
 """Peer records and index entries are spread over this many DHT keys each, by a hash of the peer id: a store
-(heartbeat) costs what one shard holds (N / 16 records), a full read of the swarm is one batched search
-of all the shards."""
+(heartbeat) costs what one shard holds (N / 4 records), a full read of the swarm is one batched search
+of all the shards. Every node asked answers for each key with its nearest neighbours too, whether it holds the key
+or not: at 16 shards those lists were most of a full read's bytes (a learner of four read 16 mostly empty keys)."""
 INDEX_KEYS = tuple(f"{INDEX_PREFIX}_runs_{shard}" for shard in range(RECORD_SHARDS))
 RSA_OWNER_RE = re.compile(rb"^\[owner:(.+?)\]$", re.S)
 """A subkey that is exactly hivemind's RSA owner marker (``RSASignatureValidator.PUBLIC_KEY_FORMAT``; a test
