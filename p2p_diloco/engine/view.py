@@ -308,7 +308,8 @@ class SwarmView:
         signed = {key: owned_values(found.get(key)) for key in wanted | ours}
         if ours:
             self._read_unknown_vouchers({rank: signed[key] for key, rank in ours.items()})
-        read = {rank: vouched_heads(signed[key], rank[1], set(self._records), own) for key, rank in (wanted | ours).items()}
+        live = set(self._records)  # after _read_unknown_vouchers, which may have read the swarm
+        read = {rank: vouched_heads(signed[key], rank[1], live, own) for key, rank in (wanted | ours).items()}
         self._heads = probed_heads(self._heads, read, me.dht_time())
         self._merge()
         if self.clock_read:
