@@ -65,6 +65,10 @@ START_BARRIER_POLL_S = 0.1
 OWN_VERSION_PROBE_EVERY = 3
 """Groups from the clock: every this many head probes, one fragment's own-version vouchers are read (in turn), to
 find a rejoiner that vouches for our version (:func:`unknown_vouchers`)."""
+OWN_VERSION_READ_REPLICAS = 1
+"""How many of the nodes that hold a vouch key the own-version read asks (the next version's are read from two, see
+:data:`~p2p_diloco.net.nearest.READ_REPLICAS`): it looks for learners we do not know yet, every swarm's vouchers of a
+version (16 learners: about 3 KB from each node asked), and one missed is found at the next probe or full read."""
 UNKNOWN_VOUCHER_REREAD_S = 10.0
 """Seconds before an unknown learner that vouches for our version (:func:`unknown_vouchers`) makes the head probe
 read the swarm again: a dead peer's vouches stay, a rejoiner's record may come a moment after its vouch."""
@@ -298,7 +302,8 @@ class SwarmView:
         if not keys:
             return True
         try:
-            found = read_many(me.joined.dht, keys)
+            # our own version's vouchers from one node (a missed one waits for the next probe of it), the rest from two
+            found = read_many(me.joined.dht, keys, replicas_of=dict.fromkeys(ours, OWN_VERSION_READ_REPLICAS))
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
             self.clock_read = False

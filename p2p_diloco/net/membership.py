@@ -24,7 +24,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from functools import partial
@@ -60,6 +60,7 @@ from p2p_diloco.net.records import (
     run_keys,
     tombstone,
 )
+from p2p_diloco.net.nearest import READ_REPLICAS, RECORD_READ_REPLICAS, answer_values, get_nearest, store_nearest
 from p2p_diloco.net.runs import RunInfo, runs_in_index
 from p2p_diloco.net.signing import Ed25519Key, SigningKey, owner_public_key, signature_validators
 from p2p_diloco.net.signing import owner_subkey as owner_subkey  # where the learner and averagers import it
@@ -215,13 +216,11 @@ commits loses at most a download's check, which the next commit's vouches restor
 
 def store(dht: Any, key: Any, value: Any, expiration_time: float, *, subkey: Any = None,
           return_future: bool = False) -> Any:
-    """``dht.store``, its search for the nodes nearest ``key`` keeping as many as a value is stored on
-    (:data:`DHT_REPLICAS`), as a latest read does (:func:`read_many`). hivemind's default keeps a whole bucket (20):
-    the search asked every node of a small swarm, and each node asked answers with all it holds under the key -- a
-    shard's records, a version's vouches -- and its own nearest neighbours, so a store cost what a full read of the
-    key did. (A search that keeps three nearest finds the three nearest a read finds: both walk the same way.)"""
-    return dht.store(key, value, expiration_time, subkey=subkey, return_future=return_future,
-                     beam_size=DHT_REPLICAS)
+    """``dht.store``, straight to the nodes nearest ``key`` where this node knows the whole swarm
+    (:func:`~p2p_diloco.net.nearest.store_nearest`), else by a search that keeps as many nearest nodes as a value is
+    stored on (:data:`DHT_REPLICAS`): hivemind's search asks nodes that each answer with all they hold under the key
+    -- a shard's records, a version's vouches -- so a searched store cost what a full read of the key did."""
+    return dht.run_coroutine(partial(store_nearest, key, value, expiration_time, subkey), return_future=return_future)
 
 
 def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: SigningKey | None = None) -> DHT:
@@ -272,6 +271,7 @@ def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: SigningKey
         if isinstance(e, KeyboardInterrupt):
             raise
         raise explain_join_failure(e, opts) from None
+    dht.run_coroutine(answer_values)
     logger.info("DHT up in %.2f s as %s (%s)", time.monotonic() - t0, dht.peer_id,
                 "client" if opts.client_mode else "server")
     return dht
@@ -349,14 +349,6 @@ def _entries_across(found: dict[str, Any], keys: Sequence[str], parse: Any, reje
     return [e for key in keys for e in _entries(found.get(key), parse, rejected)]
 
 
-async def _get_latest_many(keys: tuple[str, ...], _dht: DHT, node: Any) -> dict[str, Any]:
-    """(DHT process) :meth:`DHTNode.get_many` of ``keys``, latest values: one search for all of them. The search
-    keeps as many nearest nodes as a value is stored on (``num_replicas``), not hivemind's default of a whole
-    bucket (20): a latest read asks every node it keeps, and each answers with all it holds under the keys."""
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=node.num_replicas)
-    return {key: found.get(key) for key in keys}
-
-
 READ_TIMEOUT_S = 60.0
 """A read of the DHT that has not answered in this long raises instead of waiting on: hivemind's
 ``run_coroutine`` waits forever when the DHT process is gone (killed, or dead of an error), which hung
@@ -364,12 +356,16 @@ READ_TIMEOUT_S = 60.0
 makes has its own timeout."""
 
 
-def read_many(dht: DHT, keys: Sequence[str], timeout_s: float = READ_TIMEOUT_S) -> dict[str, Any]:
+def read_many(dht: DHT, keys: Sequence[str], timeout_s: float = READ_TIMEOUT_S, *,
+              replicas: int = READ_REPLICAS, replicas_of: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The latest value of each key (None where there is none), as ``dht.get(key, latest=True)`` returns it,
-    found by one batched DHT search: each node asked answers for every key in one message, so ``k`` small
-    keys cost about what one costs (what the learner's fast path reads every view period). Raises
+    from ``replicas`` of the nodes that store it (:func:`~p2p_diloco.net.nearest.get_nearest`): each node asked
+    answers for every key it holds in one message, so ``k`` small keys cost about what one costs (what the
+    learner's fast path reads every view period); ``replicas_of`` names other counts for some keys. Raises
     ``TimeoutError`` after ``timeout_s`` (:data:`READ_TIMEOUT_S`)."""
-    future = dht.run_coroutine(partial(_get_latest_many, tuple(dict.fromkeys(keys))), return_future=True)
+    unique = tuple(dict.fromkeys(keys))
+    counts = tuple((replicas_of or {}).get(key, replicas) for key in unique)
+    future = dht.run_coroutine(partial(get_nearest, unique, counts), return_future=True)
     try:
         return future.result(timeout=timeout_s)
     except FutureTimeout:
@@ -383,7 +379,7 @@ def read_swarm(dht: DHT, local: LocalRun, index: bool = True) -> SwarmSnapshot:
     A learner reading every second leaves the index out: it only needs its own run's records, and each
     read is a DHT search that every other peer's DHT process answers."""
     keys = run_keys(local.run_id)
-    found = read_many(dht, keys + (INDEX_KEYS if index else ()))  # one batched search of every shard
+    found = read_many(dht, keys + (INDEX_KEYS if index else ()), replicas=RECORD_READ_REPLICAS)  # every shard at once
     now = get_dht_time()
     rejected: list[str] = []
     run_entries = _entries_across(found, keys, PeerRecord.from_wire, rejected)

@@ -8,6 +8,7 @@ import pytest
 
 from p2p_diloco.engine.options import published_key, publish_due, read_period_s, view_due
 from p2p_diloco.engine.view import (
+    OWN_VERSION_READ_REPLICAS,
     SwarmView,
     known_past,
     probed_heads,
@@ -244,14 +245,14 @@ def test_a_probe_that_read_a_next_version_settles_the_fragment_until_its_next_bo
     view = SwarmView(owner)  # type: ignore[arg-type]
     read: list[list[str]] = []
 
-    def failing(dht: object, keys: list[str]) -> dict[str, object]:
+    def failing(dht: object, keys: list[str], **_kw: object) -> dict[str, object]:
         read.append(list(keys))
         raise TimeoutError("no answer")
 
     monkeypatch.setattr(membership, "read_many", failing)
     assert not view.probe_heads() and len(read[0]) == 2  # both next versions asked; the read failed
     assert view._advanced == {}  # nothing settled
-    monkeypatch.setattr(membership, "read_many", lambda dht, keys: read.append(list(keys)) or {})
+    monkeypatch.setattr(membership, "read_many", lambda dht, keys, **_kw: read.append(list(keys)) or {})
     assert view.probe_heads() and len(read[1]) == 2  # nobody vouches for v4 of either
     clock_now[0] = 37.0
     assert view.probe_heads() and len(read) == 2  # both settled (their boundaries 20 and 30 are past): nothing read
@@ -278,7 +279,7 @@ def test_a_followers_probes_read_the_clock_once_in_three_and_its_leaders_at_ever
     view = SwarmView(owner)  # type: ignore[arg-type]
     assert view.auto_clock and view.clock is None
     read: list[list[str]] = []
-    monkeypatch.setattr(membership, "read_many", lambda dht, keys: read.append(list(keys)) or {})
+    monkeypatch.setattr(membership, "read_many", lambda dht, keys, **_kw: read.append(list(keys)) or {})
     assert view.probe_heads() and view.clock_read and clock_key("r") in read[0] and len(read[0]) == 3  # no clock yet
     view.clock = SyncClock(20.0, origin=95.0)  # adopted; both fragments were read at 100: settled until 115 and 125
     read.clear()
@@ -327,8 +328,9 @@ def test_a_peer_behind_us_outside_our_last_group_makes_the_probe_read_who_vouche
     f1_ours = vouch_key(averager_prefix("r", 1), 3)
     read: list[list[str]] = []
 
-    def found(dht: object, keys: list[str]) -> dict[str, object]:
+    def found(dht: object, keys: list[str], replicas_of: dict[str, int]) -> dict[str, object]:
         read.append(list(keys))
+        assert replicas_of == {k: OWN_VERSION_READ_REPLICAS for k in keys if k.endswith("_v3")} and replicas_of, keys
         return {f1_ours: SimpleNamespace(value={"A": SimpleNamespace(value="c" * 16)})} if f1_ours in keys else {}
 
     monkeypatch.setattr(membership, "owned_values", lambda item: (

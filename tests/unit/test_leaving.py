@@ -114,7 +114,7 @@ def test_a_round_reading_verdicts_from_a_stopped_dht_ends_when_the_learner_leave
         reads.append(NeverResolved())
         return reads[-1]
 
-    dht = SimpleNamespace(store=lambda *a, **kw: posted, get=get)
+    dht = SimpleNamespace(run_coroutine=lambda *a, **kw: posted, get=get)  # a store runs in the DHT process
     host = host_of(averager(lambda **_kw: gathered), dht)
     running = host.start_round(contribution(), plan())
     took_s = cancelled_after(host, running)

@@ -74,10 +74,14 @@ def test_names_are_grouped_by_purpose() -> None:
         "call:rpc_store store demo_frag0.all_averagers": [1, 50, 5],
         "call:rpc_find get demo_frag0.H": [1, 10, 20],
         "call:rpc_ping ?": [1, 5, 5],
+        "call:rpc_values get p2p-diloco.run.demo_peers": [2, 20, 2000],  # a read at the nodes that hold the key
+        "call:rpc_group_decision ?": [1, 100, 900],
+        "call:rpc_group_verdict ?": [2, 30, 30],
     }
     purposes = summarize.by_purpose(total)
     assert purposes["pseudo-gradients and state downloads"] == {"calls": 3, "bytes": 900}
-    assert purposes["swarm reads (peer records)"] == {"calls": 4, "bytes": 4040}
+    assert purposes["swarm reads (peer records)"] == {"calls": 6, "bytes": 6060}
+    assert purposes["group offers, decisions and verdicts"] == {"calls": 3, "bytes": 1060}
     assert purposes["our record published"] == {"calls": 8, "bytes": 5280}
     assert purposes["run index entry published"] == {"calls": 2, "bytes": 520}
     assert purposes["sync clock reads"]["bytes"] == 110

@@ -7,12 +7,14 @@ import os
 import stat
 from concurrent.futures import Future
 from pathlib import Path
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from p2p_diloco.net.addresses import parse_initial_peers
 from p2p_diloco.net.keys import load_or_create_identity, peer_id_from_public_key
+from p2p_diloco.net.nearest import store_nearest
 
 if TYPE_CHECKING:
     from p2p_diloco.net.membership import RecordPublisher
@@ -199,7 +201,9 @@ class _FlakyDHT:
     def __init__(self, refusals: int):
         self.refusals, self.calls = refusals, 0
 
-    def store(self, *args: object, **kwargs: object) -> Future[bool]:
+    def run_coroutine(self, coro: partial[object], return_future: bool = False) -> Future[bool]:
+        """What :func:`p2p_diloco.net.membership.store` hands the DHT process: a store of ``coro.args[0]``."""
+        assert coro.func is store_nearest and return_future, coro
         self.calls += 1
         fut: Future[bool] = Future()
         fut.set_result(self.calls > 2 * self.refusals)  # two stores (record + index) per attempt
@@ -223,25 +227,6 @@ def test_publish_within_retries_a_refused_first_store(tmp_path: Path) -> None:
     assert pub.failures == 2 and dht.calls == 6
 
 
-def test_every_store_of_a_record_searches_as_many_nearest_nodes_as_hold_it(tmp_path: Path) -> None:
-    """hivemind's store keeps a whole bucket (20) of nearest nodes while it searches, and every node it asks answers
-    with all it holds under the key: our stores keep :data:`DHT_REPLICAS`, as our latest reads do."""
-    from p2p_diloco.net.membership import DHT_REPLICAS
-
-    class _Beams(_FlakyDHT):
-        def __init__(self) -> None:
-            super().__init__(refusals=0)
-            self.beams: list[object] = []
-
-        def store(self, *args: object, **kwargs: object) -> Future[bool]:
-            self.beams.append(kwargs.get("beam_size"))
-            return super().store(*args, **kwargs)
-
-    dht = _Beams()
-    assert _publisher(dht, tmp_path).publish()
-    assert dht.beams == [DHT_REPLICAS, DHT_REPLICAS] and DHT_REPLICAS == 3  # the record and its index entry
-
-
 def test_publish_within_gives_up_at_its_deadline(tmp_path: Path) -> None:
     dht = _FlakyDHT(refusals=10**6)
     pub = _publisher(dht, tmp_path)
@@ -257,11 +242,11 @@ class _RecordDHT(_FlakyDHT):
         super().__init__(refusals=0)
         self.records = 0
 
-    def store(self, *args: object, **kwargs: object) -> Future[bool]:
+    def run_coroutine(self, coro: partial[object], return_future: bool = False) -> Future[bool]:
         from p2p_diloco.net.records import INDEX_KEYS
 
-        self.records += args[0] not in INDEX_KEYS
-        return super().store(*args, **kwargs)
+        self.records += coro.args[0] not in INDEX_KEYS
+        return super().run_coroutine(coro, return_future)
 
 
 def test_the_keep_alive_refreshes_the_record_until_it_hands_over_and_again_after(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -94,7 +95,31 @@ def _patch_node(module: ModuleType) -> None:
     Node.store_many = labelled(Node.store_many, "store")
 
 
-_PATCHES = {"hivemind.p2p.p2p_daemon": _patch_p2p, "hivemind.dht.node": _patch_node}
+def _patch_nearest(module: ModuleType) -> None:
+    """p2p_diloco's stores and reads at the nearest nodes (no ``get_many``/``store_many``): labelled the same way."""
+    store_nearest, get_nearest = module.store_nearest, module.get_nearest
+
+    @functools.wraps(store_nearest)
+    async def store(key: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _label.set(f"store {_fold(key)}")
+        try:
+            return await store_nearest(key, *args, **kwargs)
+        finally:
+            _label.reset(token)
+
+    @functools.wraps(get_nearest)
+    async def get(keys: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _label.set("get " + ",".join(sorted({_fold(k) for k in keys})))
+        try:
+            return await get_nearest(keys, *args, **kwargs)
+        finally:
+            _label.reset(token)
+
+    module.store_nearest, module.get_nearest = store, get  # picklable by name: the DHT process runs them
+
+
+_PATCHES = {"hivemind.p2p.p2p_daemon": _patch_p2p, "hivemind.dht.node": _patch_node,
+            "p2p_diloco.net.nearest": _patch_nearest}
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -26,15 +26,19 @@ MATCHMAKING_STREAMS = ("stream_send JoinRequest", "stream_send MessageFromLeader
 """hivemind's matchmaking: join requests and the leader's answers (with every member's gathered metadata)."""
 PURPOSES = (
     ("pseudo-gradients and state downloads", lambda n: n in PAYLOAD_STREAMS),
-    ("swarm reads (peer records)", lambda n: n.startswith("call:rpc_find get p2p-diloco.run.")),
+    ("swarm reads (peer records)", lambda n: n.startswith(("call:rpc_find get p2p-diloco.run.",
+                                                            "call:rpc_values get p2p-diloco.run."))),
     ("sync clock reads", lambda n: "sync_clock" in n),
     ("our record published", lambda n: n.split(" ", 1)[-1].startswith("store p2p-diloco.run.")),
     ("run index entry published", lambda n: n.split(" ", 1)[-1].startswith("store p2p-diloco_runs")),
     ("commit verdicts", lambda n: "_commit_" in n),
     ("state-sharing declarations", lambda n: "all_averagers" in n),
     ("matchmaking (hivemind)", lambda n: "_frag" in n or n in MATCHMAKING_STREAMS),
+    ("group offers, decisions and verdicts", lambda n: n.startswith(("call:rpc_group_offer", "call:rpc_group_decision",
+                                                                     "call:rpc_group_verdict"))),
 )
 OTHER = "other (start barrier, pings, status)"
+"""(``call:rpc_values`` is p2p_diloco's read of a key's values from the nodes that hold it, without a search.)"""
 METHOD = """\
 `scripts/wan/rpc_tally/` is a measuring tool: with its folder on `PYTHONPATH` and `RPC_TALLY_OUT` set, every process
 of a run (learners and their forked DHT and averager processes) tallies the bytes of each hivemind RPC -- requests
@@ -93,17 +97,23 @@ def _page() -> Any:
                         "scripts/wan/rpc_tally/summarize.py", METHOD)
 
 
+def _purposes_in(result: dict[str, Any]) -> list[str]:
+    """:data:`PURPOSES` and :data:`OTHER` that some run of ``result`` counts (a JSON from before a purpose was
+    split out renders as it did)."""
+    return [p for p in [p for p, _ in PURPOSES] + [OTHER] if any(p in r["purposes"] for r in result["runs"].values())]
+
+
 def markdown(result: dict[str, Any]) -> str:
     """Megabytes and calls per purpose, one pair of columns per run."""
     labels = list(result["runs"])
-    purposes_all = [p for p, _ in PURPOSES] + [OTHER]
+    purposes_all = _purposes_in(result)
     lines = ["| purpose | " + " | ".join(f"{lb}: MB | {lb}: calls" for lb in labels) + " |",
              "|---|" + "---|---|" * len(labels)]
     for purpose in purposes_all:
         cells = []
         for lb in labels:
             r = result["runs"][lb]
-            p = r["purposes"][purpose]
+            p = r["purposes"].get(purpose, {"bytes": 0, "calls": 0})
             cells.append(f"{p['bytes'] / 1e6:.2f} ({100 * p['bytes'] / max(1, r['total_bytes']):.0f}%) | {p['calls']}")
         lines.append(f"| {purpose} | " + " | ".join(cells) + " |")
     lines.append("| **counted, all** | " + " | ".join(
@@ -118,8 +128,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     labels = list(result["runs"])
     with _bench.figure(path, 1, (10, 4.5)) as (ax,):
         bottoms = [0.0] * len(labels)
-        for purpose in [p for p, _ in PURPOSES] + [OTHER]:
-            heights = [result["runs"][lb]["purposes"][purpose]["bytes"] / 1e6 for lb in labels]
+        for purpose in _purposes_in(result):
+            heights = [result["runs"][lb]["purposes"].get(purpose, {"bytes": 0})["bytes"] / 1e6 for lb in labels]
             ax.bar(labels, heights, bottom=bottoms, label=purpose)
             bottoms = [b + h for b, h in zip(bottoms, heights)]
         ax.set_ylabel("MB counted (all hosts)")
