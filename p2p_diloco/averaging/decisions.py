@@ -7,12 +7,12 @@ holds: the package overview (:mod:`p2p_diloco.averaging`)."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import math
 import re
 import statistics
-from dataclasses import asdict, dataclass, field
+import struct
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -41,7 +41,6 @@ MAX_WIRE_INT = 2**63 - 1
 """Largest integer gathered metadata or a state download may carry (msgpack's int64)."""
 MAX_NORMS = 1 << 16
 """Most radial norms a member's gathered metadata may carry (one per tensor of the fragment)."""
-MAX_TENSOR_NAME_CHARS = 512
 MAX_STATE_METADATA_BYTES = 4096
 """A state download's msgpack metadata is four scalars; anything longer is refused before decoding."""
 STATE_METADATA_KEYS = frozenset({"fragment", "version", "anchor", "momentum"})
@@ -183,7 +182,9 @@ def vouchers(signed: Mapping[str, Any], anchor: str) -> set[str]:
 
 @dataclass(frozen=True)
 class RoundMeta:
-    """What each member gathers from every other member of a round (msgpack: str keys, plain types)."""
+    """What each member gathers from every other member of a round. On the wire (:meth:`to_wire`) a msgpack list of
+    its fields in their order, the norms packed as little-endian float32: the group's leader sends every member's
+    to every member (O(n^2) bytes a round), and names -- field names, tensor names -- were most of them."""
 
     fragment: int
     version: int
@@ -196,8 +197,10 @@ class RoundMeta:
     weight: float
     due: float
     """DHT time at which the fragment became due for this member (arrival spread -> adaptive window)."""
-    norms: dict[str, float] = field(default_factory=dict)
-    """Radial merge: the norm of each (non-embedding) pseudo-gradient tensor."""
+    norms: tuple[float, ...] = ()
+    """Radial merge: the norm of each (non-embedding) pseudo-gradient tensor, in the order of their names
+    (:func:`norms_in_order`; every member of a group has the same names: its config hash is the same), as float32
+    values (what the wire carries, so that a member's own norms are what the others read)."""
 
     @classmethod
     def of(cls, contribution: Contribution, config: str, due: float) -> "RoundMeta":
@@ -206,15 +209,14 @@ class RoundMeta:
         ``ValueError``) so that nothing malformed is ever sent."""
         c = contribution
         meta = cls(fragment=c.fragment, version=c.version, anchor=c.anchor_hash, config=config, tokens=c.tokens,
-                   steps=c.steps, weight=c.weight, due=due, norms=c.norms)
+                   steps=c.steps, weight=c.weight, due=due, norms=norms_in_order(c.norms))
         meta.check_outgoing()
         return meta
 
-    def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["weight"], d["due"] = float(self.weight), float(self.due)
-        d["norms"] = {str(k): float(v) for k, v in self.norms.items()}
-        return d
+    def to_wire(self) -> list[Any]:
+        """The fields in their order (:data:`META_FIELDS`), the norms packed (msgpack-safe: ints, str, floats, bytes)."""
+        wire = {**asdict(self), "weight": float(self.weight), "due": float(self.due), "norms": pack_norms(self.norms)}
+        return [wire[name] for name in META_FIELDS]
 
     def check_outgoing(self) -> None:
         """Raise ``ValueError`` unless our own metadata passes the rule every peer applies to it
@@ -231,13 +233,12 @@ class RoundMeta:
         def refuse(reason: Reason, message: str) -> PeerDataError:
             return PeerDataError(reason, message[:300])
 
-        if not isinstance(value, Mapping):
-            raise refuse(Reason.MALFORMED, f"gathered metadata must be a dict, got {type(value).__name__}")
-        expected = {f for f in cls.__dataclass_fields__}
-        if set(value) != expected:
-            keys = sorted(repr(k)[:40] for k in itertools.islice(value, len(expected) + 1))
-            raise refuse(Reason.OVERSIZE if len(value) > 4 * len(expected) else Reason.MALFORMED,
-                         f"gathered metadata keys {keys} != {sorted(expected)}")
+        if not isinstance(value, (list, tuple)):
+            raise refuse(Reason.MALFORMED, f"gathered metadata must be a list, got {type(value).__name__}")
+        if len(value) != len(META_FIELDS):
+            raise refuse(Reason.OVERSIZE if len(value) > 4 * len(META_FIELDS) else Reason.MALFORMED,
+                         f"gathered metadata holds {len(value)} fields, not {len(META_FIELDS)} {list(META_FIELDS)}")
+        value = dict(zip(META_FIELDS, value))
         for key in ("fragment", "version", "tokens", "steps"):
             v = value[key]
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_WIRE_INT:
@@ -253,20 +254,43 @@ class RoundMeta:
             numbers[key] = _finite_number(value[key])
             if numbers[key] is None:
                 raise refuse(_number_reason(value[key]), f"gathered {key} must be a finite number, got {value[key]!r}")
-        norms = value["norms"]
-        if not isinstance(norms, Mapping):
-            raise refuse(Reason.MALFORMED, "gathered norms must map names to finite non-negative numbers")
-        if len(norms) > MAX_NORMS:
-            raise refuse(Reason.OVERSIZE, f"gathered norms hold {len(norms)} entries, at most {MAX_NORMS}")
-        parsed: dict[str, float] = {}
-        for k, v in norms.items():
-            x = _finite_number(v)
-            if not isinstance(k, str) or len(k) > MAX_TENSOR_NAME_CHARS or x is None or x < 0:
-                reason = (Reason.OVERSIZE if isinstance(k, str) and len(k) > MAX_TENSOR_NAME_CHARS
-                          else _number_reason(v) if isinstance(k, str) and x is None else Reason.MALFORMED)
-                raise refuse(reason, "gathered norms must map names to finite non-negative numbers")
-            parsed[k] = x
-        return cls(**{**value, "weight": numbers["weight"], "due": numbers["due"], "norms": parsed})
+        packed = value["norms"]
+        if not isinstance(packed, bytes) or len(packed) % NORM_BYTES:
+            raise refuse(Reason.MALFORMED, "gathered norms must be float32 values packed in bytes")
+        if len(packed) > MAX_NORMS * NORM_BYTES:
+            raise refuse(Reason.OVERSIZE, f"gathered norms hold {len(packed) // NORM_BYTES} values, at most {MAX_NORMS}")
+        norms = unpack_norms(packed)
+        if not all(math.isfinite(x) and x >= 0 for x in norms):
+            raise refuse(Reason.NON_FINITE if not all(math.isfinite(x) for x in norms) else Reason.MALFORMED,
+                         "gathered norms must be finite and non-negative")
+        return cls(**{**value, "weight": numbers["weight"], "due": numbers["due"], "norms": norms})
+
+    def norms_by_name(self, radial_names: Sequence[str]) -> dict[str, float]:
+        """Our norms keyed by the fragment's radial tensor names (checked to be as many by :func:`check_group`)."""
+        return dict(zip(sorted(radial_names), self.norms))
+
+
+META_FIELDS = ("fragment", "version", "anchor", "config", "tokens", "steps", "weight", "due", "norms")
+""":class:`RoundMeta`'s fields in their wire order."""
+NORM_BYTES = 4
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def pack_norms(norms: Sequence[float]) -> bytes:
+    """Little-endian float32 values; one beyond float32's range becomes inf (which a peer refuses)."""
+    return struct.pack(f"<{len(norms)}f", *(x if abs(x) <= FLOAT32_MAX else math.copysign(math.inf, x) for x in norms))
+
+
+def unpack_norms(packed: bytes) -> tuple[float, ...]:
+    return struct.unpack(f"<{len(packed) // NORM_BYTES}f", packed)
+
+
+def norms_in_order(norms: Mapping[str, float]) -> tuple[float, ...]:
+    """A contribution's radial norms as :class:`RoundMeta` carries them: in the order of their names, as float32
+    (a norm beyond float32's range is inf, which the peers' rule refuses: :meth:`RoundMeta.check_outgoing`)."""
+    return unpack_norms(pack_norms([float(norms[name]) for name in sorted(norms)]))
 
 
 def _finite_number(v: Any) -> float | None:
@@ -337,9 +361,9 @@ def check_group(own: RoundMeta, members: Sequence[RoundMeta], radial_names: Sequ
         if not math.isclose(m.weight, expected, rel_tol=1e-9, abs_tol=1e-12):
             return Decision(False, f"a member's weight {m.weight} does not match its progress ({m.tokens} tokens, "
                                    f"{m.steps} steps -> {expected})")
-        missing = set(radial_names) - set(m.norms)
-        if missing:
-            return Decision(False, f"a member's metadata lacks the norms of {sorted(missing)[:3]}")
+        if len(m.norms) != len(radial_names):
+            return Decision(False, f"a member's metadata holds {len(m.norms)} norms, the fragment has "
+                                   f"{len(radial_names)} radial tensors")
     if sum(m.weight for m in members) <= 0:
         return Decision(False, "all weights are zero: nothing to merge (hivemind would return NaN)")
     return Decision(True)

@@ -408,8 +408,9 @@ class FragmentAveragerHost:
         keep = withdrawn and not self.grid  # grid rounds mix anchors: nothing to adopt later
         if not verdict.ok and not keep:
             return failed(verdict.reason, **extra)
-        merged = outer.decode_merged({n: averaged[n] for n in self.names}, [m.norms for m in metas], list(weights),
-                                     self.cfg.outer.merge, self.robust)
+        norms = [m.norms_by_name(self.radial_names) for m in metas]
+        merged = outer.decode_merged({n: averaged[n] for n in self.names}, norms, list(weights), self.cfg.outer.merge,
+                                     self.robust)
         if not verdict.ok:
             return failed(verdict.reason, **extra, pending=merged)
         if self.grid:

@@ -36,7 +36,13 @@ from hivemind.utils.streaming import split_for_streaming
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.averaging.decisions import MAX_STATE_METADATA_BYTES, RoundMeta, anchor_hash, parse_gathered
+from p2p_diloco.averaging.decisions import (
+    MAX_STATE_METADATA_BYTES,
+    META_FIELDS,
+    RoundMeta,
+    anchor_hash,
+    parse_gathered,
+)
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.host import FetchedState
 from p2p_diloco.averaging.process import FragmentAveragerProcess
@@ -103,12 +109,12 @@ VALID_RECORD = PeerRecord(run_id="run-a", protocol_version=1, config_hash="c" * 
                           peer_id="QmPeer", name="a", fragment_versions=(3, 4), anchor_hashes=("ab" * 8, "cd" * 8),
                           consensus_distance=(0.0, 0.1), loss=2.5, time=10.0)
 VALID_META = RoundMeta(fragment=1, version=3, anchor="a" * 16, config="c" * 16, tokens=2560, steps=10, weight=2560.0,
-                       due=100.0, norms={"blocks.0.fc.weight": 0.5})
+                       due=100.0, norms=(0.5,))
 METAS = st.builds(
     RoundMeta, fragment=WIRE_INT, version=WIRE_INT, anchor=short_text(64), config=short_text(64), tokens=WIRE_INT,
     steps=WIRE_INT, weight=st.floats(allow_nan=False, allow_infinity=False),
     due=st.floats(allow_nan=False, allow_infinity=False),
-    norms=st.dictionaries(short_text(30), FINITE_NONNEG, max_size=4),
+    norms=st.lists(st.floats(min_value=0.0, max_value=2.0**100, width=32, allow_nan=False, allow_infinity=False), max_size=4).map(tuple),
 )
 
 
@@ -192,12 +198,12 @@ def test_dht_schema_validators_accept_valid_records_and_refuse_list_subkeys() ->
 
 
 @FUZZ
-@given(value=VALUES | mutated(VALID_META.to_wire()))
+@given(value=VALUES | mutated(dict(zip(META_FIELDS, VALID_META.to_wire()))).map(lambda d: list(d.values())))
 def test_round_meta_decodes_or_refuses(value: Any) -> None:
     got = decodes_or_refuses(RoundMeta.from_wire, value)
     if isinstance(got, RoundMeta):
         assert RoundMeta.from_wire(got.to_wire()) == got
-        assert all(math.isfinite(x) for x in (got.weight, got.due, *got.norms.values()))
+        assert all(math.isfinite(x) for x in (got.weight, got.due, *got.norms))
 
 
 @FEW
@@ -209,17 +215,23 @@ def test_round_meta_round_trips(meta: RoundMeta) -> None:
 
 def test_round_meta_reason_codes_and_the_member_is_named(caplog: pytest.LogCaptureFixture) -> None:
     wire = VALID_META.to_wire()
-    for value, reason in (({**wire, "weight": math.nan}, Reason.NON_FINITE),
-                          ({**wire, "version": -1}, Reason.BAD_VERSION),
-                          ({**wire, "tokens": 2**64}, Reason.OVERSIZE), ({**wire, "weight": 10**400}, Reason.OVERSIZE),
-                          ({**wire, "norms": {f"n{i}": 1.0 for i in range(70_000)}}, Reason.OVERSIZE),
-                          ({**wire, 1: 2}, Reason.MALFORMED), ({**wire, "due": True}, Reason.MALFORMED)):
+
+    def changed(**fields: object) -> list[object]:
+        return [fields.get(name, v) for name, v in zip(META_FIELDS, wire)]
+
+    for value, reason in ((changed(weight=math.nan), Reason.NON_FINITE),
+                          (changed(version=-1), Reason.BAD_VERSION),
+                          (changed(tokens=2**64), Reason.OVERSIZE), (changed(weight=10**400), Reason.OVERSIZE),
+                          (changed(norms=bytes(4 * 70_000)), Reason.OVERSIZE),
+                          (changed(norms=struct.pack("<f", math.nan)), Reason.NON_FINITE),
+                          ([*wire, 2], Reason.MALFORMED), (changed(due=True), Reason.MALFORMED),
+                          (dict(zip(META_FIELDS, wire)), Reason.MALFORMED)):
         with pytest.raises(PeerDataError) as info:
             RoundMeta.from_wire(value)
         assert info.value.reason == reason, (value, info.value)
     assert parse_gathered({"QmGood": wire}) == [VALID_META]
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.averaging"), pytest.raises(PeerDataError) as info:
-        parse_gathered({"QmGood": wire, "QmBad": {**wire, "due": math.inf}})
+        parse_gathered({"QmGood": wire, "QmBad": changed(due=math.inf)})
     assert str(info.value).startswith("QmBad: non-finite: ")
     assert "rejected gathered metadata from QmBad: non-finite: gathered due" in caplog.text
 
