@@ -45,7 +45,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
     lines = [f"- <= {TARGET_BYTES_PER_S:,.0f} B/s of control plane per peer at every N: **"
              + ("not met" if over else "met") + "**: "
              + ", ".join(f"N = {r['n']} {r['control_bps_per_peer']:,.0f} B/s "
-                         f"({r['control_bps_per_peer'] / TARGET_BYTES_PER_S:.0f}x the bar"
+                         f"({r['control_bps_per_peer'] / TARGET_BYTES_PER_S:.2f}x the bar"
                          + ("" if healthy(r) else ", swarm not averaging") + ")" for r in runs) + "."]
     by_n = {r["n"]: r for r in runs}
     largest = max(by_n)
