@@ -127,13 +127,21 @@ def read_decision_request(request: averaging_pb2.JoinRequest) -> tuple[FixedGrou
     return group, index
 
 
+MEMBER_INDEX_BYTES = 2
+"""A decision names its members by their index in the planned group, big-endian in this many bytes (up to
+:data:`MAX_GROUP_MEMBERS`): 4 bytes a member on the wire where a base58 peer id took about 55, and the request already
+named them all."""
+
+
 def decision_reply(decision: Decision, planned: FixedGroup) -> averaging_pb2.MessageFromLeader:
-    """The leader's answer carrying ``decision`` on ``planned``."""
+    """The leader's answer carrying ``decision`` on ``planned``: its members as indices in ``planned`` (raises
+    ``ValueError`` for a member ``planned`` does not name: a decision is on the planned group or part of it)."""
     if decision.group is None:
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_DISBANDED, group_id=planned.group_id,
                                                gathered=[decision.reason[:MAX_REASON_CHARS].encode()])
     return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=decision.group.group_id,
-                                           ordered_peer_ids=[p.encode() for p in decision.group.peer_ids],
+                                           ordered_peer_ids=[planned.peer_ids.index(p).to_bytes(MEMBER_INDEX_BYTES, "big")
+                                                             for p in decision.group.peer_ids],
                                            gathered=list(decision.offers))
 
 
@@ -147,7 +155,12 @@ def read_decision(reply: averaging_pb2.MessageFromLeader, planned: FixedGroup) -
         return Decision(None, reason=" ".join(reason.split()) or "the leader failed the round")
     if reply.code != averaging_pb2.ACCEPTED:
         raise MatchmakingException(f"no decision from the group's leader: {averaging_pb2.MessageCode.Name(reply.code)}")
-    peers = tuple(bytes(p).decode(errors="replace") for p in reply.ordered_peer_ids)
+    indices = [int.from_bytes(i, "big") for i in reply.ordered_peer_ids if len(i) == MEMBER_INDEX_BYTES]
+    if (len(indices) != len(reply.ordered_peer_ids) or any(b <= a for a, b in zip(indices, indices[1:]))
+            or any(i >= len(planned.peer_ids) for i in indices)):
+        raise PeerDataError(Reason.MALFORMED, f"a decision on group {planned.group_id.hex()} naming its members by "
+                                              "indices that are not increasing indices into it")
+    peers = tuple(planned.peer_ids[i] for i in indices)
     group = planned if peers == planned.peer_ids else planned.without(set(planned.peer_ids) - set(peers))
     if group is None or group.peer_ids != peers or group.group_id != reply.group_id:
         raise PeerDataError(Reason.MALFORMED, f"a decision on group {planned.group_id.hex()} naming {len(peers)} "

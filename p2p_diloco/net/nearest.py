@@ -56,13 +56,14 @@ def knows_whole_swarm(node: DHTNode) -> bool:
     return node.num_replicas <= known < node.protocol.bucket_size
 
 
-def nearest_known(node: DHTNode, key_id: DHTID) -> list[DHTID]:
-    """Every node ``node`` knows, itself included (unless a client), nearest to ``key_id`` first."""
-    known = [node_id for node_id, _ in node.protocol.routing_table.get_nearest_neighbors(
-        key_id, node.protocol.bucket_size, exclude=node.node_id)]
+def nearest_known(node: DHTNode, key_id: DHTID) -> list[tuple[DHTID, PeerID | None]]:
+    """Every node ``node`` knows and its peer id (None: ``node`` itself, unless a client), nearest to ``key_id`` first.
+    The peer ids are taken now: a node that fails a call meanwhile leaves the routing table."""
+    known: list[tuple[DHTID, PeerID | None]] = list(node.protocol.routing_table.get_nearest_neighbors(
+        key_id, node.protocol.bucket_size, exclude=node.node_id))
     if not node.protocol.client_mode:
-        known.append(node.node_id)
-    return sorted(known, key=key_id.xor_distance)
+        known.append((node.node_id, None))
+    return sorted(known, key=lambda known_node: key_id.xor_distance(known_node[0]))
 
 
 async def store_nearest(key: Any, value: Any, expiration_time: float, subkey: Any, _dht: Any,
@@ -81,17 +82,17 @@ async def store_nearest(key: Any, value: Any, expiration_time: float, subkey: An
     candidates = nearest_known(node, key_id)
     accepted: list[bool] = []
 
-    async def store_at(node_id: DHTID) -> bool | None:
-        if node_id == node.node_id:
+    async def store_at(peer: PeerID | None) -> bool | None:
+        if peer is None:  # this node
             valid = protocol.record_validator is None or protocol.record_validator.validate(record)
             return valid and protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey)
-        answer = await protocol.call_store(protocol.routing_table[node_id], keys=[key_id], values=[record.value],
+        answer = await protocol.call_store(peer, keys=[key_id], values=[record.value],
                                            expiration_time=[expiration_time], subkeys=[subkey])
         return None if answer is None else bool(answer[0])
 
     while candidates and len(accepted) < node.num_replicas:
         batch, candidates = candidates[:node.num_replicas - len(accepted)], candidates[node.num_replicas - len(accepted):]
-        answers = await asyncio.gather(*(store_at(node_id) for node_id in batch))
+        answers = await asyncio.gather(*(store_at(peer) for _, peer in batch))
         accepted += [a for a in answers if a is not None]
     return any(accepted)
 
@@ -99,8 +100,7 @@ async def store_nearest(key: Any, value: Any, expiration_time: float, subkey: An
 async def get_nearest(keys: Sequence[Any], replicas: int | Sequence[int], _dht: Any, node: DHTNode) -> dict[Any, Any]:
     """(DHT process) The latest value of each of ``keys`` (None where none), as :meth:`DHTNode.get_many` returns it,
     from the ``replicas`` nearest nodes ``node`` knows of each key (:data:`READ_REPLICAS`; one count for all, or one
-    per key). A swarm not known whole is searched
-    (with as narrow a beam as a value is stored on)."""
+    per key). A swarm not known whole is searched (with as narrow a beam as a value is stored on)."""
     if not knows_whole_swarm(node):
         found = await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=node.num_replicas)
         return {key: found.get(key) for key in keys}
@@ -112,14 +112,14 @@ async def get_nearest(keys: Sequence[Any], replicas: int | Sequence[int], _dht: 
     pending = {key_id: nearest_known(node, key_id) for key_id in states}
     answered = dict.fromkeys(states, 0)
     while True:
-        asked: dict[DHTID, list[DHTID]] = {}
+        asked: dict[tuple[DHTID, PeerID | None], list[DHTID]] = {}
         for key_id, candidates in pending.items():
             while candidates and answered[key_id] + sum(key_id in ks for ks in asked.values()) < wanted[key_id]:
                 asked.setdefault(candidates.pop(0), []).append(key_id)
         if not asked:
             break
-        replies = await asyncio.gather(*(_find(node, node_id, ks) for node_id, ks in asked.items()))
-        for (node_id, ks), reply in zip(asked.items(), replies):
+        replies = await asyncio.gather(*(_find(node, peer, ks) for (_, peer), ks in asked.items()))
+        for ((node_id, _), ks), reply in zip(asked.items(), replies):
             if reply is None:
                 continue
             for key_id in ks:
@@ -130,14 +130,13 @@ async def get_nearest(keys: Sequence[Any], replicas: int | Sequence[int], _dht: 
     return {key: await states[key_id].future for key, key_id in key_ids.items()}
 
 
-async def _find(node: DHTNode, node_id: DHTID, key_ids: list[DHTID]) -> dict[DHTID, Any] | None:
-    """What ``node_id`` holds under ``key_ids`` (binary, as :meth:`DHTProtocol.call_find` returns it), or None if it
-    did not answer. This node's own storage (and cache) is read without a call; another node is asked for the values
+async def _find(node: DHTNode, peer: PeerID | None, key_ids: list[DHTID]) -> dict[DHTID, Any] | None:
+    """What ``peer`` (None: ``node`` itself) holds under ``key_ids`` (binary, as :meth:`DHTProtocol.call_find` returns
+    it), or None if it did not answer. This node's own storage (and cache) is read without a call; another node is asked for the values
     alone (:class:`NearestValues`), or, if it has no such handler (an older version), by hivemind's ``rpc_find``."""
     protocol = node.protocol
-    if node_id == node.node_id:
+    if peer is None:
         return {key_id: _held(protocol, key_id) for key_id in key_ids}
-    peer = protocol.routing_table[node_id]
     try:
         return await NearestValues.call(protocol, peer, key_ids)
     except NoValuesHandler:

@@ -94,9 +94,23 @@ def test_a_member_takes_the_leaders_decision_when_it_follows_the_rules_and_refus
     pair = FixedGroup(b"whatever", ("peerA", "peerB"), 0.0, 1.0)
     three = decide(g, offers("peerA", "peerB", "peerD"), ()).group
     assert three is not None
+    def named(*indices: bytes) -> averaging_pb2.MessageFromLeader:
+        reply = decision_reply(Decision(three, (b"", b"", b"")), g)
+        del reply.ordered_peer_ids[:]
+        reply.ordered_peer_ids.extend(indices)
+        return reply
+
+    with pytest.raises(ValueError):  # a leader never names a member the planned group does not
+        decision_reply(Decision(FixedGroup(three.group_id, ("peerA", "peerB", "peerE"), 0.0, 1.0), (b"", b"", b"")), g)
+    assert [bytes(i) for i in decision_reply(Decision(three, (b"", b"", b"")), g).ordered_peer_ids] == [
+        b"\x00\x00", b"\x00\x01", b"\x00\x03"]  # peerA, peerB, peerD: indices into the planned group, not names
     forged = [
         decision_reply(Decision(pair, (b"a", b"b")), g),
-        decision_reply(Decision(FixedGroup(three.group_id, ("peerA", "peerB", "peerE"), 0.0, 1.0), (b"", b"", b"")), g),
+        named(b"\x00\x00", b"\x00\x01", b"\x00\x04"),  # a member past the planned group
+        named(b"\x00\x01", b"\x00\x00", b"\x00\x03"),  # out of order
+        named(b"\x00\x00", b"\x00\x00", b"\x00\x03"),  # twice
+        named(b"\x00", b"\x00\x01", b"\x00\x03"),  # not two bytes
+        named(b"\x00\x00", b"\x00\x01", b"\x00\x02"),  # peerC, who did not show: not the group without the absent
         decision_reply(Decision(FixedGroup(b"another id", three.peer_ids, 0.0, 1.0), (b"", b"", b"")), g),
         decision_reply(Decision(three, (b"", b"")), g),
         decision_reply(Decision(three, (b"", b"x" * (MAX_OFFER_BYTES + 1), b"")), g),
