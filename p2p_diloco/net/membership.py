@@ -206,8 +206,9 @@ def explain_join_failure(error: BaseException, opts: SwarmOptions) -> JoinError:
 
 
 DHT_REPLICAS = 3
-"""How many of the nodes nearest a key store each value, and how many a latest read asks (hivemind's default: 5).
-Every control-plane store and read costs about this many calls, each carrying the value: at 5, in a swarm of four
+"""How many of the nodes nearest a key store each value (hivemind's default: 5), and how many a searched read keeps
+(a read straight at the nearest nodes asks fewer: :data:`~p2p_diloco.net.nearest.READ_REPLICAS`). Every store
+costs this many calls, each carrying the value: at 5, in a swarm of four
 learners and a bootstrap, every value went to and came from every node (bench_control at N = 4: 3,649 -> 2,952 B/s
 a learner at 3). Records, index entries and the clock are stored again within seconds to a minute; a vouch is
 written at every commit and only the latest versions' are read: losing the three nodes that hold one between two

@@ -79,43 +79,31 @@ def _patch_p2p(module: ModuleType) -> None:
     P2P.send_protobuf = staticmethod(send)
 
 
+def _labelled(fn: Any, verb: str, keys_at: int) -> Any:
+    """``fn`` with the RPCs it makes labelled ``<verb> <its keys, folded>``; its argument at ``keys_at`` holds the keys
+    (a sequence of keys, or a single string key)."""
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        keys = args[keys_at]
+        token = _label.set(f"{verb} " + ",".join(sorted({_fold(k) for k in ([keys] if isinstance(keys, str) else keys)})))
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            _label.reset(token)
+    return wrapper
+
+
 def _patch_node(module: ModuleType) -> None:
     Node = module.DHTNode
-
-    def labelled(method: Any, verb: str) -> Any:
-        async def wrapper(self: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
-            token = _label.set(f"{verb} " + ",".join(sorted({_fold(k) for k in keys})))
-            try:
-                return await method(self, keys, *args, **kwargs)
-            finally:
-                _label.reset(token)
-        return wrapper
-
-    Node.get_many = labelled(Node.get_many, "get")
-    Node.store_many = labelled(Node.store_many, "store")
+    Node.get_many = _labelled(Node.get_many, "get", 1)
+    Node.store_many = _labelled(Node.store_many, "store", 1)
 
 
 def _patch_nearest(module: ModuleType) -> None:
-    """p2p_diloco's stores and reads at the nearest nodes (no ``get_many``/``store_many``): labelled the same way."""
-    store_nearest, get_nearest = module.store_nearest, module.get_nearest
-
-    @functools.wraps(store_nearest)
-    async def store(key: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _label.set(f"store {_fold(key)}")
-        try:
-            return await store_nearest(key, *args, **kwargs)
-        finally:
-            _label.reset(token)
-
-    @functools.wraps(get_nearest)
-    async def get(keys: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _label.set("get " + ",".join(sorted({_fold(k) for k in keys})))
-        try:
-            return await get_nearest(keys, *args, **kwargs)
-        finally:
-            _label.reset(token)
-
-    module.store_nearest, module.get_nearest = store, get  # picklable by name: the DHT process runs them
+    """p2p_diloco's stores and reads at the nearest nodes (no ``get_many``/``store_many``): labelled the same way.
+    Picklable by name (``functools.wraps``): the DHT process runs them."""
+    module.store_nearest = _labelled(module.store_nearest, "store", 0)
+    module.get_nearest = _labelled(module.get_nearest, "get", 0)
 
 
 _PATCHES = {"hivemind.p2p.p2p_daemon": _patch_p2p, "hivemind.dht.node": _patch_node,
