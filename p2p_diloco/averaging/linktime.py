@@ -169,15 +169,20 @@ def expected_group_size(live_peers: int, cfg: AveragingConfig) -> int:
     return max(n, cfg.min_group_size)
 
 
-def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate, window_s: float = 0.0) -> float:
+def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate, window_s: float = 0.0,
+                overhead_s: float = 0.0) -> float:
     """Seconds of one round of each fragment (wire ``payloads`` in bytes) among ``group_size`` peers, one after
     another: each one's matchmaking ``window_s`` (while it matches, its control messages must not queue behind
-    another round's data) and its link time at the measured throughput. What a sync period must leave room for
-    (:func:`~p2p_diloco.net.clock.derive_period`): the fragments' rounds are staggered over it. No round trips on
-    top: a measured throughput is a round's bytes over its whole all-reduce's seconds, which hold them. (They were
-    added, 8 per round at the median RTT, and on a link with 1 s queues -- where a verdict's round trip waits behind
-    the queued data -- they doubled the derived period: 52.7 s at 0.5 Mbit/s where the rounds took 4.4 s each.)"""
-    return sum(window_s + allreduce_bytes(p, group_size) / link.throughput_Bps for p in payloads)
+    another round's data), its link time at the measured throughput and the ``overhead_s`` a round spends beyond its
+    all-reduce (:meth:`LinkHistory.round_overhead_s`: the offers, the decision, the verdicts). What a sync period must
+    leave room for (:func:`~p2p_diloco.net.clock.derive_period`): the fragments' rounds are staggered over it. No
+    round trips on top of those: a measured throughput is a round's bytes over its whole all-reduce's seconds, which
+    hold them. (They were added, 8 per round at the median RTT, and on a link with 1 s queues -- where a verdict's
+    round trip waits behind the queued data -- they doubled the derived period: 52.7 s at 0.5 Mbit/s where the rounds
+    took 4.4 s each.) Without the overhead the period held the all-reduces and not the rounds: at 1 Mbit/s, 1 s
+    queues, a 9.8 s period for rounds of 2.0-2.9 s whose all-reduces took 1.5-1.9 s; the next fragment's round then
+    started while one was still on the link, both slowed, and members declined from then on."""
+    return sum(window_s + overhead_s + allreduce_bytes(p, group_size) / link.throughput_Bps for p in payloads)
 
 
 def throughput_sample(bytes_moved: float, seconds: float) -> float | None:
@@ -288,19 +293,25 @@ class LinkHistory:
 
     throughputs: list[float] = field(default_factory=list)
     rtts: list[float] = field(default_factory=list)
+    overheads: list[float] = field(default_factory=list)
+    """Committed rounds' seconds beyond their all-reduce (:meth:`round_overhead_s`)."""
     failures: int = 0
     """Rounds in a row whose all-reduce ran but which did not commit (the back-off)."""
 
-    def observe(self, *, committed: bool, bytes_moved: float, allreduce_s: float, rtt_s: float) -> None:
-        """Learn from a round that ended (``allreduce_s``: NaN when no all-reduce ran): its RTT sample if it
-        has one; a committed round's throughput (and the back-off ends); a failed round whose all-reduce ran
-        adds a back-off step (one that found no group says nothing about the link)."""
+    def observe(self, *, committed: bool, bytes_moved: float, allreduce_s: float, rtt_s: float,
+                duration_s: float = math.nan) -> None:
+        """Learn from a round that ended (``allreduce_s``: NaN when no all-reduce ran; ``duration_s``: the whole
+        round's seconds, NaN if not known): its RTT sample if it has one; a committed round's throughput and overhead
+        (and the back-off ends); a failed round whose all-reduce ran adds a back-off step (one that found no group
+        says nothing about the link)."""
         if math.isfinite(rtt_s) and rtt_s > 0:
             self.rtts = [*self.rtts, rtt_s][-LINK_HISTORY_ROUNDS:]
         if committed:
             sample = throughput_sample(bytes_moved, allreduce_s)
             if sample is not None:
                 self.throughputs = [*self.throughputs, sample][-LINK_HISTORY_ROUNDS:]
+                if math.isfinite(duration_s):
+                    self.overheads = [*self.overheads, max(0.0, duration_s - allreduce_s)][-LINK_HISTORY_ROUNDS:]
             self.failures = 0
         elif math.isfinite(allreduce_s):
             self.failures += 1
@@ -315,3 +326,9 @@ class LinkHistory:
         further with every round they lose."""
         return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
                              quantile=PLANNING_QUANTILE)
+
+    def round_overhead_s(self) -> float:
+        """The median seconds a recent committed round spent beyond its all-reduce (0.0 before one): the arrivals,
+        offers, decision and verdicts, which on a slow link with a deep queue wait behind the data of the round
+        before (a round holds its link for all of it)."""
+        return statistics.median(self.overheads) if self.overheads else 0.0

@@ -41,7 +41,7 @@ from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.engine.options import ROUND_POLL_S
 from p2p_diloco.net.clock import LINK_PERIOD_SAFETY
-from p2p_diloco.sync.fragment import BUSY, DROPPED, ROUND, Contribution, FragmentSync, Replica
+from p2p_diloco.sync.fragment import BUSY, DROPPED, FETCH, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks
 
@@ -174,7 +174,8 @@ class Rounds:
             return 0.0
         payloads, group = self.one_sync()  # groups from the clock wait out no window: they start once all are in
         return sync_link_s(payloads, group, self.link.measured(),
-                           0.0 if self.cfg.averaging.clock_groups else self._window_for(payloads, group))
+                           0.0 if self.cfg.averaging.clock_groups else self._window_for(payloads, group),
+                           overhead_s=self.link.round_overhead_s())
 
     def final_rounds_in_turn(self) -> bool:
         """Should the final rounds (every fragment's, at once at the end) go one after another? Yes where our
@@ -184,6 +185,7 @@ class Rounds:
         if not self.link.throughputs:
             return False
         return sync_link_s(*self.one_sync(), self.link.measured()) > self.cfg.averaging.next_chunk_timeout_s
+
 
     def one_sync(self) -> tuple[list[float], int]:
         """One sync of every fragment: each round's wire payload (bytes) and the group it will likely have."""
@@ -294,7 +296,7 @@ class Rounds:
                 self.spreads.append(outcome.arrival_spread_s)
                 self.spread_window_s = adapt_window(self.spreads, self.cfg.averaging)
         self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
-                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s)
+                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s)
         self.event(_round_event(outcome, slot, sent_tokens, sent_steps))
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
                     outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
@@ -315,6 +317,9 @@ class Rounds:
                 continue
             if self.grid and not needs_download(slot.version, best[0], self.max_lag_rounds()):
                 continue  # grid groups: a small lag is averaged away in our next rounds
+            fetching = [s.index for s in self.slots if s.inflight is not None and s.inflight_kind == FETCH]
+            if fetching and downloads_in_turn(self):
+                continue  # after fragment fetching[0]'s: together they would not fit the link
             slot.last_fetch_try = now
             what = "a fork: its anchor wins" if best[0] == slot.version else "fetching its anchor"
             logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
@@ -436,9 +441,10 @@ def grid_round_possible(rounds: Rounds, sync: FragmentSync, step: int) -> bool:
 
 def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     """Why ``slot``'s round must not start now: another fragment of ours still has a round or a download on the link,
-    and either no round of ours has measured the link yet or the measured link needs longer for a sync's transfers
-    than the clock's period leaves (:data:`~p2p_diloco.net.clock.LINK_PERIOD_SAFETY` x their time; latency is not
-    shared, not counted). Two transfers then share a link that carries one and both miss their deadlines: at
+    and either no round of ours has measured the link yet or the measured link needs longer for a sync's rounds
+    than the clock's period leaves (:data:`~p2p_diloco.net.clock.LINK_PERIOD_SAFETY` x their transfers and their
+    measured overhead, :func:`~p2p_diloco.averaging.linktime.sync_link_s`; no window: a round from the clock has
+    none). Two transfers then share a link that carries one and both miss their deadlines: at
     0.5 Mbit/s with 1 s queues the four fragments' first rounds overlapped (the first period is derived before
     anything is measured), ran 30-45 s each and failed, then the period grew to 200 s. One waits instead and its
     progress goes into the next round. Empty: it may start (on a link that carries a sync per period: loopback once
@@ -450,12 +456,22 @@ def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     if not rounds.link.throughputs:
         return f"fragment {others[0]} is still on the link, which no round of ours has measured yet"
     payloads, group = rounds.one_sync()
-    rate_Bps = rounds.link.measured().throughput_Bps
-    need_s = LINK_PERIOD_SAFETY * sum(allreduce_bytes(p, group) for p in payloads) / rate_Bps
+    need_s = LINK_PERIOD_SAFETY * sync_link_s(payloads, group, rounds.link.measured(),
+                                              overhead_s=rounds.link.round_overhead_s())
     if need_s <= clock.period_s:
         return ""
     return (f"fragment {others[0]} is still on the link, whose transfers of a sync need {need_s:.1f} s of a period of "
             f"{clock.period_s:.1f} s")
+
+
+def downloads_in_turn(rounds: Rounds) -> bool:
+    """Should state downloads go one at a time? Yes where the link -- as measured, the prior's 1 Mbit/s before
+    any round -- would take longer than a sender may be silent (``averaging.next_chunk_timeout_s``) to move every
+    fragment's state (anchor and momentum, fp32) at once: at 0.5 Mbit/s with 1 s queues a learner behind on three
+    fragments downloaded them together, 1.7 MB each from donors whose uplinks carried their own rounds, and every
+    donor went silent for 10 s on every try for two minutes. On a fast link they go together."""
+    state_bytes = sum(2 * 4 * s.anchor[n].numel() for s in rounds.slots for n in s.names)
+    return state_bytes / rounds.link.measured().throughput_Bps > rounds.cfg.averaging.next_chunk_timeout_s
 
 
 def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:

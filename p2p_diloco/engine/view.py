@@ -211,7 +211,7 @@ class SwarmView:
         self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
         self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
         self._clock_published_at = self._clock_retuned_at = -math.inf
-        self._clock_learners = 0  # how many learners' step times the current period was derived from
+        self._clock_known = 0  # how many step times and link times the current period was derived from
         self._untimed = False  # we lead the clock and a training learner's step time is not known yet
         self._leading = False  # we derive the clock (the smallest peer id among the training learners, at our last look)
         self.clock_read = False
@@ -459,10 +459,12 @@ class SwarmView:
                                sync_link_s=links)
         now, wall = me.dht_time(), time.monotonic()
         clock = self.clock
-        settled = retune_allowed(clock, wall - self._clock_retuned_at, len(times), self._clock_learners)
+        known = len(times) + sum(1 for t in links if t > 0)
+        settled = period is not None and retune_allowed(clock, wall - self._clock_retuned_at, known, self._clock_known,
+                                                        longer=clock is not None and period > clock.period_s)
         if period is not None and settled and needs_retune(clock, period):
             clock = retune(clock, period, now, CLOCK_START_MARGIN_S + CLOCK_READ_EVERY * me.opts.view_period_s, len(me.slots))
-            self._clock_retuned_at, self._clock_learners = wall, len(times)
+            self._clock_retuned_at, self._clock_known = wall, known
             logger.info("sync clock leader: period %.2f s (H %d x median step %.3f s of %d learners; a sync's link "
                         "time at most %.1f s), from DHT time %.1f", period, h, statistics.median(times), len(times),
                         max(links), clock.origin)

@@ -40,6 +40,10 @@ STEP_TIME_WINDOW_S = 60.0
 the mean since the start kept the slow first steps in it for the whole run."""
 RETUNE_EVERY_PERIODS = 3.0
 """... and at most once per this many periods (step times are noisy; each retune shifts the rhythm)."""
+LENGTHEN_EVERY_PERIODS = 1.0
+"""... but a longer period, once per this many: rounds that do not fit the period pile up on the link and fail,
+and each period lost so loses a sync of every fragment (at 1 Mbit/s, 1 s queues, the retunes from 9.8 s to 13.6 s
+and on to 30.8 s came 31 s and 45 s late, and members fell behind meanwhile)."""
 CLOCK_TTL_S = 600.0
 """Lifetime of a published clock in the DHT; the leader re-stores it well before."""
 MAX_PERIOD_S = 24 * 3600.0
@@ -215,15 +219,19 @@ def needs_retune(current: SyncClock | None, period_s: float, tolerance: float = 
     return current is None or abs(period_s / current.period_s - 1) > tolerance
 
 
-def retune_allowed(current: SyncClock | None, since_retune_s: float, learners: int, learners_at_retune: int) -> bool:
-    """May the leader retune now? Always without a clock, and as soon as more learners' step times are known
-    than the current period was derived from; otherwise at most every :data:`RETUNE_EVERY_PERIODS` periods. A
-    first clock derived from the leader's own steps alone (the others' are not read yet) is so replaced at the
-    next probe that reads them, not three periods later: a 3x slower leader set an 18 s period where the
-    swarm's median step made 5 s, and a 20 s run held one or two rounds."""
-    if current is None or learners > learners_at_retune:
+def retune_allowed(current: SyncClock | None, since_retune_s: float, known: int, known_at_retune: int,
+                   longer: bool = False) -> bool:
+    """May the leader retune now? Always without a clock, and as soon as more is ``known`` -- live learners' step
+    times and measured sync link times, counted together -- than the current period was derived from
+    (``known_at_retune``); a ``longer`` period (the rounds do not fit the current one) after
+    :data:`LENGTHEN_EVERY_PERIODS` periods; a shorter one after :data:`RETUNE_EVERY_PERIODS`. A first clock derived
+    from the leader's own steps alone (the others' are not read yet) is so replaced at the next probe that reads
+    them, not three periods later: a 3x slower leader set an 18 s period where the swarm's median step made 5 s, and
+    a 20 s run held one or two rounds. So is a clock derived before any round measured the link: at 1 Mbit/s, 1 s
+    queues, the first period (7.0 s, from steps) held half a sync's rounds."""
+    if current is None or known > known_at_retune:
         return True
-    return since_retune_s >= RETUNE_EVERY_PERIODS * current.period_s
+    return since_retune_s >= (LENGTHEN_EVERY_PERIODS if longer else RETUNE_EVERY_PERIODS) * current.period_s
 
 
 def clock_leader(peer_ids: Iterable[str]) -> str | None:

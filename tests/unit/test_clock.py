@@ -72,8 +72,10 @@ def test_a_first_clock_from_the_leader_alone_is_retuned_once_the_others_are_read
     first = SyncClock(18.0)  # a slow leader's own steps: 1.8 s x H = 10
     assert retune_allowed(None, 0.0, 1, 0)
     assert retune_allowed(first, 2.0, 3, 1)  # two more learners' step times: at once
+    assert retune_allowed(first, 2.0, 4, 3)  # a link measured since (step times and link times count together)
     assert not retune_allowed(first, 2.0, 3, 3) and not retune_allowed(first, 2.0, 2, 3)  # same or fewer: wait
     assert retune_allowed(first, 3 * 18.0, 3, 3)  # ... three periods
+    assert not retune_allowed(first, 17.0, 3, 3, longer=True) and retune_allowed(first, 18.0, 3, 3, longer=True)
     # published at 1000 (first boundary 1021), retuned to 5 s at 1002: the first round at 1010, not 1021
     first = retune(None, 18.0, now_s=1000.0, margin_s=3.0, num_fragments=2)
     assert first.next_any_boundary(1000.0, 2) == 1021.0

@@ -204,6 +204,22 @@ def test_one_sync_takes_every_fragments_window_and_link_time() -> None:
     assert sync_link_s(payloads, 4, SLOW, window_s=3.0) == pytest.approx(bare + 2 * 3.0)
 
 
+def test_a_sync_holds_each_rounds_measured_overhead_beyond_its_all_reduce() -> None:
+    """At 1 Mbit/s with 1 s queues rounds took 2.0-2.9 s of which the all-reduce 1.5-1.9 s: the period must hold the
+    rounds, not only their transfers."""
+    h = LinkHistory()
+    assert h.round_overhead_s() == 0.0  # nothing measured
+    h.observe(committed=True, bytes_moved=1e5, allreduce_s=2.0, rtt_s=0.2)  # no duration known: no sample
+    assert h.round_overhead_s() == 0.0
+    for duration in (2.5, 3.0, 2.0, 9.0):  # the median of the overheads (0.5, 1.0, 0.0, 7.0)
+        h.observe(committed=True, bytes_moved=1e5, allreduce_s=2.0, rtt_s=0.2, duration_s=duration)
+    h.observe(committed=False, bytes_moved=1e5, allreduce_s=2.0, rtt_s=0.2, duration_s=60.0)  # lost: no sample
+    assert h.round_overhead_s() == pytest.approx(0.75)
+    payloads = [100_000.0, 50_000.0]
+    bare = sync_link_s(payloads, 4, SLOW)
+    assert sync_link_s(payloads, 4, SLOW, overhead_s=0.75) == pytest.approx(bare + 2 * 0.75)
+
+
 def test_planning_ignores_the_back_off_once_a_round_committed() -> None:
     h = LinkHistory()
     h.observe(committed=False, bytes_moved=1e5, allreduce_s=5.0, rtt_s=0.2)
@@ -252,6 +268,30 @@ def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_peri
     busy = link_busy(rounds(need_s / 2), slots[1])
     assert busy.startswith("fragment 0 is still on the link") and f"{need_s:.1f} s" in busy, busy
     assert link_busy(rounds(need_s * 1.01), slots[1]) == ""  # the period fits the link: rounds may overlap
+    history.observe(committed=True, bytes_moved=rate_Bps * 10, allreduce_s=10.0, rtt_s=5.0, duration_s=12.0)
+    assert link_busy(rounds(need_s * 1.01), slots[1]) != ""  # a round's overhead (2 s) counts too ...
+    assert link_busy(rounds(need_s * 1.01 + LINK_PERIOD_SAFETY * fragments * 2.0), slots[1]) == ""  # ... for each
     history.throughputs.clear()
+    history.overheads.clear()
     history.observe(committed=True, bytes_moved=rate_Bps * 1000, allreduce_s=1.0, rtt_s=5.0)
     assert link_busy(rounds(need_s / 2), slots[1]) == ""  # a fast link (a long round trip does not count)
+
+
+def test_state_downloads_go_one_at_a_time_where_together_they_would_not_fit_the_link() -> None:
+    """The engine's rule (:func:`p2p_diloco.engine.rounds.downloads_in_turn`) on a stand-in: four fragments'
+    fp32 states (1.6 MB) together take 13 s at the prior's 1 Mbit/s, above a sender's allowed silence; on a fast
+    measured link they go together."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from p2p_diloco.engine.rounds import downloads_in_turn
+
+    slots = [SimpleNamespace(anchor={"w": torch.zeros(50_000)}, names=["w"]) for _ in range(4)]
+    history = LinkHistory()
+    rounds = SimpleNamespace(slots=slots, link=history, cfg=SimpleNamespace(averaging=CFG))
+    state_s = 4 * 2 * 4 * 50_000 / PRIOR_THROUGHPUT_BPS
+    assert state_s > CFG.next_chunk_timeout_s
+    assert downloads_in_turn(rounds)  # type: ignore[arg-type]  # nothing measured: the prior
+    history.observe(committed=True, bytes_moved=1e9, allreduce_s=1.0, rtt_s=0.001)
+    assert not downloads_in_turn(rounds)  # type: ignore[arg-type]  # loopback
