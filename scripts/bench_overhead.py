@@ -106,6 +106,9 @@ class IdleAveraging:
     def vouch(self, version: int, anchor: str) -> None:
         pass
 
+    def keep_round(self, kept: Any) -> None:
+        pass
+
     def cancel(self) -> None:
         pass
 

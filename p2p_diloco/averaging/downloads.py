@@ -20,7 +20,8 @@ import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import torch
-from hivemind.p2p import PeerID
+import msgpack
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -36,15 +37,29 @@ from p2p_diloco.averaging.decisions import (
     vouch_key,
     vouchers,
 )
-from p2p_diloco.averaging.linktime import DownloadTimeouts
+from p2p_diloco.averaging.linktime import STATE_CHUNK_BYTES, DownloadTimeouts
 from p2p_diloco.averaging.transfer import decode_state_metadata, parse_state
 from p2p_diloco.core.rejects import PeerDataError, Reason, log_rejection, reason_of
+from p2p_diloco.core.replay import (
+    MAX_KEPT_ROUNDS,
+    KeptRound,
+    PackedRound,
+    RoundStep,
+    chain,
+    keep,
+    pack_exact,
+    parse_rounds,
+    rounds_payload,
+)
 from p2p_diloco.hivemind_ext import require_hivemind
 from p2p_diloco.hivemind_ext.compression import decode_part
 
 require_hivemind(__name__)  # reads the averager's private matchmaking state (its group key's prefix)
 
 logger = logging.getLogger(__name__)
+
+MAX_REPLAY_REQUEST_BYTES = 64
+"""A replay request is msgpack ``[version, anchor hash]``: about 20 bytes."""
 
 
 class StateDownloads:
@@ -61,21 +76,54 @@ class StateDownloads:
     layout: tuple[Sequence[str], Mapping[str, torch.Size]] | None
     state_compression: Any
     get_stub: Callable[..., Any]
+    _refuse: Callable[..., Any]
+    _kept: list[PackedRound]
+    """The rounds we committed last, packed (:meth:`keep_round`)."""
+
+    def keep_round(self, kept: KeptRound, limit: int) -> None:
+        """(host) Keep a round we committed, to serve it to peers that replay (:func:`rpc_replay_rounds`): packed in
+        this averager's process, the newest ``limit`` kept. Never waits."""
+        assert self.layout is not None, "keep_round needs the fragment's layout"
+        merged = [kept.merged[n].detach().cpu() for n in self.layout[0]]
+        self._outer_pipe.send(("_keep_round", [], dict(step=RoundStep(kept.version, kept.base_hash, kept.anchor_hash),
+                                                        merged=merged, limit=limit)))
+
+    async def _keep_round(self, step: RoundStep, merged: Sequence[torch.Tensor], limit: int) -> None:
+        packed = await asyncio.get_event_loop().run_in_executor(None, lambda: tuple(pack_exact(t) for t in merged))
+        self._kept = keep(self._kept, PackedRound(step.version, step.base_hash, step.anchor_hash, packed), limit)
+
+    async def rpc_replay_rounds(self, request: averaging_pb2.JoinRequest,
+                                context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The rounds we kept that take a peer at the rank in ``request.gather`` (msgpack ``[version, anchor hash]``)
+        forward (:func:`~p2p_diloco.core.replay.chain`), as :func:`~p2p_diloco.core.replay.rounds_payload` in
+        chunks; only to members of our run, nothing for a malformed request."""
+        if await self._refuse(context, "replayed rounds"):
+            return
+        try:
+            version, anchor = msgpack.unpackb(request.gather[:MAX_REPLAY_REQUEST_BYTES], raw=False)
+            ours = (int(version), str(anchor))
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return
+        data = rounds_payload(chain(self._kept, ours))
+        for start in range(0, len(data), STATE_CHUNK_BYTES):
+            yield averaging_pb2.DownloadData(metadata=data[start:start + STATE_CHUNK_BYTES])
 
     def download_state(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]],
-                       timeouts: DownloadTimeouts) -> MPFuture:
+                       timeouts: DownloadTimeouts, replay: bool = True) -> MPFuture:
         """(host) Download a state ahead of ``ours`` from ``donors`` (base58 peer id -> the (version, anchor hash) the
         caller saw it hold) in :func:`donor_order`, trying the next on any failure (a donor silent for
-        ``timeouts.silence_s`` has failed; one that progresses is never cut off); the future's result is
-        ``(FetchedState | None, attempts, bytes received from all donors)``."""
+        ``timeouts.silence_s`` has failed; one that progresses is never cut off). With ``replay``, the best donor is
+        first asked for the rounds it kept from ``ours`` (:meth:`_replay_from`); if they lead to a vouched anchor
+        ahead of ours, they are the result instead. The future's result is ``(FetchedState | None, attempts, bytes
+        received from all donors, replayed rounds)``."""
         future: MPFuture = MPFuture()
         priorities = {peer: sharing_priority(*rank) for peer, rank in donors.items()}
         self._outer_pipe.send(("_download_state", [], dict(future=future, ours=ours, priorities=priorities,
-                                                            silence_s=timeouts.silence_s)))
+                                                            silence_s=timeouts.silence_s, replay=replay)))
         return future
 
     async def _download_state(self, future: MPFuture, ours: tuple[int, str], priorities: Mapping[str, float],
-                              silence_s: float) -> None:
+                              silence_s: float, replay: bool = True) -> None:
         attempts: list[tuple[str, str, float]] = []  # (donor, "ok" or why not, seconds)
         received = [0]  # wire bytes from every donor, counted as they arrive (an aborted stream's too)
         try:
@@ -83,7 +131,12 @@ class StateDownloads:
             names, shapes = self.layout
             cap = state_size_cap([shapes[n] for n in names])
             expected = [shapes[n] for n in names] * 2  # the anchor then the momentum, in names order
-            for donor in donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]:
+            order = donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]
+            rounds = await self._replay_from(order[0], ours, cap, silence_s, received) if replay and order else []
+            if rounds:
+                future.set_result((None, attempts, received[0], rounds))
+                return
+            for donor in order:
                 t0 = time.monotonic()
                 try:
                     metadata, tensors = await self._download_from(PeerID.from_base58(donor), cap, expected,
@@ -105,14 +158,43 @@ class StateDownloads:
                     attempts.append((donor, why[:200], time.monotonic() - t0))
                     continue
                 attempts.append((donor, "ok", time.monotonic() - t0))
-                future.set_result((fetched, attempts, received[0]))
+                future.set_result((fetched, attempts, received[0], []))
                 return
-            future.set_result((None, attempts, received[0]))
+            future.set_result((None, attempts, received[0], []))
         except BaseException as e:
             if not future.done():
                 future.set_exception(e)
             if not isinstance(e, Exception):
                 raise
+
+    async def _replay_from(self, donor: str, ours: tuple[int, str], cap_bytes: int, silence_s: float,
+                           counted: list[int]) -> list[KeptRound]:
+        """The rounds ``donor`` kept from ``ours``, checked (:func:`~p2p_diloco.core.replay.parse_rounds`) and their
+        last anchor vouched for by a peer other than the donor; empty when it kept none from ``ours``, or on any
+        failure (logged: the caller downloads the state instead). Adds what arrives to ``counted[0]``."""
+        assert self.layout is not None
+        names, shapes = self.layout
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)
+            request = averaging_pb2.JoinRequest(gather=msgpack.packb(list(ours)))
+            stream = await asyncio.wait_for(stub.rpc_replay_rounds(request), timeout=silence_s)
+            parts: list[bytes] = []
+            async for message in self._donor_parts(stream, silence_s):
+                parts.append(message.metadata)
+                counted[0] += len(message.metadata)
+                if sum(map(len, parts)) > cap_bytes * MAX_KEPT_ROUNDS:
+                    raise PeerDataError(Reason.OVERSIZE, f"the donor sent more than {MAX_KEPT_ROUNDS} states' bytes")
+            rounds = await asyncio.get_event_loop().run_in_executor(None, parse_rounds, b"".join(parts), names,
+                                                                    shapes, ours)
+            if rounds:
+                await self._check_vouched(*rounds[-1].rank, donor)
+            return rounds
+        except Exception as e:  # no replay from this donor: the state is downloaded instead
+            why = (f"timed out (silent for {silence_s:.1f} s)" if isinstance(e, asyncio.TimeoutError)
+                   else f"{reason_of(e)}: {e}" if isinstance(e, PeerDataError) else f"{type(e).__name__}: {e}")
+            logger.warning("fragment %s: replaying the rounds from %s failed (%s); downloading the state instead",
+                           self.fragment, donor, why[:200])
+            return []
 
     async def _check_vouched(self, version: int, anchor: str, donor: str) -> None:
         """Refuse (:class:`PeerDataError`, ``unvouched``) a downloaded anchor that no peer but its donor has

@@ -51,6 +51,7 @@ from p2p_diloco.averaging.transfer import FetchedState
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
+from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.hivemind_ext import procguard
 from p2p_diloco.hivemind_ext.compression import get_codec
 from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
@@ -181,6 +182,9 @@ class Download:
     bytes_received: int = 0
     """Wire bytes received from every donor tried (an aborted one's included)."""
     timeouts: DownloadTimeouts | None = None
+    replayed: tuple[KeptRound, ...] = ()
+    """Instead of a state, the rounds the best donor kept from our rank (:mod:`p2p_diloco.core.replay`): the caller
+    replays them (checked there, step by step, against the anchor hashes they name)."""
 
     @property
     def failures(self) -> list[str]:
@@ -430,14 +434,22 @@ class FragmentAveragerHost:
         return self._wait(self.dht.get(key, latest=True, return_future=True), None), time.monotonic() - asked
 
     # -- state download
+    def keep_round(self, kept: KeptRound) -> None:
+        """Keep a round we committed to serve peers that replay it (:meth:`StateDownloads.keep_round`), the newest
+        ``averaging.kept_rounds`` (none if 0)."""
+        if self.cfg.averaging.kept_rounds > 0:
+            self.averager.keep_round(kept, self.cfg.averaging.kept_rounds)
+
     def fetch_state(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]],
-                    link: LinkEstimate | None = None) -> "Future[Download]":
+                    link: LinkEstimate | None = None, replay: bool = True) -> "Future[Download]":
         """Download a state ahead of ``ours`` = (version, anchor hash) in :func:`anchor_order` from ``donors`` (peer
         id -> the rank our view holds for it), with deadlines derived from its bytes and ``link``
         (:func:`~p2p_diloco.averaging.linktime.download_timeouts`; None: the prior, nothing measured yet)."""
-        return self._executor.submit(self._fetch, ours, dict(donors), link if link is not None else estimate_link([], []))
+        return self._executor.submit(self._fetch, ours, dict(donors), link if link is not None else estimate_link([], []),
+                                     replay)
 
-    def _fetch(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]], link: LinkEstimate) -> "Download":
+    def _fetch(self, ours: tuple[int, str], donors: Mapping[str, tuple[int, str]], link: LinkEstimate,
+               replay: bool = True) -> "Download":
         """Try the donors of :func:`donor_order` in turn; a donor silent for the derived ``silence_s`` is dropped,
         one that progresses is never; every payload is size-capped and checked (:func:`parse_state`: shapes,
         finite values, the anchor hash) before it is returned. Raises :class:`Leaving` when we leave meanwhile."""
@@ -445,8 +457,9 @@ class FragmentAveragerHost:
         t0 = time.monotonic()
         timeouts = download_timeouts(self.state_bytes, link, a)
         deadline_s = timeouts.total_s(MAX_DONORS_TRIED, VOUCH_WAIT_S) + a.request_timeout_s
-        fetched, attempts, received = self._wait(self.averager.download_state(ours, donors, timeouts), deadline_s)
-        return Download(fetched, tuple(attempts), time.monotonic() - t0, received, timeouts)
+        fetched, attempts, received, replayed = self._wait(self.averager.download_state(ours, donors, timeouts, replay),
+                                                           deadline_s)
+        return Download(fetched, tuple(attempts), time.monotonic() - t0, received, timeouts, tuple(replayed))
 
     def vouch(self, version: int, anchor: str) -> None:
         """Sign, in the DHT, that we hold ``anchor`` at ``version`` (after a commit or a verified rebase): a peer

@@ -28,6 +28,7 @@ from p2p_diloco.averaging.decisions import (
     commit_key,
 )
 from p2p_diloco.averaging.linktime import RoundTimeouts
+from p2p_diloco.core.replay import PackedRound
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
@@ -90,6 +91,7 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         """(names, shapes) of the fragment's tensors: what a downloaded state is checked against."""
         self.robust = robust
         """The robust merge rule (:func:`outer.robust_rule`): our reducer bounds each sender's influence."""
+        self._kept: list[PackedRound] = []  # the rounds we serve to peers that replay (StateDownloads.keep_round)
         self.init_fixed_groups()
         self.init_group_leading()
         super().__init__(*args, **kwargs)

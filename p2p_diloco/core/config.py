@@ -195,6 +195,9 @@ class AveragingConfig:
     state_timeout_s: float = _f(15.0, "Floor of a state download's budget per donor (it grows with the state's "
                                   "bytes over the measured link).")
     shutdown_timeout_s: float = _f(5.0, "How long an averager process may take to shut down.")
+    kept_rounds: int = _f(4, "Committed rounds each learner keeps per fragment (packed: about 1.25 bytes a value for "
+                          "int4) so that a learner up to that many versions behind replays them instead of downloading "
+                          "the fragment's fp32 state; 0: none kept, a learner behind always downloads.")
     schedule: str = _f("clock", "When a fragment is due in a networked run: 'clock' (at instants of the swarm's DHT "
                        "clock, the same for everyone: learners of any speed meet) or 'steps' (every outer.sync_every "
                        "of the learner's own steps, as in the simulator: for homogeneous, paced runs).")
@@ -536,6 +539,7 @@ def validate(cfg: Config) -> None:
     _require(a.state_timeout_s > 0, "averaging.state_timeout_s", f"must be > 0, got {a.state_timeout_s}")
     _require(a.commit_timeout_s > 0, "averaging.commit_timeout_s", f"must be > 0, got {a.commit_timeout_s}")
     _require(a.shutdown_timeout_s > 0, "averaging.shutdown_timeout_s", f"must be > 0, got {a.shutdown_timeout_s}")
+    _require(0 <= a.kept_rounds <= 64, "averaging.kept_rounds", f"must be in 0..64, got {a.kept_rounds}")
     _require(a.matchmaking in MATCHMAKINGS, "averaging.matchmaking",
              f"must be one of {', '.join(MATCHMAKINGS)}, got {a.matchmaking!r}")
     _require(a.matchmaking != "clock" or (a.schedule == "clock" and a.groups == "heal"), "averaging.matchmaking",

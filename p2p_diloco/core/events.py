@@ -6,8 +6,9 @@ A learner logs what happens to it as events (``Learner._event``): ``--events FIL
 ``name``, ``step``, ``tokens``, ``time``, ``loss``), then ``"event": KIND``, then the kind's own fields:
 
 ``round`` :class:`RoundEvent`, ``resync`` :class:`ResyncEvent`, ``late_commit`` :class:`LateCommitEvent`,
-``first_contribution`` :class:`FirstContributionEvent`, ``local_drop`` :class:`LocalDropEvent`,
-``eval`` :class:`EvalEvent`, ``clock`` :class:`ClockEvent`, ``checkpoint`` :class:`CheckpointEvent`.
+``replay`` :class:`ReplayEvent`, ``first_contribution`` :class:`FirstContributionEvent`, ``local_drop``
+:class:`LocalDropEvent`, ``eval`` :class:`EvalEvent`, ``clock`` :class:`ClockEvent`, ``checkpoint``
+:class:`CheckpointEvent`.
 
 :func:`parse_event` and :func:`read_events` turn records back into these classes, so that a reader's wrong
 field name is a type error, not a ``KeyError`` at the end of a benchmark. They read any version's files:
@@ -223,6 +224,33 @@ class LateCommitEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplayEvent(Event):
+    """A fragment behind the swarm caught up by replaying rounds a peer kept (:mod:`p2p_diloco.core.replay`) instead
+    of downloading its state."""
+
+    KIND = "replay"
+
+    fragment: int
+    """The fragment's index."""
+    outcome: str
+    """How the result was applied: ``"rebased"`` or ``"reset after resume"`` (as a download's)."""
+    rounds: int
+    """Rounds replayed."""
+    version: int
+    """Our version before."""
+    version_after: int
+    """Our version after."""
+    anchor_hash_before: str
+    """Hash of our anchor before."""
+    anchor_hash: str
+    """Hash of our anchor after (each round's checked)."""
+    duration_s: float
+    """Seconds from the request to the rounds' arrival."""
+    bytes: int
+    """Wire bytes received (the rounds, and anything a failed attempt before them brought)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class FirstContributionEvent(Event):
     """This learner's first committed round (logged once)."""
 
@@ -316,8 +344,8 @@ class OtherEvent(Event):
 
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
-    RoundEvent, ResyncEvent, LateCommitEvent, FirstContributionEvent, LocalDropEvent, EvalEvent, ClockEvent,
-    CheckpointEvent)}
+    RoundEvent, ResyncEvent, LateCommitEvent, ReplayEvent, FirstContributionEvent, LocalDropEvent, EvalEvent,
+    ClockEvent, CheckpointEvent)}
 """Every kind a learner logs, by its ``"event"`` value."""
 
 

@@ -88,13 +88,15 @@ def model_identity(m: ModelConfig) -> dict[str, Any]:
 
 
 def averaging_identity(cfg: Config) -> dict[str, Any] | None:
-    """What the averaging section contributes to the config hash: every key, but ``groups`` and ``matchmaking`` only when
-    they are not the defaults 'heal' and 'dht', so that the hashes of runs from before either existed stay valid. None
+    """What the averaging section contributes to the config hash: every key but ``kept_rounds`` (a learner's own), and
+    ``groups`` and ``matchmaking`` only when they are not the defaults 'heal' and 'dht', so that the hashes of runs
+    from before either existed stay valid. None
     for a config whose section was set to None on purpose (the hash of what a simulation reads:
     ``scripts/bench_parity_demo.py``)."""
     if cfg.averaging is None:
         return None
     d = dataclasses.asdict(cfg.averaging)
+    del d["kept_rounds"]  # each learner's own choice: peers that keep different numbers of rounds interoperate
     if d["groups"] == "heal":
         del d["groups"]
     if cfg.averaging.clock_groups:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from p2p_diloco.averaging.host import Download, RoundOutcome
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
+    from p2p_diloco.core.replay import KeptRound
     from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
     from p2p_diloco.transport.network import Host, Rank, RoundContext
@@ -47,8 +48,12 @@ class FaultyHost:
     def decline(self, context: RoundContext) -> None:
         self.host.decline(context)
 
-    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
-        return self.host.fetch_state(ours, donors, link)
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
+                    replay: bool = True) -> Future[Download]:
+        return self.host.fetch_state(ours, donors, link, replay)
+
+    def keep_round(self, kept: KeptRound) -> None:
+        self.host.keep_round(kept)
 
     def last_group(self) -> tuple[int, tuple[str, ...]]:
         return self.host.last_group()

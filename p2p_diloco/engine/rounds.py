@@ -25,7 +25,6 @@ from p2p_diloco.averaging.decisions import (
     anchor_hash,
     anchor_order,
     is_ahead,
-    relative_distance,
     round_is_doomed,
 )
 from p2p_diloco.averaging.linktime import (
@@ -38,6 +37,8 @@ from p2p_diloco.averaging.linktime import (
 )
 from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
+from p2p_diloco.core.replay import KeptRound
+from p2p_diloco.engine.catchup import apply_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.engine.options import ROUND_POLL_S
 from p2p_diloco.net.clock import LINK_PERIOD_SAFETY
@@ -98,7 +99,9 @@ class FragmentLink:
         """Download a state ahead of ``ours`` from the other live learners our view holds, ranked by what it saw them
         hold (the download tries the best first and checks what it gets)."""
         donors = dict(fragment_peers(self.rounds.view, self.fragment))
-        return self.host.fetch_state(ours, donors, self.rounds.link.estimate())
+        r = self.rounds
+        replay = r.cfg.averaging.kept_rounds > 0 and ours != r.syncs[self.fragment].slot.no_replay_from
+        return self.host.fetch_state(ours, donors, self.rounds.link.estimate(), replay=replay)
 
     def anchor_changed(self, version: int, anchor_hash: str) -> None:
         """Our anchor moved (a commit, a checked download, the start or a verified restore): vouch for it -- what a
@@ -258,7 +261,7 @@ class Rounds:
                                               reason=f"{type(e).__name__}: {e}"[:300]))
                 logger.warning("fragment %d: state download failed: %s: %s", sync.index, type(e).__name__, e)
                 continue
-            self.apply_fetched(sync, download)
+            apply_download(sync, download, self.event, self.hosts[sync.index].keep_round)
 
     def wait_rounds(self, stop: threading.Event, step: int) -> None:
         """Blocking mode: wait until every round in flight has ended (its own timeouts bound this), then apply."""
@@ -279,9 +282,11 @@ class Rounds:
     def apply_round(self, sync: FragmentSync, outcome: RoundOutcome) -> None:
         """Commit: outer Nesterov step on the anchor, alpha-mix into the weights. Discard: nothing changes."""
         slot = sync.slot
-        sent_tokens, sent_steps = slot.sent_tokens, slot.sent_steps
+        sent_tokens, sent_steps, base = slot.sent_tokens, slot.sent_steps, slot.rank
         sync.apply_round(outcome)
         if outcome.committed:
+            if not self.grid and outcome.merged is not None:  # served to peers that missed it (core.replay)
+                self.hosts[slot.index].keep_round(KeptRound(*base, slot.anchor_hash, dict(outcome.merged)))
             if self.grid and math.isfinite(outcome.group_distance):
                 slot.consensus_distance = outcome.group_distance
             self.last_sync_time = self.dht_time()
@@ -346,33 +351,6 @@ class Rounds:
         logger.info("fragment %d: a peer committed the round we discarded for want of its verdict; committed it too: "
                     "v%d (%s) -> v%d (%s)", slot.index, old, old_hash, slot.version, slot.anchor_hash)
         return True
-
-    def apply_fetched(self, sync: FragmentSync, download: Download) -> None:
-        """Rebase our progress onto a downloaded anchor (:meth:`FragmentSync.apply_fetched`). At equal
-        versions (a fork) the distance between the two anchors is our consensus distance."""
-        slot, fetched = sync.slot, download.fetched
-        tried, failures, took_s = len(download.attempts), tuple(download.failures), round(download.duration_s, 3)
-        received = download.bytes_received
-        for failure in download.failures:
-            logger.warning("fragment %d: a donor failed: %s", slot.index, failure)
-        if fetched is None or not is_ahead((fetched.version, fetched.anchor_hash), slot.rank):
-            self.event(events.ResyncEvent(fragment=slot.index, outcome="failed" if failures else "nothing newer",
-                                          version=slot.version, donors_tried=tried, donor_failures=failures,
-                                          duration_s=took_s, bytes=received))
-            return
-        fork = fetched.version == slot.version
-        if fork:  # only this thread writes the anchor: read without the lock
-            slot.consensus_distance = relative_distance(slot.anchor, fetched.anchor)
-        old, old_hash = slot.version, slot.anchor_hash
-        how = sync.apply_fetched(fetched)
-        self.event(events.ResyncEvent(fragment=slot.index, outcome=how, version=old, version_after=slot.version,
-                                      anchor_hash_before=old_hash, anchor_hash=slot.anchor_hash, donors_tried=tried,
-                                      donor_failures=failures, duration_s=took_s, bytes=received,
-                                      consensus_distance=slot.consensus_distance if fork else None))
-        logger.info("fragment %d: %s from v%d (%s) onto v%d (%s)%s", slot.index,
-                    "reset (the swarm moved on since our checkpoint)" if how == "reset after resume" else "rebased",
-                    old, old_hash, slot.version, slot.anchor_hash,
-                    f"; fork healed, consensus distance {slot.consensus_distance:.2e}" if fork else "")
 
     def max_lag_rounds(self) -> int:
         """Grid groups: how many versions a learner may lag the newest live one and catch up by averaging

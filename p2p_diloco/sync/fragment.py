@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,6 +41,7 @@ import torch
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import OuterConfig
 from p2p_diloco.core.devices import load_into, to_host
+from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.sync.slot import FragmentSlot, PendingRound
 
 ROUND = "round"
@@ -315,14 +316,18 @@ class FragmentSync:
     def _pending(self, merged: Mapping[str, torch.Tensor]) -> PendingRound:
         """What committing ``merged`` would make of our anchor and momentum (copies: nothing changes now)."""
         slot = self.slot
-        with slot.lock, torch.no_grad():
-            anchor = {n: t.clone() for n, t in slot.anchor.items()}
-            state = outer.OuterState(momentum={n: t.clone() for n, t in slot.state.momentum.items()},
-                                     version=slot.version)
-            base = slot.rank
+        anchor, state, base = self._copies()
         outer.nesterov_step(anchor, merged, state, self.cfg.lr, self.cfg.momentum)
         return PendingRound(base=base, rank=(state.version, self.hash_anchor(anchor)), anchor=anchor,
                             momentum=state.momentum, sent_tokens=slot.sent_tokens, sent_steps=slot.sent_steps)
+
+    def _copies(self) -> tuple[dict[str, torch.Tensor], outer.OuterState, tuple[int, str]]:
+        """Copies of our anchor and outer state, and our rank, taken together."""
+        slot = self.slot
+        with slot.lock, torch.no_grad():
+            return ({n: t.clone() for n, t in slot.anchor.items()},
+                    outer.OuterState(momentum={n: t.clone() for n, t in slot.state.momentum.items()},
+                                     version=slot.version), slot.rank)
 
     def adopt_pending(self) -> None:
         """Commit the round we kept (:attr:`FragmentSlot.pending`) as :meth:`apply_round` would have: its anchor
@@ -397,6 +402,24 @@ class FragmentSync:
         slot.pending = None
         self._advertise()
         return "fork healed" if fork else "reset after resume" if reset else "rebased"
+
+    def replayed(self, rounds: Sequence[KeptRound]) -> SwarmState | None:
+        """Where replaying ``rounds`` (a chain of committed rounds from our rank, :func:`~p2p_diloco.core.replay.
+        chain`) takes our anchor and momentum: each outer step, on copies, must make the anchor hash its round names;
+        None at the first that does not (or if the chain does not start at our rank). Nothing changes here: the
+        caller applies the state as a download's (:meth:`apply_fetched`)."""
+        anchor, state, at = self._copies()
+        if not rounds:
+            return None
+        with torch.no_grad():
+            for kept in rounds:
+                if kept.base != at:
+                    return None
+                outer.nesterov_step(anchor, kept.merged, state, self.cfg.lr, self.cfg.momentum)
+                at = (state.version, self.hash_anchor(anchor))
+                if at[1] != kept.anchor_hash:
+                    return None
+        return SwarmState(state.version, anchor, state.momentum, at[1])
 
     def reset_to(self, state: AnchorState) -> None:
         """(Re)join: the weights and anchor become ``state``'s, with no unsynced progress (the caller gives

@@ -65,6 +65,8 @@ class FragmentSlot:
     """Progress restored from a checkpoint and not yet in a round we committed: rounds that committed after
     the checkpoint (before the crash) may already hold part of it, so it is not rebased (see apply_fetched)."""
     last_fetch_try: float = -math.inf
+    no_replay_from: tuple[int, str] | None = None
+    """A rank from which replaying a peer's kept rounds did not reproduce their anchors: from it, we download."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

@@ -23,6 +23,7 @@ from p2p_diloco.averaging.host import Download, FragmentAveragerHost, RoundOutco
 from p2p_diloco.averaging.linktime import LinkEstimate
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import Config
+from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import Rank, RoundContext
@@ -67,8 +68,12 @@ class AveragerLink:
                         else torch.zeros_like(slot.anchor[n]) for n in slot.names}
         return replace(contribution, tensors={**contribution.tensors, **anchor, **momentum})
 
-    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
-        return self.averager.fetch_state(ours, donors, link)
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
+                    replay: bool = True) -> Future[Download]:
+        return self.averager.fetch_state(ours, donors, link, replay)
+
+    def keep_round(self, kept: KeptRound) -> None:
+        self.averager.keep_round(kept)
 
     def last_group(self) -> tuple[int, tuple[str, ...]]:
         return self._last_group.get()

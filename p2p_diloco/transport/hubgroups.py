@@ -18,6 +18,7 @@ from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.groups import without_absent
+from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.hivemind_ext import compression
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class Member:
     """Its side of a network partition (:meth:`~p2p_diloco.transport.inprocess.Hub.partition`): members see and average only with their side."""
     bytes_sent: int = 0
     bytes_received: int = 0
+    kept: dict[int, list[KeptRound]] = field(default_factory=dict)
+    """Fragment -> the rounds it committed last (:meth:`~p2p_diloco.transport.inprocess.InProcessHost.keep_round`)."""
 
     def ranks(self) -> list[Rank]:
         out = []

@@ -52,6 +52,7 @@ from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
+from p2p_diloco.core.replay import KeptRound, PackedRound, chain, keep, parse_rounds, rounds_payload
 from p2p_diloco.transport.hubgroups import (Member, Offer, OpenGroup, RoundRecord, absent_members, average,
                                              failed_outcomes, refusal)
 from p2p_diloco.transport.planning import LastGroup, clock_boundary_ms, plan_round
@@ -332,9 +333,11 @@ class Hub:
 
     # ------------------------------------------------------------ downloads
 
-    def fetch(self, member: Member, fragment: int, ours: Rank, donors: Collection[str]) -> Future[Download]:
+    def fetch(self, member: Member, fragment: int, ours: Rank, donors: Collection[str],
+              replay: bool = True) -> Future[Download]:
         """The state of ``fragment`` from the live member among ``donors`` (peer ids: the member's view's) ranked best
-        ahead of ``ours`` by what it holds now (none: nothing newer)."""
+        ahead of ``ours`` by what it holds now (none: nothing newer); with ``replay``, the rounds it kept from
+        ``ours`` instead where it kept them (through their wire form, as a network replay would get them)."""
         t0, done = time.monotonic(), Future[Download]()
         wanted = set(donors)
         candidates = [(m, m.ranks()[fragment]) for m in self.others(member) if m.peer_id in wanted]
@@ -345,6 +348,16 @@ class Hub:
             return done
         donor = ahead[0][0]
         slot = donor.engine.slots[fragment]
+        rounds = chain(donor.kept.get(fragment, []), ours) if replay else []
+        if rounds:
+            shapes = {n: slot.anchor[n].shape for n in slot.names}
+            data = rounds_payload([PackedRound.of(k, slot.names) for k in rounds])
+            with self._lock:
+                member.bytes_received += len(data)
+                donor.bytes_sent += len(data)
+            done.set_result(Download(None, (), time.monotonic() - t0, len(data),
+                                     replayed=tuple(parse_rounds(data, slot.names, shapes, ours))))
+            return done
         with slot.lock:
             meta, tensors = state_payload(fragment, slot.version, slot.anchor, slot.state.momentum, slot.names)
         shapes = {n: slot.anchor[n].shape for n in slot.names}
@@ -421,8 +434,14 @@ class InProcessHost:
         if boundary_ms >= 0:
             self.hub.decline(self.member, self.fragment, boundary_ms)
 
-    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
-        return self.hub.fetch(self.member, self.fragment, ours, donors)
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
+                    replay: bool = True) -> Future[Download]:
+        return self.hub.fetch(self.member, self.fragment, ours, donors, replay)
+
+    def keep_round(self, kept: KeptRound) -> None:
+        limit = self.hub.cfg.averaging.kept_rounds
+        if limit > 0:
+            self.member.kept[self.fragment] = keep(self.member.kept.get(self.fragment, []), kept, limit)
 
     def last_group(self) -> tuple[int, tuple[str, ...]]:
         return self._last_group.get()

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from p2p_diloco.averaging.host import Download, RoundOutcome
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
+    from p2p_diloco.core.replay import KeptRound
     from p2p_diloco.net.clock import SyncClock
     from p2p_diloco.sync.fragment import Contribution
     from p2p_diloco.sync.slot import FragmentSlot
@@ -97,8 +98,14 @@ class Host(Protocol):
         whatever rank it counts us at (a round of ours in flight moves it); otherwise nothing. Never waits."""
         ...
 
-    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None) -> Future[Download]:
-        """Download a state ahead of ``ours`` from ``donors`` (peer id -> the rank our view holds for it)."""
+    def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
+                    replay: bool = True) -> Future[Download]:
+        """Download a state ahead of ``ours`` from ``donors`` (peer id -> the rank our view holds for it); with
+        ``replay``, the rounds the best donor kept from ``ours`` instead where it kept them (``Download.replayed``)."""
+        ...
+
+    def keep_round(self, kept: KeptRound) -> None:
+        """A round we committed: keep it for peers that replay it (:mod:`p2p_diloco.core.replay`). Never waits."""
         ...
 
     def last_group(self) -> tuple[int, tuple[str, ...]]:

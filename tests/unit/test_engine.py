@@ -34,6 +34,7 @@ class GroupOfOne:
     def __init__(self, cfg: Config, index: int, *_args: Any, **_kwargs: Any) -> None:
         self.cfg, self.index = cfg, index
         self.vouched: list[tuple[int, str]] = []
+        self.kept: list[Any] = []
 
     def start_background(self) -> None: ...
     def wait_ready(self, timeout_s: float) -> None: ...
@@ -42,6 +43,9 @@ class GroupOfOne:
 
     def vouch(self, version: int, anchor: str) -> None:
         self.vouched.append((version, anchor))
+
+    def keep_round(self, kept: Any) -> None:
+        self.kept.append(kept)
 
     def bytes_total(self) -> tuple[int, int]:
         return 0, 0

@@ -64,9 +64,12 @@ class _Host:
         self.calls.append(("start_round", contribution.fragment))
         return _done("outcome")
 
-    def fetch_state(self, ours: Any, donors: Any, link: Any = None) -> Future[Any]:
+    def fetch_state(self, ours: Any, donors: Any, link: Any = None, replay: bool = True) -> Future[Any]:
         self.calls.append(("fetch_state", ours, donors, link))
         return _done("download")
+
+    def keep_round(self, kept: Any) -> None:
+        self.calls.append(("keep_round", kept))
 
     def vouch(self, version: int, anchor: str) -> None:
         self.calls.append(("vouch", version, anchor))

@@ -217,11 +217,12 @@ def test_a_download_tries_the_live_learners_our_view_ranks_and_never_one_that_le
     view._merge()
     asked: list[tuple[Any, ...]] = []
 
-    def fetch_state(ours: Any, donors: Any, link: Any = None) -> Future[Any]:
+    def fetch_state(ours: Any, donors: Any, link: Any = None, replay: bool = True) -> Future[Any]:
         asked.append((ours, donors))
         return Future()
 
-    rounds: Any = SimpleNamespace(view=view, link=SimpleNamespace(estimate=lambda: None))
+    rounds: Any = SimpleNamespace(view=view, link=SimpleNamespace(estimate=lambda: None), cfg=load_config(None),
+                                  syncs=[SimpleNamespace(slot=SimpleNamespace(no_replay_from=None))] * 2)
     FragmentLink(SimpleNamespace(fetch_state=fetch_state), rounds, 1).fetch_state((0, "0" * 16))  # type: ignore[arg-type]
     assert asked == [((0, "0" * 16), {"A": (4, "a4".ljust(16, "0")), "B": (4, "b4".ljust(16, "0"))})]
 

@@ -125,7 +125,7 @@ def test_a_round_reading_verdicts_from_a_stopped_dht_ends_when_the_learner_leave
 
 
 def test_a_download_from_a_stopped_averager_raises_leaving() -> None:
-    host = host_of(averager(None, download=lambda ours, donors, timeouts: NeverResolved()))
+    host = host_of(averager(None, download=lambda ours, donors, timeouts, replay=True: NeverResolved()))
     running = host.fetch_state((3, "a" * 16), {"QmA": (4, "b" * 16)})
     took_s = cancelled_after(host, running)
     with pytest.raises(Leaving, match=LEAVING):

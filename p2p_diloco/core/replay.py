@@ -1,0 +1,197 @@
+"""Catch-up by replay: the committed rounds a learner keeps, their lossless wire form, and the chain a learner that
+is behind applies instead of downloading the fragment's state.
+
+Every member of a committed round applies the same merged pseudo-gradient to the same anchor and momentum (that is
+what makes anchors identical), so a learner that missed a few rounds reaches the swarm's anchor exactly by applying
+the rounds it missed, in order: each :class:`KeptRound` names the (version, anchor hash) it was applied at and the
+anchor hash it made, and a replay is accepted only if every step reproduces that hash bit for bit (else the learner
+downloads the state as before). A merged pseudo-gradient is the decoded all-reduce of int4 parts: a block of
+:data:`BLOCK` consecutive values holds at most a few dozen distinct floats (the quantizer's 15 levels times the
+scales of the two quantizer blocks it may straddle), so :func:`pack_exact` stores each block as its distinct values
+and an index of a few bits per value -- about 1.25 bytes a value for an int4 round, against the 8 (anchor and
+momentum in fp32) of a state download -- and :func:`unpack_exact` gives back the same bits (a tensor whose values do
+not repeat, an fp32 round's, goes raw: 4 bytes a value).
+
+Pure: torch and numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgpack
+import numpy as np
+import torch
+
+from p2p_diloco.core.rejects import PeerDataError, Reason
+
+MAX_KEPT_ROUNDS = 64
+"""The most rounds a learner keeps per fragment (``averaging.kept_rounds``, 4 by default) and a replay accepts."""
+BLOCK = 128
+"""Values per block of :func:`pack_exact` (each block has its own distinct values)."""
+MAX_INDEX_BITS = 8
+"""Past this many bits of index (256 distinct values in a block) a tensor goes as raw float32 bits."""
+_HEADER = struct.Struct("<QB")  # element count, index bits (0: raw float32)
+
+
+@dataclass(frozen=True)
+class RoundStep:
+    """Where a committed round of a fragment was applied -- at ``version`` with anchor ``base_hash`` -- and the anchor
+    ``anchor_hash`` (at ``version + 1``) its outer step made."""
+
+    version: int
+    base_hash: str
+    anchor_hash: str
+
+    @property
+    def base(self) -> tuple[int, str]:
+        return self.version, self.base_hash
+
+    @property
+    def rank(self) -> tuple[int, str]:
+        return self.version + 1, self.anchor_hash
+
+
+@dataclass(frozen=True)
+class KeptRound(RoundStep):
+    """A committed round with its merged pseudo-gradient (what a replay applies)."""
+
+    merged: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PackedRound(RoundStep):
+    """A committed round as kept for serving: its merged tensors :func:`pack_exact`-ed, in the fragment's names
+    order."""
+
+    tensors: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, kept: KeptRound, names: Sequence[str]) -> PackedRound:
+        return cls(kept.version, kept.base_hash, kept.anchor_hash, tuple(pack_exact(kept.merged[n]) for n in names))
+
+
+R = TypeVar("R", bound=RoundStep)
+
+
+def keep(kept: Sequence[R], new: R, limit: int) -> list[R]:
+    """``kept`` with ``new`` in, by version, and only the newest ``limit`` left; a round kept from another base at the
+    same version (we rebased onto a fork's winner since) is replaced."""
+    return sorted([*(k for k in kept if k.version != new.version), new], key=lambda k: k.version)[-limit:]
+
+
+def chain(kept: Sequence[R], ours: tuple[int, str]) -> list[R]:
+    """The kept rounds that take a learner at ``ours`` = (version, anchor hash) forward, in order: the one applied
+    at ``ours``, then the one applied at what it made, and so on (empty if none was applied at ``ours``)."""
+    by_base = {k.base: k for k in kept}
+    out: list[R] = []
+    at = ours
+    while at in by_base and len(out) < len(kept):
+        out.append(by_base[at])
+        at = out[-1].rank
+    return out
+
+
+# ---------------------------------------------------------------- the exact packing
+
+
+def pack_exact(tensor: torch.Tensor) -> bytes:
+    """``tensor`` (float32) as blocks of :data:`BLOCK` values, each its distinct values' bits and a fixed-width index
+    per value: :func:`unpack_exact` gives back every bit (``-0.0`` and ``0.0`` stay apart). A tensor with more
+    than 256 distinct values in a block, or one that packs no smaller, goes raw."""
+    flat = tensor.detach().cpu().contiguous().view(-1).to(torch.float32).view(torch.int32).numpy()
+    n = flat.size
+    rows = np.concatenate([flat, np.zeros((-n) % BLOCK, np.int32)]).reshape(-1, BLOCK) if n else flat.reshape(0, BLOCK)
+    order = np.argsort(rows, axis=1, kind="stable")
+    ordered = np.take_along_axis(rows, order, axis=1)
+    fresh = np.ones_like(ordered, dtype=bool)
+    fresh[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    counts = fresh.sum(axis=1)
+    top = int(counts.max()) if counts.size else 1
+    bits = max(1, math.ceil(math.log2(top))) if top > 1 else 1
+    packed_bytes = counts.size + 4 * int(counts.sum()) + -(-counts.size * BLOCK * bits // 8)
+    if bits > MAX_INDEX_BITS or packed_bytes >= 4 * n:  # values that do not repeat: raw is smaller
+        return _HEADER.pack(n, 0) + flat.astype("<i4").tobytes()
+    index = np.empty_like(order)
+    np.put_along_axis(index, order, np.cumsum(fresh, axis=1) - 1, axis=1)
+    planes = np.unpackbits(index.astype(np.uint8)[..., None], axis=-1)[..., 8 - bits:]  # big-endian bits
+    return b"".join([_HEADER.pack(n, bits), (counts - 1).astype(np.uint8).tobytes(),
+                     ordered[fresh].astype("<i4").tobytes(), np.packbits(planes.reshape(-1)).tobytes()])
+
+
+def unpack_exact(data: bytes, shape: Sequence[int]) -> torch.Tensor:
+    """The float32 tensor of ``shape`` that :func:`pack_exact` packed into ``data``; :class:`PeerDataError`
+    (``malformed``) for anything else."""
+    n = math.prod(shape)
+    if len(data) < _HEADER.size:
+        raise PeerDataError(Reason.MALFORMED, "a replayed tensor is shorter than its header")
+    count, bits = _HEADER.unpack_from(data)
+    body = memoryview(data)[_HEADER.size:]
+    if count != n or bits > MAX_INDEX_BITS:
+        raise PeerDataError(Reason.MALFORMED, f"a replayed tensor holds {count} values at {bits} bits; expected {n} "
+                                              f"values at <= {MAX_INDEX_BITS}")
+    if bits == 0:
+        if len(body) != 4 * n:
+            raise PeerDataError(Reason.MALFORMED, f"a raw replayed tensor of {n} values has {len(body)} bytes")
+        values = np.frombuffer(body, "<i4").astype(np.int32)
+    else:
+        blocks = -(-n // BLOCK)
+        counts = np.frombuffer(body[:blocks], np.uint8).astype(np.int64) + 1
+        distinct = int(counts.sum())
+        index_bytes = -(-blocks * BLOCK * bits // 8)
+        if len(body) != blocks + 4 * distinct + index_bytes or (counts > 2**bits).any():
+            raise PeerDataError(Reason.MALFORMED, f"a replayed tensor of {n} values has {len(body)} bytes, not what "
+                                                  "its header and block counts make")
+        book = np.frombuffer(body[blocks:blocks + 4 * distinct], "<i4").astype(np.int32)
+        planes = np.unpackbits(np.frombuffer(body[blocks + 4 * distinct:], np.uint8))[:blocks * BLOCK * bits]
+        index = np.packbits(np.concatenate([np.zeros((blocks * BLOCK, 8 - bits), np.uint8),
+                                            planes.reshape(-1, bits)], axis=1), axis=1).reshape(blocks, BLOCK)
+        index = index.astype(np.int64)
+        if (index >= counts[:, None]).any():
+            raise PeerDataError(Reason.MALFORMED, "a replayed tensor's index points past its block's values")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        values = book[(starts[:, None] + index).reshape(-1)][:n]
+    return torch.from_numpy(values.copy()).view(torch.float32).reshape(tuple(shape))
+
+
+# ---------------------------------------------------------------- the wire
+
+
+def rounds_payload(rounds: Sequence[PackedRound]) -> bytes:
+    """What a learner sends one that replays: ``[version, base hash, anchor hash, [packed tensors in names order]]``
+    per round, msgpack."""
+    return msgpack.packb([[k.version, k.base_hash, k.anchor_hash, list(k.tensors)] for k in rounds],
+                         use_bin_type=True)
+
+
+def parse_rounds(data: bytes, names: Sequence[str], shapes: Mapping[str, torch.Size],
+                 ours: tuple[int, str]) -> list[KeptRound]:
+    """The rounds in ``data`` (:func:`rounds_payload`), checked: a chain from ``ours``, each tensor of its shape and
+    finite. :class:`PeerDataError` (``malformed``) otherwise; an empty list if the sender kept none from ``ours``."""
+    try:
+        items = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise PeerDataError(Reason.MALFORMED, f"replayed rounds: not msgpack ({e})"[:200]) from None
+    if not isinstance(items, list) or len(items) > MAX_KEPT_ROUNDS:
+        raise PeerDataError(Reason.MALFORMED, f"replayed rounds: expected a list of at most {MAX_KEPT_ROUNDS}")
+    out: list[KeptRound] = []
+    at = ours
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], int)
+                and all(isinstance(h, str) and len(h) == 16 for h in item[1:3])
+                and isinstance(item[3], list) and len(item[3]) == len(names)
+                and all(isinstance(b, bytes) for b in item[3])):
+            raise PeerDataError(Reason.MALFORMED, "replayed rounds: a round is not [version, base, anchor, tensors]")
+        if (item[0], item[1]) != at:
+            raise PeerDataError(Reason.MALFORMED, f"replayed rounds: a round applied at v{item[0]} ({item[1]}) where "
+                                                  f"the chain is at v{at[0]} ({at[1]})")
+        merged = {n: unpack_exact(b, shapes[n]) for n, b in zip(names, item[3])}
+        if not all(bool(torch.isfinite(t).all()) for t in merged.values()):
+            raise PeerDataError(Reason.NON_FINITE, "replayed rounds: a merged pseudo-gradient is not finite")
+        out.append(KeptRound(item[0], item[1], item[2], merged))
+        at = out[-1].rank
+    return out
