@@ -37,6 +37,7 @@ from p2p_diloco.averaging.decisions import (
     vouch_key,
 )
 from p2p_diloco.averaging.linktime import (
+    verdict_wait_s,
     DownloadTimeouts,
     LinkEstimate,
     RoundTimeouts,
@@ -402,7 +403,7 @@ class FragmentAveragerHost:
         own = "ok" if decision.ok else decision.reason
         agreeing = time.monotonic()
         try:  # a group from the clock: the verdicts go to its members directly; else through the DHT
-            verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own) if plan.members else
+            verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own, limits) if plan.members else
                                          agree_in_dht(self, commit_key(self.prefix, dict(zip(peers, metas))), peers, own))
         except Leaving:  # our verdict, if posted, stays: members that read every "ok" commit without us
             return failed(LEAVING, **extra)
@@ -531,12 +532,13 @@ def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],
 
 
 def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[str],
-                   own_verdict: str) -> tuple[Decision, float, bool]:
+                   own_verdict: str, limits: RoundTimeouts) -> tuple[Decision, float, bool]:
     """(``host``'s round worker) :func:`agree_in_dht` for a group from the clock: our verdict goes to each other
     member in one message over the group's connections, theirs come to us (the averager process keeps them), until
-    all are in, one is not "ok", or ``commit_timeout_s`` passes; then, as there, silence only withdraws our "ok" (a
-    second message replaces it where it arrives). No DHT store or read. Raises :class:`Leaving`."""
-    timeout_s = host.cfg.averaging.commit_timeout_s
+    all are in, one is not "ok", or :func:`verdict_wait_s` passes (``commit_timeout_s`` and, on a measured link, a
+    control message's wait there); then, as there, silence only withdraws our "ok" (a second message replaces it
+    where it arrives). No DHT store or read. Raises :class:`Leaving`."""
+    timeout_s = verdict_wait_s(host.cfg.averaging, limits)
     reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, timeout_s),
                                 timeout_s + SET_TIMEOUTS_DEADLINE_S)
     decision, silent = decision_at_deadline(reports, peers, timeout_s)

@@ -185,7 +185,7 @@ class DiLoCo:
         with self._timed():
             self.rounds.collect(self.inner_step, min_age_steps=self.cfg.outer.overlap)  # tau: mixed in a few steps later
             self.rounds.catch_up()  # a fragment we are behind on is downloaded and sits out its due round
-            for f in self.due_fragments():
+            for f in dict.fromkeys([*self.due_fragments(), *self.rounds.deferred]):  # due, or waiting for the link
                 self.rounds.hand_off(self.rounds.syncs[f], self.inner_step)
             if self.opts.blocking:
                 self.rounds.wait_rounds(self._stop, self.inner_step)

@@ -295,3 +295,38 @@ def test_state_downloads_go_one_at_a_time_where_together_they_would_not_fit_the_
     assert downloads_in_turn(rounds)  # type: ignore[arg-type]  # nothing measured: the prior
     history.observe(committed=True, bytes_moved=1e9, allreduce_s=1.0, rtt_s=0.001)
     assert not downloads_in_turn(rounds)  # type: ignore[arg-type]  # loopback
+
+
+def test_a_round_due_while_the_link_is_busy_waits_for_it_until_half_its_window() -> None:
+    """The engine's rule (:func:`p2p_diloco.engine.rounds.waits_for_link`) on a stand-in: with groups from the clock
+    a round due while another is on the link waits for it until half its window past the boundary (its leader awaits
+    the offer to the window's end), then it is declined; without the clock's groups it is declined at once."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.engine.rounds import LINK_WAIT_SHARE, waits_for_link
+    from p2p_diloco.net.clock import SyncClock
+
+    now = [15.2]
+    slot = SimpleNamespace(index=1)
+    rounds = SimpleNamespace(cfg=SimpleNamespace(averaging=SimpleNamespace(clock_groups=True)),
+                             view=SimpleNamespace(clock=SyncClock(10.0, 0.0, 0)), syncs=[None, None], window_s=2.0,
+                             deferred={}, dht_time=lambda: now[0])
+    assert waits_for_link(rounds, slot)  # type: ignore[arg-type]  # fragment 1 of 2: its boundary was at 15.0
+    assert rounds.deferred == {1: 15.0 + LINK_WAIT_SHARE * 2.0}
+    now[0] = 15.9
+    assert waits_for_link(rounds, slot)  # type: ignore[arg-type]
+    now[0] = 16.1
+    rounds.deferred.clear()  # (the hand-off takes it out each time)
+    assert not waits_for_link(rounds, slot) and rounds.deferred == {}  # type: ignore[arg-type]  # past: declined
+    rounds.cfg.averaging.clock_groups = False
+    assert not waits_for_link(rounds, slot) and rounds.deferred == {}  # type: ignore[arg-type]
+
+
+def test_verdicts_are_awaited_longer_on_a_slow_measured_link() -> None:
+    from p2p_diloco.averaging.linktime import verdict_wait_s
+
+    assert verdict_wait_s(CFG, floor_timeouts(CFG)) == CFG.commit_timeout_s  # nothing measured: the config's
+    half_mbit = LinkEstimate(throughput_Bps=31_000.0, rtt_s=0.3)
+    wait = verdict_wait_s(CFG, round_timeouts(1e5, half_mbit, CFG))
+    assert wait == pytest.approx(CFG.commit_timeout_s + JOIN_ROUND_TRIPS * 0.3 + STATE_CHUNK_BYTES / 31_000.0)
+    assert verdict_wait_s(CFG, round_timeouts(1e5, FAST, CFG)) < CFG.commit_timeout_s + 0.01  # loopback: as before
