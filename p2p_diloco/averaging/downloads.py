@@ -19,8 +19,8 @@ import math
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-import torch
 import msgpack
+import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
@@ -179,10 +179,12 @@ class StateDownloads:
             request = averaging_pb2.JoinRequest(gather=msgpack.packb(list(ours)))
             stream = await asyncio.wait_for(stub.rpc_replay_rounds(request), timeout=silence_s)
             parts: list[bytes] = []
+            got = 0
             async for message in self._donor_parts(stream, silence_s):
                 parts.append(message.metadata)
+                got += len(message.metadata)
                 counted[0] += len(message.metadata)
-                if sum(map(len, parts)) > cap_bytes * MAX_KEPT_ROUNDS:
+                if got > cap_bytes * MAX_KEPT_ROUNDS:
                     raise PeerDataError(Reason.OVERSIZE, f"the donor sent more than {MAX_KEPT_ROUNDS} states' bytes")
             rounds = await asyncio.get_event_loop().run_in_executor(None, parse_rounds, b"".join(parts), names,
                                                                     shapes, ours)

@@ -37,13 +37,13 @@ from p2p_diloco.averaging.decisions import (
     vouch_key,
 )
 from p2p_diloco.averaging.linktime import (
-    verdict_wait_s,
     DownloadTimeouts,
     LinkEstimate,
     RoundTimeouts,
     download_timeouts,
     estimate_link,
     floor_timeouts,
+    verdict_wait_s,
 )
 from p2p_diloco.averaging.fixed_groups import FixedGroup
 from p2p_diloco.averaging.process import FragmentAveragerProcess

@@ -28,10 +28,10 @@ from p2p_diloco.averaging.decisions import (
     commit_key,
 )
 from p2p_diloco.averaging.linktime import RoundTimeouts
-from p2p_diloco.core.replay import PackedRound
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
+from p2p_diloco.core.replay import PackedRound
 from p2p_diloco.hivemind_ext import require_hivemind
 
 require_hivemind(__name__)  # overrides DecentralizedAverager's private methods, reads its private state

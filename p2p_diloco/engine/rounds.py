@@ -195,7 +195,6 @@ class Rounds:
             return False
         return sync_link_s(*self.one_sync(), self.link.measured()) > self.cfg.averaging.next_chunk_timeout_s
 
-
     def one_sync(self) -> tuple[list[float], int]:
         """One sync of every fragment: each round's wire payload (bytes) and the group it will likely have."""
         tensors_per_name = 3 if self.grid else 1  # grid rounds average the anchor and momentum too

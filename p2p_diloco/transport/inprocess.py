@@ -348,9 +348,9 @@ class Hub:
             return done
         donor = ahead[0][0]
         slot = donor.engine.slots[fragment]
+        shapes = {n: slot.anchor[n].shape for n in slot.names}
         rounds = chain(donor.kept.get(fragment, []), ours) if replay else []
         if rounds:
-            shapes = {n: slot.anchor[n].shape for n in slot.names}
             data = rounds_payload([PackedRound.of(k, slot.names) for k in rounds])
             with self._lock:
                 member.bytes_received += len(data)
@@ -360,7 +360,6 @@ class Hub:
             return done
         with slot.lock:
             meta, tensors = state_payload(fragment, slot.version, slot.anchor, slot.state.momentum, slot.names)
-        shapes = {n: slot.anchor[n].shape for n in slot.names}
         try:
             fetched = parse_state(meta, tensors, fragment, slot.names, shapes, ours)
         except Exception as e:  # what a network download would refuse: this donor failed us
