@@ -37,6 +37,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.hivemind_ext import peerids, procguard
+from p2p_diloco.hivemind_ext.dhtpipe import GuardedDHT
 from p2p_diloco.hivemind_ext.peerids import peer_id_from_ed25519
 from p2p_diloco.net.addresses import PeerAddress, host_multiaddr
 from p2p_diloco.net.authorizer import MAX_DHT_CLOCK_SKEW_S, SwarmKeyAuthorizer
@@ -258,7 +259,7 @@ def start_dht(opts: SwarmOptions, run_id: str | None, *, private_key: SigningKey
     procguard.install()  # the DHT process and its p2pd must not outlive us, even after kill -9
     peerids.install()  # hivemind's check that our identity is free reads RSA key files only
     t0 = time.monotonic()
-    dht = DHT(
+    dht = GuardedDHT(  # survives a leaving averager's last request (see its module)
         initial_peers=[a.text for a in opts.initial_peers] or None,
         start=True,
         await_ready=False,

@@ -27,6 +27,7 @@ GUARDED = (  # every module that overrides or reads hivemind private names, in i
     "p2p_diloco.hivemind_ext.compression",
     "p2p_diloco.hivemind_ext.logfilters",
     "p2p_diloco.hivemind_ext.dial",
+    "p2p_diloco.hivemind_ext.dhtpipe",
     "p2p_diloco.averaging.runner",
     "p2p_diloco.averaging.downloads",
     "p2p_diloco.averaging.fixed_groups",
