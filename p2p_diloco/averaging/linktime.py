@@ -171,18 +171,21 @@ def expected_group_size(live_peers: int, cfg: AveragingConfig) -> int:
 
 def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate, window_s: float = 0.0,
                 overhead_s: float = 0.0) -> float:
-    """Seconds of one round of each fragment (wire ``payloads`` in bytes) among ``group_size`` peers, one after
-    another: each one's matchmaking ``window_s`` (while it matches, its control messages must not queue behind
-    another round's data), its link time at the measured throughput and the ``overhead_s`` a round spends beyond its
-    all-reduce (:meth:`LinkHistory.round_overhead_s`: the offers, the decision, the verdicts). What a sync period must
-    leave room for (:func:`~p2p_diloco.net.clock.derive_period`): the fragments' rounds are staggered over it. No
-    round trips on top of those: a measured throughput is a round's bytes over its whole all-reduce's seconds, which
-    hold them. (They were added, 8 per round at the median RTT, and on a link with 1 s queues -- where a verdict's
-    round trip waits behind the queued data -- they doubled the derived period: 52.7 s at 0.5 Mbit/s where the rounds
-    took 4.4 s each.) Without the overhead the period held the all-reduces and not the rounds: at 1 Mbit/s, 1 s
-    queues, a 9.8 s period for rounds of 2.0-2.9 s whose all-reduces took 1.5-1.9 s; the next fragment's round then
-    started while one was still on the link, both slowed, and members declined from then on."""
-    return sum(window_s + overhead_s + allreduce_bytes(p, group_size) / link.throughput_Bps for p in payloads)
+    """Seconds of one round of each fragment (wire ``payloads`` in bytes) among ``group_size`` peers, back to back:
+    each one's matchmaking ``window_s`` (while it matches, its control messages must not queue behind another round's
+    data) and its link time at the measured throughput, and *once* the ``overhead_s`` a round spends beyond its
+    all-reduce (:meth:`LinkHistory.round_overhead_s`: the arrivals, the decision, the verdicts). What a sync period
+    must leave room for (:func:`~p2p_diloco.net.clock.derive_period`): the fragments' rounds are staggered over it.
+
+    Once, not per round: consecutive rounds pipeline -- one round's verdicts and the next one's arrivals are small
+    messages that cross the link while the other round's data does -- so the link carries a sync's data back to back
+    and only the last round's coordination is left over. Per round, the period held every round's coordination beside
+    its data: on 1 s queues it came out 2.0-2.3x one sync's nominal link time at 0.5-0.25 Mbit/s
+    (``results/slowlink-21744f4``: 32.8 s at 0.5 Mbit/s for 4 all-reduces of 3.6 s). Without any overhead it held the
+    all-reduces and not the rounds that end them: at 1 Mbit/s, 1 s queues, a 9.8 s period for rounds of 2.0-2.9 s
+    whose all-reduces took 1.5-1.9 s (the safety factor was 1.5 then too). No round trips on top: a measured throughput
+    is a round's bytes over its whole all-reduce's seconds, which hold them."""
+    return sum(window_s + allreduce_bytes(p, group_size) / link.throughput_Bps for p in payloads) + overhead_s
 
 
 def throughput_sample(bytes_moved: float, seconds: float) -> float | None:

@@ -41,7 +41,6 @@ from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.engine.catchup import apply_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.engine.options import ROUND_POLL_S
-from p2p_diloco.net.clock import LINK_PERIOD_SAFETY
 from p2p_diloco.sync.fragment import BUSY, DROPPED, FETCH, ROUND, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks
@@ -428,9 +427,11 @@ def grid_round_possible(rounds: Rounds, sync: FragmentSync, step: int) -> bool:
 def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     """Why ``slot``'s round must not start now: another fragment of ours still has a round or a download on the link,
     and either no round of ours has measured the link yet or the measured link needs longer for a sync's rounds
-    than the clock's period leaves (:data:`~p2p_diloco.net.clock.LINK_PERIOD_SAFETY` x their transfers and their
-    measured overhead, :func:`~p2p_diloco.averaging.linktime.sync_link_s`; no window: a round from the clock has
-    none). Two transfers then share a link that carries one and both miss their deadlines: at
+    than the clock's period leaves (their transfers back to back and a round's measured overhead,
+    :func:`~p2p_diloco.averaging.linktime.sync_link_s`; no window: a round from the clock has none; not the period's
+    safety factor, which is the leader's margin: a period within it is one the leader leaves alone, and declining
+    there lost rounds the link could carry). Two transfers then share a link that carries one and both miss their
+    deadlines: at
     0.5 Mbit/s with 1 s queues the four fragments' first rounds overlapped (the first period is derived before
     anything is measured), ran 30-45 s each and failed, then the period grew to 200 s. One waits instead and its
     progress goes into the next round. Empty: it may start (on a link that carries a sync per period: loopback once
@@ -442,8 +443,7 @@ def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     if not rounds.link.throughputs:
         return f"fragment {others[0]} is still on the link, which no round of ours has measured yet"
     payloads, group = rounds.one_sync()
-    need_s = LINK_PERIOD_SAFETY * sync_link_s(payloads, group, rounds.link.measured(),
-                                              overhead_s=rounds.link.round_overhead_s())
+    need_s = sync_link_s(payloads, group, rounds.link.measured(), overhead_s=rounds.link.round_overhead_s())
     if need_s <= clock.period_s:
         return ""
     return (f"fragment {others[0]} is still on the link, whose transfers of a sync need {need_s:.1f} s of a period of "

@@ -47,11 +47,13 @@ and on to 30.8 s came 31 s and 45 s late, and members fell behind meanwhile)."""
 CLOCK_TTL_S = 600.0
 """Lifetime of a published clock in the DHT; the leader re-stores it well before."""
 MAX_PERIOD_S = 24 * 3600.0
-LINK_PERIOD_SAFETY = 1.5
+LINK_PERIOD_SAFETY = 1.0 + RETUNE_TOLERANCE
 """A derived period is at least this many times the slowest live learner's link time of one sync of every fragment
 (its published ``sync_link_s``): the fragments' rounds share the link, and a period shorter than their transfers
 piles rounds up until none finds its group (4 learners at 0.25 Mbit/s: 22 s of link per sync of the demo config
-against a 16 s period)."""
+against a 16 s period). 1 + :data:`RETUNE_TOLERANCE`: a period the leader leaves alone (within the tolerance of the
+derived one) still holds a sync. It was 1.5 while a sync also held every round's coordination, not one's
+(:func:`~p2p_diloco.averaging.linktime.sync_link_s`)."""
 
 
 def clock_key(run_id: str) -> str:

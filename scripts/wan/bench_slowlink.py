@@ -81,7 +81,8 @@ def run_case(case: Case, args: Any, logs: Path, pause: Pause | None) -> dict[str
     events = [[json.loads(line) for line in (logs / f"{n}.jsonl").read_text().splitlines()] for n in names]
     row = case_metrics(case, args.config, args.overrides, [finals[n] for n in names], events, wire, pause, paused)
     row.update(qdisc=qdisc, started=started, discard_reasons=discard_reasons(logs, tag, args.hosts),
-               stopped_late=[n.removeprefix(f"{tag}-") for n in stopped])
+               stopped_late=[n.removeprefix(f"{tag}-") for n in stopped],
+               end_after_limit_s=[procs.final_at[n] - procs.started_at[n] - args.max_time for n in names])
     return row
 
 

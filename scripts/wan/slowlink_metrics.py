@@ -27,9 +27,16 @@ for 150 s of training.
 - **comm/compute**: link time of one int4 all-reduce of every fragment (2(1 - 1/n) x the payload each way, at the
   rate) over the sync period the learners ran: above 1 the link cannot carry a sync per period.
 - **replayed**: rounds a learner that fell behind applied from its peers' kept averages instead of downloading.
+- **period / bound**: the sync period the learners ran over 1.5 x max(H x the median step, the link time of one sync
+  of every fragment at the rate): at most 1 is the goal.
+- **eval loss**: the learners' median held-out loss at their final anchors (the fastest link of a run is its
+  near-loopback reference).
+- **end after limit s**: the latest learner's final line, seconds after its `--max-time` ran out.
 """)
 
 MAX_CASE_RATE_MBIT = 1000.0
+PERIOD_BOUND_FACTOR = 1.5
+"""The goal: a realized period at most this many times max(H x the median step, one sync's link time)."""
 
 
 @dataclass(frozen=True)
@@ -86,22 +93,32 @@ def parse_pause(text: str, hosts: int) -> Pause:
     return pause
 
 
-def comm_compute(numel: int, codec: str, hosts: int, rate_mbit: float, period_s: float) -> float:
-    """Link seconds of one all-reduce of every fragment over the sync period (NaN without a period)."""
+def sync_link_s(numel: int, codec: str, hosts: int, rate_mbit: float) -> float:
+    """Link seconds of one all-reduce of every fragment at the nominal rate."""
     from p2p_diloco.averaging.linktime import allreduce_bytes, payload_bytes
 
+    return allreduce_bytes(payload_bytes(numel, codec), hosts) / (rate_mbit * 1e6 / 8)
+
+
+def comm_compute(numel: int, codec: str, hosts: int, rate_mbit: float, period_s: float) -> float:
+    """Link seconds of one all-reduce of every fragment over the sync period (NaN without a period)."""
     if not period_s or period_s <= 0:
         return float("nan")
-    return allreduce_bytes(payload_bytes(numel, codec), hosts) / (rate_mbit * 1e6 / 8) / period_s
+    return sync_link_s(numel, codec, hosts, rate_mbit) / period_s
 
 
-def model_numel(config: str, overrides: Sequence[str]) -> tuple[int, str]:
-    """The config's parameter count (built on the meta device: no memory) and its codec."""
+def period_bound_s(sync_every: int, step_s: float, link_s: float) -> float:
+    """The period the issue allows: :data:`PERIOD_BOUND_FACTOR` x max(H x the median step, one sync's link time)."""
+    return PERIOD_BOUND_FACTOR * max(sync_every * step_s, link_s)
+
+
+def model_numel(config: str, overrides: Sequence[str]) -> tuple[int, str, int]:
+    """The config's parameter count (built on the meta device: no memory), its codec and H (``outer.sync_every``)."""
     from p2p_diloco.core.config import load_config
     from p2p_diloco.core.model import count_parameters, meta_model
 
     cfg = load_config(config, overrides)
-    return count_parameters(meta_model(cfg.model)), cfg.outer.codec
+    return count_parameters(meta_model(cfg.model)), cfg.outer.codec, cfg.outer.sync_every
 
 
 def case_metrics(case: Case, config: str, overrides: Sequence[str], finals: Sequence[dict[str, Any]],
@@ -118,7 +135,12 @@ def case_metrics(case: Case, config: str, overrides: Sequence[str], finals: Sequ
     replays = [e for evs in events for e in evs if e.get("event") == "replay"]
     periods = [f["sync_period_s"] for f in finals if f.get("sync_period_s")]
     period = statistics.median(periods) if periods else 0.0
-    numel, codec = model_numel(config, overrides)
+    numel, codec, sync_every = model_numel(config, overrides)
+    step_times = [f["train_s"] / f["steps"] for f in finals if f.get("steps") and f.get("train_s")]
+    step_s = statistics.median(step_times) if step_times else 0.0
+    link_s = sync_link_s(numel, codec, len(finals), case.rate_mbit)
+    bound = period_bound_s(sync_every, step_s, link_s)
+    evals = [f["eval_loss_end"] for f in finals if f.get("eval_loss_end") is not None]
     allreduce = [e["allreduce_s"] for evs in events for e in evs
                  if e.get("event") == "round" and e.get("outcome") == "committed" and e.get("allreduce_s")]
     firsts = [f["first_contribution_s"] for f in finals if f.get("first_contribution_s") is not None]
@@ -134,6 +156,9 @@ def case_metrics(case: Case, config: str, overrides: Sequence[str], finals: Sequ
         "replay_bytes": sum(int(e.get("bytes", 0) or 0) for e in replays),
         "sync_period_s": period, "numel": numel, "codec": codec,
         "comm_compute": comm_compute(numel, codec, len(finals), case.rate_mbit, period),
+        "sync_every": sync_every, "median_step_s": step_s, "sync_link_s": link_s, "period_bound_s": bound,
+        "period_over_bound": period / bound if bound > 0 and period > 0 else None,
+        "eval_loss_end": evals,
         "median_allreduce_s": statistics.median(allreduce) if allreduce else None,
         "first_contribution_s": firsts, "wire_tx_per_host": list(wire),
         "steps": [f["steps"] for f in finals], "tokens": sum(f["tokens"] for f in finals),
@@ -152,6 +177,10 @@ def case_metrics(case: Case, config: str, overrides: Sequence[str], finals: Sequ
     return row
 
 
+def _median(values: Sequence[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _f(v: Any, spec: str) -> str:
     return "—" if v is None or v != v else format(v, spec)
 
@@ -160,9 +189,9 @@ FINAL_WAIT_NOTE = "by the end of the run's time and its finishing slack"
 
 
 def table(payload: dict[str, Any]) -> str:
-    lines = ["| link | committed | anchors | downloads (timed out) | replayed | comm/compute | period s | "
-             "median all-reduce s | first contribution s | wire MB/host |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| link | committed | anchors | downloads (timed out) | replayed | comm/compute | period s | period / bound | "
+             "median all-reduce s | first contribution s | eval loss | end after limit s | wire MB/host |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["cases"]:
         rtt = f", {r['rtt_ms']:g} ms RTT" if r["rtt_ms"] else ""
         firsts = r["first_contribution_s"]
@@ -171,7 +200,9 @@ def table(payload: dict[str, Any]) -> str:
             f"({100 * r['committed_share']:.0f}%) | {'identical' if r['anchors_identical'] else 'differ'} "
             f"({r['fragments_identical']}/{r['fragments']}) | {r['downloads']} ({r['download_timeouts']}) | "
             f"{r['replayed_rounds']} | {_f(r['comm_compute'], '.2f')} | {_f(r['sync_period_s'], '.1f')} | "
-            f"{_f(r['median_allreduce_s'], '.1f')} | {_f(statistics.median(firsts) if firsts else None, '.1f')} | "
+            f"{_f(r.get('period_over_bound'), '.2f')} | {_f(r['median_allreduce_s'], '.1f')} | "
+            f"{_f(statistics.median(firsts) if firsts else None, '.1f')} | {_f(_median(r.get('eval_loss_end')), '.3f')} | "
+            f"{_f(max(r['end_after_limit_s']) if r.get('end_after_limit_s') else None, '.0f')} | "
             f"{statistics.median(r['wire_tx_per_host']) / 1e6:.1f} |")
     notes = []
     for r in payload["cases"]:

@@ -51,6 +51,10 @@ class Procs:
         self.wan = wan
         self.logs = logs
         self.procs: list[tuple[str, subprocess.Popen[Any], Any, Any]] = []
+        self.started_at: dict[str, float] = {}
+        """Each process's start (epoch seconds)."""
+        self.final_at: dict[str, float] = {}
+        """When each learner's final line was first seen (epoch seconds, within :data:`POLL_S`)."""
         self.tmp = Path(tempfile.mkdtemp(prefix="p2pdw-", dir="/tmp"))  # short: p2pd's unix sockets live here
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp))
 
@@ -66,6 +70,7 @@ class Procs:
         err = (self.logs / f"{name}.log").open("w")
         p = self.wan.popen(host, cmd, stdout=out, stderr=err, env=self.env, cwd=str(ROOT), preexec_fn=die_with_parent)
         self.procs.append((name, p, out, err))
+        self.started_at[name] = time.time()
         return p
 
     def output(self, name: str) -> str:
@@ -88,6 +93,9 @@ class Procs:
         deadline = time.monotonic() + timeout_s
         while True:
             finals = {n: FINAL_RE.search(self.output(n)) for n in names}
+            for n, found in finals.items():
+                if found:
+                    self.final_at.setdefault(n, time.time())
             if all(finals.values()):
                 return {n: json.loads(m.group(1)) for n, m in finals.items() if m}
             dead = [n for n, p, _, _ in self.procs if n in names and not finals[n] and p.poll() is not None]

@@ -39,13 +39,14 @@ def test_comm_compute_is_link_time_over_the_period() -> None:
     assert math.isnan(metrics.comm_compute(1_000_000, "int4", 4, 0.5, 0.0))
 
 
-def _final(committed: list[int], discarded: list[int], hashes: list[str]) -> dict[str, Any]:
+def _final(committed: list[int], discarded: list[int], hashes: list[str], eval_loss: float = 3.0) -> dict[str, Any]:
     return {"committed": committed, "discarded": discarded, "anchor_hashes": hashes, "versions": committed,
-            "sync_period_s": 12.0, "first_contribution_s": 15.0, "steps": 100, "tokens": 1000}
+            "sync_period_s": 12.0, "first_contribution_s": 15.0, "steps": 100, "tokens": 1000, "train_s": 20.0,
+            "eval_loss_end": eval_loss}
 
 
 def test_a_case_counts_rounds_anchors_downloads_and_replays() -> None:
-    finals = [_final([3, 3], [1, 0], ["a", "b"]), _final([3, 2], [0, 0], ["a", "c"])]
+    finals = [_final([3, 3], [1, 0], ["a", "b"], 3.0), _final([3, 2], [0, 0], ["a", "c"], 3.5)]
     events = [
         [{"event": "round", "outcome": "committed", "allreduce_s": 2.0, "time": 1.0}],
         [{"event": "resync", "outcome": "applied", "version_after": 3, "bytes": 500, "time": 50.0,
@@ -63,9 +64,17 @@ def test_a_case_counts_rounds_anchors_downloads_and_replays() -> None:
     assert (row["replayed_rounds"], row["replay_bytes"], row["download_bytes"]) == (2, 100, 500)
     assert row["median_allreduce_s"] == 3.0 and row["sync_period_s"] == 12.0
     assert row["comm_compute"] > 0
+    # the bound: 1.5 x max(H x 0.2 s a step, one sync at 0.5 Mbit/s), and the period against it
+    link_s = row["comm_compute"] * 12.0
+    assert row["sync_link_s"] == pytest.approx(link_s)
+    assert row["period_bound_s"] == pytest.approx(1.5 * max(row["sync_every"] * 0.2, link_s))
+    assert row["period_over_bound"] == pytest.approx(12.0 / row["period_bound_s"])
+    assert row["eval_loss_end"] == [3.0, 3.5]
     # only what came after the pause ended counts for the paused learner: the resync at 50 s was before
     assert row["pause"]["replayed_rounds"] == 2 and row["pause"]["downloads"] == 0
     assert row["pause"]["full_state_bytes"] == 8 * row["numel"]
     row["discard_reasons"] = {"could not find a group": 1}
+    row["end_after_limit_s"] = [12.4, 47.6]
     page = metrics.table({"cases": [row], "code": None})
+    assert f"| {12.0 / row['period_bound_s']:.2f} |" in page and "| 3.250 | 48 |" in page
     assert "11/12 (92%)" in page and "differ (1/2)" in page and "1 × could not find a group" in page
