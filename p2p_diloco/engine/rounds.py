@@ -41,7 +41,7 @@ from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.engine.catchup import apply_download
 from p2p_diloco.core.config import Config
 from p2p_diloco.engine.options import ROUND_POLL_S
-from p2p_diloco.sync.fragment import BUSY, DROPPED, FETCH, ROUND, Contribution, FragmentSync, Replica
+from p2p_diloco.sync.fragment import BUSY, DROPPED, FETCH, ROUND, STARTED, Contribution, FragmentSync, Replica
 from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks
 
@@ -237,6 +237,8 @@ class Rounds:
             return
         what = slot.inflight_kind
         handed = sync.hand_off(step)
+        if handed.status == STARTED:
+            slot.inflight_since = self.dht_time()
         if handed.status == BUSY:
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the "
                         "next round", slot.index, step, what)
@@ -337,6 +339,7 @@ class Rounds:
             logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
                         slot.anchor_hash, best[0], best[1], what)
             sync.start_fetch()
+            slot.inflight_since = self.dht_time()
 
     def _adopt_pending(self, sync: FragmentSync) -> bool:
         """A round we discarded for want of verdicts, if a live peer holds exactly its result: that member read
@@ -430,24 +433,47 @@ def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     than the clock's period leaves (their transfers back to back and a round's measured overhead,
     :func:`~p2p_diloco.averaging.linktime.sync_link_s`; no window: a round from the clock has none; not the period's
     safety factor, which is the leader's margin: a period within it is one the leader leaves alone, and declining
-    there lost rounds the link could carry). Two transfers then share a link that carries one and both miss their
-    deadlines: at
+    there lost rounds the link could carry); or, on a measured link, another fragment's round or download started
+    less than its data's link time ago (:func:`transfer_s`): rounds pipeline past each other's coordination, not
+    their data. Rounds that came due together -- deferred ones, or several boundaries at a retune -- started at once
+    when the period was long enough: at 0.25 Mbit/s three fragments' rounds ran together for 22-26 s, one failed as
+    a partial all-reduce, and their slow throughputs stretched the period to 77 s. Two transfers share a link that
+    carries one and both miss their deadlines: at
     0.5 Mbit/s with 1 s queues the four fragments' first rounds overlapped (the first period is derived before
     anything is measured), ran 30-45 s each and failed, then the period grew to 200 s. One waits instead and its
     progress goes into the next round. Empty: it may start (on a link that carries a sync per period: loopback once
     a round ended, where a first round takes a fraction of the fragments' spacing anyway)."""
     clock = rounds.view.clock
-    others = [s.index for s in rounds.slots if s is not slot and s.inflight is not None]
+    others = [s for s in rounds.slots if s is not slot and s.inflight is not None]
     if clock is None or not others:
         return ""
     if not rounds.link.throughputs:
-        return f"fragment {others[0]} is still on the link, which no round of ours has measured yet"
+        return f"fragment {others[0].index} is still on the link, which no round of ours has measured yet"
     payloads, group = rounds.one_sync()
-    need_s = sync_link_s(payloads, group, rounds.link.measured(), overhead_s=rounds.link.round_overhead_s())
+    link = rounds.link.measured()
+    now = rounds.dht_time()
+    for other in others:
+        data_s = transfer_s(other, payloads[other.index], group, link.throughput_Bps)
+        if now - other.inflight_since < data_s:
+            return (f"fragment {other.index}'s transfer is still on the link ({now - other.inflight_since:.1f} s of "
+                    f"about {data_s:.1f} s)")
+    need_s = sync_link_s(payloads, group, link, overhead_s=rounds.link.round_overhead_s())
     if need_s <= clock.period_s:
         return ""
-    return (f"fragment {others[0]} is still on the link, whose transfers of a sync need {need_s:.1f} s of a period of "
+    return (f"fragment {others[0].index} is still on the link, whose transfers of a sync need {need_s:.1f} s of a period of "
             f"{clock.period_s:.1f} s")
+
+
+def transfer_s(slot: FragmentSlot, payload: float, group: int, throughput_Bps: float) -> float:
+    """Seconds the data of ``slot``'s round (wire ``payload`` bytes among ``group``) or download (its fp32 anchor and
+    momentum, an upper bound: a replay is smaller) holds the link at ``throughput_Bps``."""
+    moved = allreduce_bytes(payload, group) if slot.inflight_kind == ROUND else state_bytes(slot)
+    return moved / throughput_Bps
+
+
+def state_bytes(slot: FragmentSlot) -> int:
+    """A download's bytes of ``slot``: its anchor and momentum in fp32."""
+    return sum(2 * 4 * slot.anchor[n].numel() for n in slot.names)
 
 
 def downloads_in_turn(rounds: Rounds) -> bool:
@@ -456,8 +482,8 @@ def downloads_in_turn(rounds: Rounds) -> bool:
     fragment's state (anchor and momentum, fp32) at once: at 0.5 Mbit/s with 1 s queues a learner behind on three
     fragments downloaded them together, 1.7 MB each from donors whose uplinks carried their own rounds, and every
     donor went silent for 10 s on every try for two minutes. On a fast link they go together."""
-    state_bytes = sum(2 * 4 * s.anchor[n].numel() for s in rounds.slots for n in s.names)
-    return state_bytes / rounds.link.measured().throughput_Bps > rounds.cfg.averaging.next_chunk_timeout_s
+    every = sum(state_bytes(s) for s in rounds.slots)
+    return every / rounds.link.measured().throughput_Bps > rounds.cfg.averaging.next_chunk_timeout_s
 
 
 def waits_for_link(rounds: Rounds, slot: FragmentSlot) -> bool:

@@ -44,6 +44,8 @@ class FragmentSlot:
     since_steps: int = 0
     inflight: Future | None = None
     inflight_kind: str = ""  # "round" or "fetch" (sync.fragment.ROUND, FETCH)
+    inflight_since: float = 0.0
+    """When what is in flight started (the engine's DHT time)."""
     sent_step: int = 0
     sent_tokens: int = 0
     sent_steps: int = 0

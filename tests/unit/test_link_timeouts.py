@@ -254,13 +254,15 @@ def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_peri
 
     payload, group, fragments, rate_Bps = 200_000.0, 4, 4, 50_000.0
     need_s = fragments * allreduce_bytes(payload, group) / rate_Bps  # 24 s
-    slots = [SimpleNamespace(index=i, inflight=None) for i in range(fragments)]
+    slots = [SimpleNamespace(index=i, inflight=None, inflight_kind="round", inflight_since=0.0, names=("w",),
+                             anchor={"w": SimpleNamespace(numel=lambda: 100_000)}) for i in range(fragments)]
     history = LinkHistory()
+    now = [1000.0]
 
     def rounds(period_s: float | None) -> SimpleNamespace:
         clock = SyncClock(period_s, 0.0, 0) if period_s is not None else None
         return SimpleNamespace(view=SimpleNamespace(clock=clock), slots=slots, link=history,
-                               one_sync=lambda: ([payload] * fragments, group))
+                               one_sync=lambda: ([payload] * fragments, group), dht_time=lambda: now[0])
 
     assert link_busy(rounds(1000.0), slots[1]) == ""  # nothing else on the link
     slots[0].inflight = object()
@@ -274,6 +276,15 @@ def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_peri
     history.observe(committed=True, bytes_moved=rate_Bps * 10, allreduce_s=10.0, rtt_s=5.0, duration_s=12.0)
     assert link_busy(rounds(need_s * 1.01), slots[1]) != ""  # a round's overhead (2 s) counts too ...
     assert link_busy(rounds(need_s * 1.01 + 2.0), slots[1]) == ""  # ... once: the rounds pipeline
+    # ... past each other's coordination, not their data: fragment 0's round (6 s of data) started 2 s ago
+    slots[0].inflight_since = now[0] - 2.0
+    busy = link_busy(rounds(need_s * 10), slots[1])
+    assert busy.startswith("fragment 0's transfer is still on the link (2.0 s of about 6.0 s)"), busy
+    now[0] += 4.5
+    assert link_busy(rounds(need_s * 10), slots[1]) == ""  # its data is through: only its verdicts are left
+    slots[0].inflight_kind = "fetch"  # a download's: its fp32 anchor and momentum, 800 kB: 16 s
+    assert "transfer is still on the link" in link_busy(rounds(need_s * 10), slots[1])
+    slots[0].inflight_kind, slots[0].inflight_since = "round", 0.0
     history.throughputs.clear()
     history.overheads.clear()
     history.observe(committed=True, bytes_moved=rate_Bps * 1000, allreduce_s=1.0, rtt_s=5.0)
