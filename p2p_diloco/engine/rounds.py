@@ -222,7 +222,7 @@ class Rounds:
         if self.grid and not grid_round_possible(self, sync, step):
             return
         busy = "" if final else link_busy(self, slot)
-        if busy and waits_for_link(self, slot):
+        if (busy or (not final and transfer_on_link(self, slot))) and waits_for_link(self, slot):
             return
         if busy:
             logger.info("fragment %d due at step %d: %s; its progress waits for the next round", slot.index, step, busy)
@@ -433,12 +433,8 @@ def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     than the clock's period leaves (their transfers back to back and a round's measured overhead,
     :func:`~p2p_diloco.averaging.linktime.sync_link_s`; no window: a round from the clock has none; not the period's
     safety factor, which is the leader's margin: a period within it is one the leader leaves alone, and declining
-    there lost rounds the link could carry); or, on a measured link, another fragment's round or download started
-    less than its data's link time ago (:func:`transfer_s`): rounds pipeline past each other's coordination, not
-    their data. Rounds that came due together -- deferred ones, or several boundaries at a retune -- started at once
-    when the period was long enough: at 0.25 Mbit/s three fragments' rounds ran together for 22-26 s, one failed as
-    a partial all-reduce, and their slow throughputs stretched the period to 77 s. Two transfers share a link that
-    carries one and both miss their deadlines: at
+    there lost rounds the link could carry). Two transfers share a link that carries one and both miss their
+    deadlines: at
     0.5 Mbit/s with 1 s queues the four fragments' first rounds overlapped (the first period is derived before
     anything is measured), ran 30-45 s each and failed, then the period grew to 200 s. One waits instead and its
     progress goes into the next round. Empty: it may start (on a link that carries a sync per period: loopback once
@@ -450,18 +446,32 @@ def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     if not rounds.link.throughputs:
         return f"fragment {others[0].index} is still on the link, which no round of ours has measured yet"
     payloads, group = rounds.one_sync()
-    link = rounds.link.measured()
-    now = rounds.dht_time()
-    for other in others:
-        data_s = transfer_s(other, payloads[other.index], group, link.throughput_Bps)
-        if now - other.inflight_since < data_s:
-            return (f"fragment {other.index}'s transfer is still on the link ({now - other.inflight_since:.1f} s of "
-                    f"about {data_s:.1f} s)")
-    need_s = sync_link_s(payloads, group, link, overhead_s=rounds.link.round_overhead_s())
+    need_s = sync_link_s(payloads, group, rounds.link.measured(), overhead_s=rounds.link.round_overhead_s())
     if need_s <= clock.period_s:
         return ""
     return (f"fragment {others[0].index} is still on the link, whose transfers of a sync need {need_s:.1f} s of a period of "
             f"{clock.period_s:.1f} s")
+
+
+def transfer_on_link(rounds: Rounds, slot: FragmentSlot) -> str:
+    """Why ``slot``'s round, on a link that carries a sync per period (:func:`link_busy` is empty), should wait a
+    little: another fragment's round or download started less than its data's link time ago (:func:`transfer_s`, at
+    the measured throughput). Rounds pipeline past each other's coordination, not their data. It only waits
+    (:func:`waits_for_link`), and then starts: rounds that came due together -- deferred ones, or boundaries at a
+    retune -- ran together at 0.25 Mbit/s for 22-26 s and one failed, but declining them instead lost more (a member
+    that declines fails its group's round where half of it is left; at 0.5 Mbit/s 85% of rounds committed against
+    93% without the rule, one run each). Empty where nothing of ours is on the link or it was never measured."""
+    others = [s for s in rounds.slots if s is not slot and s.inflight is not None]
+    if not others or not rounds.link.throughputs:
+        return ""
+    payloads, group = rounds.one_sync()
+    rate, now = rounds.link.measured().throughput_Bps, rounds.dht_time()
+    for other in others:
+        data_s = transfer_s(other, payloads[other.index], group, rate)
+        if now - other.inflight_since < data_s:
+            return (f"fragment {other.index}'s transfer is still on the link ({now - other.inflight_since:.1f} s of "
+                    f"about {data_s:.1f} s)")
+    return ""
 
 
 def transfer_s(slot: FragmentSlot, payload: float, group: int, throughput_Bps: float) -> float:
@@ -504,6 +514,10 @@ def waits_for_link(rounds: Rounds, slot: FragmentSlot) -> bool:
     return True
 
 
+FINAL_WAIT_LOOK_S = 1.0
+"""A final round's wait for its boundary looks at the clock again this often (the status thread adopts a retune)."""
+
+
 def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
     """Leaving: every fragment with unsynced progress hands its last round off (one after another where together they
     would not fit the link, :meth:`Rounds.final_rounds_in_turn`), and they are waited for. With groups from the clock
@@ -511,9 +525,9 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
     still training or leaving at the same time (a round handed off between boundaries names a group nobody else
     does). Returns early on ``stop``."""
     in_turn = rounds.final_rounds_in_turn()
-    clock = rounds.view.clock if rounds.cfg.averaging.clock_groups else None
 
     def wait_s(sync: FragmentSync) -> float:
+        clock = rounds.view.clock if rounds.cfg.averaging.clock_groups else None  # as it is now: a retune moves it
         if clock is None:
             return 0.0
         now, f, fragments = rounds.dht_time(), sync.slot.index, len(rounds.syncs)
@@ -522,8 +536,9 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
         return max(0.0, clock.boundary(now + clock.period_s, f, fragments) - now)
 
     for sync in sorted((s for s in rounds.syncs if s.slot.since_steps > 0), key=wait_s):
-        if stop.wait(wait_s(sync)):
-            return
+        while (left_s := wait_s(sync)) > 0:  # looked at again each second: the clock may be retuned meanwhile
+            if stop.wait(min(left_s, FINAL_WAIT_LOOK_S)):
+                return
         rounds.hand_off(sync, step, final=True)
         if in_turn:
             rounds.drain(step)

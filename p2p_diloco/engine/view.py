@@ -45,6 +45,7 @@ from p2p_diloco.net.clock import (
     min_period_s,
     needs_retune,
     publish_clock,
+    read_clock,
     recent_step_time_s,
     retune,
     retune_allowed,
@@ -169,6 +170,8 @@ class Owner(Protocol):
     slots: list[FragmentSlot]
     rounds: Rounds
     training: bool
+    finished: bool
+    closed: bool
     inner_step: int
     tokens: int
     start_step: int
@@ -192,13 +195,11 @@ class SwarmView:
         self._records: dict[str, tuple[list[Rank], float]] = {}  # peer id -> ranks in its record, published at
         self._heads: dict[str, dict[int, tuple[Rank, float]]] = {}  # peer id -> fragment -> (probed rank, when)
         self._advanced: dict[int, tuple[int, float]] = {}
-        """Our fragments' versions and the DHT time a probe first saw each (or first read the next one: see
-        :meth:`_settled`); a fragment not in it was never probed."""
+        """Our fragments' versions and the DHT time a probe first saw each (see :meth:`_settled`); absent: unprobed."""
         self._probes = 0
         """Head probes so far (the fragment whose own version a probe reads turns with it)."""
         self._unknown_read: dict[tuple[str, int, int], float] = {}
-        """(peer, fragment, version) an unknown voucher of our version was read for -> when (monotonic): read once
-        per :data:`UNKNOWN_VOUCHER_REREAD_S`, not at every probe (a dead peer's vouches stay)."""
+        """(peer, fragment, version) of an unknown voucher -> when read (monotonic): once per the reread period."""
         self._others: list[Any] = []
         """The other live learners' records at the last full read."""
         self.peer_states: list[str] = []
@@ -421,6 +422,8 @@ class SwarmView:
             if view_due(now, viewed_at, read_s, me.training):
                 viewed_at = probed_at = now
                 if self.read() is None or not me.training:
+                    if me.finished and not me.closed:  # final rounds wait on the clock: a retune must reach them
+                        self._adopt(final_clock(me))
                     continue
             elif now - probed_at >= me.opts.view_period_s:
                 probed_at = now
@@ -480,6 +483,18 @@ class SwarmView:
     def wait_for_peers(self, stop: threading.Event) -> None:
         """Start together with ``wait_peers`` learners (:func:`start_together`)."""
         start_together(self, stop)
+
+
+def final_clock(me: Owner) -> SyncClock | None:
+    """The published sync clock, read alone, for a learner in its final rounds (None if the read failed: logged). It
+    no longer probes, and a retune it missed put them at boundaries its peers had left: at 0.25 Mbit/s two learners
+    that stopped training as the leader retuned ran their final rounds on the old clock, two on the new, and every
+    one of them failed."""
+    try:
+        return read_clock(me.joined.dht, me.local.run_id)
+    except Exception:  # a DHT hiccup: keep our clock, try again at the next status tick
+        log_handled(logger, "reading the sync clock failed")
+        return None
 
 
 def start_together(view: SwarmView, stop: threading.Event) -> None:

@@ -262,6 +262,14 @@ def clock_in(found: Any) -> SyncClock | None:
     return newest_clock(item.value for item in found.value.values())
 
 
+def read_clock(dht: Any, run_id: str) -> SyncClock | None:
+    """The newest clock published for ``run_id`` (None if none); raises what the DHT read raises."""
+    from p2p_diloco.net.membership import read_many
+
+    key = clock_key(run_id)
+    return clock_in(read_many(dht, [key]).get(key))
+
+
 def publish_clock(dht: Any, run_id: str, clock: SyncClock, subkey: bytes, now: float) -> bool:
     """Store ``clock`` under our signed subkey; True if some DHT node accepted it."""
     from p2p_diloco.net.membership import store

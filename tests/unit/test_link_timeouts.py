@@ -249,7 +249,7 @@ def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_peri
     latency does not count (it is not shared)."""
     from types import SimpleNamespace
 
-    from p2p_diloco.engine.rounds import link_busy
+    from p2p_diloco.engine.rounds import link_busy, transfer_on_link
     from p2p_diloco.net.clock import LINK_PERIOD_SAFETY, SyncClock
 
     payload, group, fragments, rate_Bps = 200_000.0, 4, 4, 50_000.0
@@ -276,14 +276,16 @@ def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_peri
     history.observe(committed=True, bytes_moved=rate_Bps * 10, allreduce_s=10.0, rtt_s=5.0, duration_s=12.0)
     assert link_busy(rounds(need_s * 1.01), slots[1]) != ""  # a round's overhead (2 s) counts too ...
     assert link_busy(rounds(need_s * 1.01 + 2.0), slots[1]) == ""  # ... once: the rounds pipeline
-    # ... past each other's coordination, not their data: fragment 0's round (6 s of data) started 2 s ago
+    # ... past each other's coordination, not their data: fragment 0's round (6 s of data) started 2 s ago, so the
+    # round waits a little (transfer_on_link; link_busy, which declines, leaves it alone)
     slots[0].inflight_since = now[0] - 2.0
-    busy = link_busy(rounds(need_s * 10), slots[1])
+    assert link_busy(rounds(need_s * 10), slots[1]) == ""
+    busy = transfer_on_link(rounds(need_s * 10), slots[1])
     assert busy.startswith("fragment 0's transfer is still on the link (2.0 s of about 6.0 s)"), busy
     now[0] += 4.5
-    assert link_busy(rounds(need_s * 10), slots[1]) == ""  # its data is through: only its verdicts are left
+    assert transfer_on_link(rounds(need_s * 10), slots[1]) == ""  # its data is through: only its verdicts are left
     slots[0].inflight_kind = "fetch"  # a download's: its fp32 anchor and momentum, 800 kB: 16 s
-    assert "transfer is still on the link" in link_busy(rounds(need_s * 10), slots[1])
+    assert "transfer is still on the link" in transfer_on_link(rounds(need_s * 10), slots[1])
     slots[0].inflight_kind, slots[0].inflight_since = "round", 0.0
     history.throughputs.clear()
     history.overheads.clear()

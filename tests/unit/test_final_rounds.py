@@ -1,0 +1,56 @@
+"""A leaving learner's final rounds (:func:`p2p_diloco.engine.rounds.final_rounds`) on a stand-in for its rounds:
+each waits for its fragment's next boundary on the clock as it is *then*, so a retune adopted meanwhile moves it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from p2p_diloco.engine.rounds import FINAL_WAIT_LOOK_S, final_rounds
+from p2p_diloco.net.clock import SyncClock
+
+DEADLINE_S = 30.0
+"""Generous: the waits below are a few seconds."""
+
+
+def _rounds(clock: SyncClock, handed: list[tuple[int, float]], now: Any) -> SimpleNamespace:
+    slot = SimpleNamespace(index=0, since_steps=5)
+    return SimpleNamespace(
+        final_rounds_in_turn=lambda: False, view=SimpleNamespace(clock=clock),
+        cfg=SimpleNamespace(averaging=SimpleNamespace(clock_groups=True)), dht_time=now, window_s=0.5,
+        syncs=[SimpleNamespace(slot=slot)], drain=lambda step: None,
+        hand_off=lambda sync, step, final=False: handed.append((sync.slot.index, now())))
+
+
+def test_a_final_round_follows_a_retune_adopted_while_it_waits() -> None:
+    t0 = time.monotonic()
+
+    def now() -> float:
+        return 1000.0 + time.monotonic() - t0
+
+    old = SyncClock(period_s=100.0, origin=1000.0 - 5.0)  # fragment 0's next boundary 95 s ahead
+    handed: list[tuple[int, float]] = []
+    rounds = _rounds(old, handed, now)
+    worker = threading.Thread(target=final_rounds, args=(rounds, 7, threading.Event()))
+    worker.start()
+    time.sleep(FINAL_WAIT_LOOK_S / 2)
+    assert not handed  # waiting for the old clock's boundary
+    # the status thread adopts a retune: a boundary 2 s ahead
+    rounds.view.clock = SyncClock(period_s=10.0, origin=now() + 2.0 - 10.0, epoch=1)
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive()
+    assert len(handed) == 1 and handed[0][0] == 0
+    assert handed[0][1] - 1000.0 < 2.0 + 2 * FINAL_WAIT_LOOK_S  # at the new boundary, not 95 s later
+
+
+def test_a_final_round_is_handed_off_at_once_within_its_open_window() -> None:
+    t0 = time.monotonic()
+
+    def now() -> float:
+        return 1000.0 + time.monotonic() - t0
+
+    handed: list[tuple[int, float]] = []
+    final_rounds(_rounds(SyncClock(period_s=100.0, origin=1000.0 - 100.0 - 0.1), handed, now), 7, threading.Event())
+    assert len(handed) == 1 and handed[0][1] - 1000.0 < 0.5  # the boundary 0.1 s ago: its group is still open
