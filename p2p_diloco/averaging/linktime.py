@@ -10,7 +10,7 @@ So each round's hivemind timeouts are derived from what this peer must move in i
 * **throughput** (:func:`estimate_link`): bytes / seconds of the all-reduces of recent committed rounds (the
   all-reduce alone, timed in the averager process; a committed round moved all its bytes), their
   ``THROUGHPUT_QUANTILE`` (a low quantile: one fast round does not shorten everything), before any round
-  ``PRIOR_THROUGHPUT_BPS``. A failed round's bytes / seconds measure the failure (a hanging peer), not the
+  ``DEADLINE_PRIOR_THROUGHPUT_BPS`` for the deadlines and ``PRIOR_THROUGHPUT_BPS`` for the plans. A failed round's bytes / seconds measure the failure (a hanging peer), not the
   link, so it is not a sample; instead each failed round whose group had formed halves the throughput
   used, up to ``MAX_BACKOFF_STEPS`` times, until one commits (as TCP backs off its retransmission timeout):
   a link slower than the prior still gets rounds through.
@@ -63,6 +63,11 @@ from p2p_diloco.core.config import AveragingConfig
 
 PRIOR_THROUGHPUT_BPS = 125_000.0
 """Bytes per second assumed before any round committed: 1 Mbit/s, a slow uplink (conservative: long timeouts)."""
+DEADLINE_PRIOR_THROUGHPUT_BPS = 31_250.0
+"""... for a round's or download's deadlines (:meth:`LinkHistory.estimate`): 0.25 Mbit/s, the slowest link we measure
+on. With the 1 Mbit/s prior a first round at 0.25 Mbit/s timed a sender out after 6.9 s of silence and failed for all
+four learners; the swarm then declined and replayed its way through the run (23 of 62 rounds committed). Until a round
+commits, a dead peer so stalls a first round longer (16 s instead of 7 s on the demo's first round)."""
 PRIOR_RTT_S = 0.25
 """Round-trip time in seconds assumed before any was measured (an intercontinental path)."""
 LINK_HISTORY_ROUNDS = 8
@@ -196,13 +201,14 @@ def throughput_sample(bytes_moved: float, seconds: float) -> float | None:
 
 
 def estimate_link(throughputs: Sequence[float], rtts: Sequence[float], failures: int = 0,
-                  quantile: float = THROUGHPUT_QUANTILE) -> LinkEstimate:
+                  quantile: float = THROUGHPUT_QUANTILE, prior_Bps: float = PRIOR_THROUGHPUT_BPS) -> LinkEstimate:
     """The link from recent samples (only the last ``LINK_HISTORY_ROUNDS`` count; non-finite or non-positive
     ones are ignored): throughput at ``quantile`` (lower nearest rank), RTT the median, each its
-    prior without samples; the throughput divided by ``BACKOFF_BASE`` per failed round in a row."""
+    prior without samples (``prior_Bps``, :data:`PRIOR_RTT_S`); the throughput divided by ``BACKOFF_BASE`` per
+    failed round in a row."""
     rates = sorted(x for x in throughputs[-LINK_HISTORY_ROUNDS:] if math.isfinite(x) and x > 0)
     trips = [x for x in rtts[-LINK_HISTORY_ROUNDS:] if math.isfinite(x) and x > 0]
-    rate = rates[int(quantile * (len(rates) - 1))] if rates else PRIOR_THROUGHPUT_BPS
+    rate = rates[int(quantile * (len(rates) - 1))] if rates else prior_Bps
     rate /= BACKOFF_BASE ** min(max(0, failures), MAX_BACKOFF_STEPS)
     rtt = statistics.median(trips) if trips else PRIOR_RTT_S
     return LinkEstimate(rate, rtt, len(rates), len(trips))
@@ -330,8 +336,9 @@ class LinkHistory:
             self.failures += 1
 
     def estimate(self) -> LinkEstimate:
-        """The link for a round's deadlines: backed off by the failures in a row."""
-        return estimate_link(self.throughputs, self.rtts, self.failures)
+        """The link for a round's deadlines: backed off by the failures in a row (:data:`DEADLINE_PRIOR_THROUGHPUT_BPS`
+        before any round committed)."""
+        return estimate_link(self.throughputs, self.rtts, self.failures, prior_Bps=DEADLINE_PRIOR_THROUGHPUT_BPS)
 
     def measured(self) -> LinkEstimate:
         """The link for planning (the window, the period): the typical round's throughput (:data:`PLANNING_QUANTILE`),

@@ -14,6 +14,7 @@ from p2p_diloco.averaging.linktime import (
     LATENCY_ROUND_TRIPS,
     MAX_BACKOFF_STEPS,
     MAX_TIMEOUT_SCALE,
+    DEADLINE_PRIOR_THROUGHPUT_BPS,
     PRIOR_RTT_S,
     PRIOR_THROUGHPUT_BPS,
     REDUCER_OVER_SENDER,
@@ -115,10 +116,13 @@ def test_bytes_to_move_follow_the_butterfly() -> None:
 
 
 def test_the_prior_is_used_before_any_round() -> None:
-    assert LinkHistory().estimate() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    """The deadlines assume the slowest link we measure on, the plans a slow uplink."""
+    assert LinkHistory().estimate() == LinkEstimate(DEADLINE_PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    assert LinkHistory().measured() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    assert DEADLINE_PRIOR_THROUGHPUT_BPS < PRIOR_THROUGHPUT_BPS
     history = LinkHistory()
     history.observe(committed=False, bytes_moved=0, allreduce_s=math.nan, rtt_s=math.nan)  # no group formed
-    assert history.estimate() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    assert history.estimate() == LinkEstimate(DEADLINE_PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
 
 
 def test_the_estimator_ignores_rounds_that_say_nothing_about_the_link() -> None:
@@ -128,7 +132,7 @@ def test_the_estimator_ignores_rounds_that_say_nothing_about_the_link() -> None:
     history = LinkHistory()
     history.observe(committed=True, bytes_moved=1000, allreduce_s=0.0, rtt_s=0.0)  # zero duration, zero RTT
     history.observe(committed=True, bytes_moved=1000, allreduce_s=math.nan, rtt_s=math.inf)
-    assert history.estimate() == LinkEstimate(PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
+    assert history.estimate() == LinkEstimate(DEADLINE_PRIOR_THROUGHPUT_BPS, PRIOR_RTT_S, 0, 0)
     history.observe(committed=True, bytes_moved=1_000_000, allreduce_s=4.0, rtt_s=0.1)
     assert history.estimate() == LinkEstimate(250_000.0, 0.1, 1, 1)
     assert estimate_link([math.nan, -1.0, 0.0, 100.0], [math.nan, 0.2]) == LinkEstimate(100.0, 0.2, 1, 1)
@@ -224,8 +228,8 @@ def test_a_sync_holds_the_transfers_back_to_back_and_one_rounds_overhead() -> No
 def test_planning_ignores_the_back_off_once_a_round_committed() -> None:
     h = LinkHistory()
     h.observe(committed=False, bytes_moved=1e5, allreduce_s=5.0, rtt_s=0.2)
-    assert h.measured() == h.estimate()  # nothing committed yet: the backed-off prior plans too
-    assert h.measured().throughput_Bps == PRIOR_THROUGHPUT_BPS / BACKOFF_BASE
+    assert h.measured().throughput_Bps == PRIOR_THROUGHPUT_BPS / BACKOFF_BASE  # nothing committed yet: the
+    assert h.estimate().throughput_Bps == DEADLINE_PRIOR_THROUGHPUT_BPS / BACKOFF_BASE  # backed-off priors
     h.observe(committed=True, bytes_moved=1e5, allreduce_s=2.0, rtt_s=0.2)
     h.observe(committed=False, bytes_moved=1e5, allreduce_s=5.0, rtt_s=0.2)
     assert h.estimate().throughput_Bps == 5e4 / BACKOFF_BASE  # deadlines back off
