@@ -287,8 +287,11 @@ class FragmentSync:
         if not outcome.committed:
             slot.discarded += 1
             pending = getattr(outcome, "pending", None)
-            slot.pending = self._pending(pending) if pending is not None else None
-            return
+            if pending is not None:
+                slot.pending = self._pending(pending)
+            elif slot.pending is not None and slot.pending.base != slot.rank:
+                slot.pending = None  # a kept round stays while we are still at its base: a later round at the same
+            return  # version that failed otherwise (abandoned: a peer is past us) must not drop it (a swarm of two)
         merged = outcome.merged
         if merged is None:
             raise ValueError(f"fragment {slot.index}: a committed round without a merged pseudo-gradient")

@@ -203,6 +203,40 @@ def test_a_discarded_round_changes_nothing_and_is_collected_at_once() -> None:
     assert all(torch.equal(replica.params[n].detach(), torch.full((3,), 0.5)) for n in NAMES)
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A round discarded for want of verdicts, its merged result kept (``averaging.host.RoundOutcome`` has it)."""
+
+    committed: bool
+    merged: dict[str, torch.Tensor] | None
+    pending: dict[str, torch.Tensor] | None
+
+
+def test_a_kept_round_survives_a_later_discard_at_the_same_version_and_is_adopted() -> None:
+    """In a swarm of two the kept round is the only way back (nobody else vouches for a download): a second round at
+    the same version, abandoned because the peer was already past us, dropped it (CI: no late commit, then failed
+    downloads until the end)."""
+    sync, transport, _ = make()
+    sync.hand_off(step=10)
+    step = {n: torch.full((3,), 0.25) for n in NAMES}
+    transport.offers[0][1].set_result(Kept(False, None, step))  # no verdicts: discarded, its result kept
+    sync.apply_round(sync.finished(step=10, min_age_steps=0).future.result())  # type: ignore[union-attr]
+    kept = sync.slot.pending
+    assert kept is not None and kept.base == sync.slot.rank
+    sync.hand_off(step=20)  # the next round at the same version ...
+    transport.offers[1][1].set_result(Kept(False, None, None))  # ... abandoned while matching
+    sync.apply_round(sync.finished(step=20, min_age_steps=0).future.result())  # type: ignore[union-attr]
+    assert sync.slot.pending is kept  # still ours to adopt
+    sync.adopt_pending()
+    assert sync.slot.version == 1 and sync.slot.anchor_hash == kept.rank[1] and sync.slot.pending is None
+    # once we moved on, a discard drops a kept round whose base is no longer ours
+    sync.slot.pending = kept
+    sync.hand_off(step=30)
+    transport.offers[2][1].set_result(Kept(False, None, None))
+    sync.apply_round(sync.finished(step=30, min_age_steps=0).future.result())  # type: ignore[union-attr]
+    assert sync.slot.pending is None
+
+
 def test_a_committed_round_without_a_merged_result_is_refused() -> None:
     sync, _, _ = make()
     with pytest.raises(ValueError, match="without a merged"):
