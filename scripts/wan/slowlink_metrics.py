@@ -205,6 +205,13 @@ def table(payload: dict[str, Any]) -> str:
             f"{_f(max(r['end_after_limit_s']) if r.get('end_after_limit_s') else None, '.0f')} | "
             f"{statistics.median(r['wire_tx_per_host']) / 1e6:.1f} |")
     notes = []
+    ref = max(payload["cases"], key=lambda r: r["rate_mbit"], default=None)
+    if ref is not None and _median(ref.get("eval_loss_end")) and len(payload["cases"]) > 1:
+        base = _median(ref["eval_loss_end"])
+        gaps = [f"{r['rate_mbit']:g} Mbit/s {100 * (_median(r['eval_loss_end']) / base - 1):+.1f}%"
+                for r in payload["cases"] if r is not ref and _median(r.get("eval_loss_end"))]
+        notes.append(f"- eval loss against the fastest link of the run ({ref['rate_mbit']:g} Mbit/s, {base:.3f}): "
+                     + ", ".join(gaps))
     for r in payload["cases"]:
         if r.get("pause"):
             p = r["pause"]

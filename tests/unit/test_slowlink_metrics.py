@@ -77,4 +77,6 @@ def test_a_case_counts_rounds_anchors_downloads_and_replays() -> None:
     row["end_after_limit_s"] = [12.4, 47.6]
     page = metrics.table({"cases": [row], "code": None})
     assert f"| {12.0 / row['period_bound_s']:.2f} |" in page and "| 3.250 | 48 |" in page
+    fast = {**row, "rate_mbit": 1000.0, "eval_loss_end": [2.5, 2.5]}
+    assert "(1000 Mbit/s, 2.500): 0.5 Mbit/s +30.0%" in metrics.table({"cases": [row, fast], "code": None})
     assert "11/12 (92%)" in page and "differ (1/2)" in page and "1 × could not find a group" in page
