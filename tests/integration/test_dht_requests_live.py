@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 DEADLINE_S = 60.0
 
 SCRIPT = f"""
-import logging, multiprocessing as mp, os, sys
+import logging, multiprocessing as mp, os, signal, sys
 from hivemind.utils import get_dht_time
 from p2p_diloco.hivemind_ext.dhtpipe import GuardedDHT
 from p2p_diloco.net.membership import stop_dht
@@ -32,10 +32,16 @@ try:
         dht.store("before", 1, get_dht_time() + 60, return_future=True)  # its answer pipe: ours, about to go
         os._exit(0)
 
-    child = mp.get_context("fork").Process(target=send_and_exit)
-    child.start()
-    child.join({DEADLINE_S})
-    assert child.exitcode == 0, child.exitcode
+    # the DHT process reads the request only after its sender is gone (stopped meanwhile: without that, a DHT
+    # process quick enough fetched the answer pipe while the sender still lived, and nothing was dropped)
+    os.kill(dht.pid, signal.SIGSTOP)
+    try:
+        child = mp.get_context("fork").Process(target=send_and_exit)
+        child.start()
+        child.join({DEADLINE_S})
+        assert child.exitcode == 0, child.exitcode
+    finally:
+        os.kill(dht.pid, signal.SIGCONT)
     assert dht.store("after", 2, get_dht_time() + 60), "the DHT stopped answering"
     found = dht.get("after")
     assert found is not None and found.value == 2, found
