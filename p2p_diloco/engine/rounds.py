@@ -440,7 +440,7 @@ def link_busy(rounds: Rounds, slot: FragmentSlot) -> str:
     progress goes into the next round. Empty: it may start (on a link that carries a sync per period: loopback once
     a round ended, where a first round takes a fraction of the fragments' spacing anyway)."""
     clock = rounds.view.clock
-    others = [s for s in rounds.slots if s is not slot and s.inflight is not None]
+    others = on_link(rounds, slot)
     if clock is None or not others:
         return ""
     if not rounds.link.throughputs:
@@ -461,7 +461,7 @@ def transfer_on_link(rounds: Rounds, slot: FragmentSlot) -> str:
     retune -- ran together at 0.25 Mbit/s for 22-26 s and one failed, but declining them instead lost more (a member
     that declines fails its group's round where half of it is left; at 0.5 Mbit/s 85% of rounds committed against
     93% without the rule, one run each). Empty where nothing of ours is on the link or it was never measured."""
-    others = [s for s in rounds.slots if s is not slot and s.inflight is not None]
+    others = on_link(rounds, slot)
     if not others or not rounds.link.throughputs:
         return ""
     payloads, group = rounds.one_sync()
@@ -472,6 +472,11 @@ def transfer_on_link(rounds: Rounds, slot: FragmentSlot) -> str:
             return (f"fragment {other.index}'s transfer is still on the link ({now - other.inflight_since:.1f} s of "
                     f"about {data_s:.1f} s)")
     return ""
+
+
+def on_link(rounds: Rounds, slot: FragmentSlot) -> list[FragmentSlot]:
+    """Our other fragments with a round or download in flight."""
+    return [s for s in rounds.slots if s is not slot and s.inflight is not None]
 
 
 def transfer_s(slot: FragmentSlot, payload: float, group: int, throughput_Bps: float) -> float:

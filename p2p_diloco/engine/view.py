@@ -170,8 +170,6 @@ class Owner(Protocol):
     slots: list[FragmentSlot]
     rounds: Rounds
     training: bool
-    finished: bool
-    closed: bool
     inner_step: int
     tokens: int
     start_step: int
@@ -422,7 +420,7 @@ class SwarmView:
             if view_due(now, viewed_at, read_s, me.training):
                 viewed_at = probed_at = now
                 if self.read() is None or not me.training:
-                    if me.finished and not me.closed:  # final rounds wait on the clock: a retune must reach them
+                    if record.state == "syncing":  # its final rounds wait on the clock: a retune must reach them
                         self._adopt(final_clock(me))
                     continue
             elif now - probed_at >= me.opts.view_period_s:

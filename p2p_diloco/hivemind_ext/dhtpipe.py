@@ -45,9 +45,6 @@ class RequestPipe:
     def poll(self, timeout_s: float = 0.0) -> bool:
         return self._conn.poll(timeout_s)
 
-    def close(self) -> None:
-        self._conn.close()
-
     def recv(self) -> Any:
         data = self._conn.recv_bytes()  # EOF or a broken pipe: raised, as before
         try:
