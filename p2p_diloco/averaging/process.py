@@ -33,6 +33,7 @@ from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.core.replay import PackedRound
 from p2p_diloco.hivemind_ext import require_hivemind
+from p2p_diloco.hivemind_ext.compression import pipelined_part_bytes
 
 require_hivemind(__name__)  # overrides DecentralizedAverager's private methods, reads its private state
 
@@ -104,6 +105,8 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         except ValueError as e:  # every member parses the same gathered data, so every member refuses
             self._running_groups[group_id].cancel()
             raise AllreduceException(f"refusing the round: {e}") from None
+        kwargs["part_size_bytes"] = pipelined_part_bytes(tensors, self.allreduce_kwargs["compression"],
+                                                       len(group_info.peer_ids))  # the same on every member
         runner = self.runner_class(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, counters=(self.bytes_sent, self.bytes_received),

@@ -175,7 +175,8 @@ FIRED = mp.Value(ctypes.c_int, 0)  # shared with the forked averager processes
 LEFT_OUT = mp.Value(ctypes.c_int, 0)  # parts left out, summed over every member's reducer
 PARTS = mp.Value(ctypes.c_int, 0)  # parts reduced, summed over every member's reducer
 EMPTY = mp.Value(ctypes.c_int, 0)
-# six equal tensors: one part per tensor, dealt to reducers by position (every peer reduces some parts)
+# six equal tensors: a part or two per tensor (pipelined_part_bytes), dealt to reducers by position (every peer
+# reduces some parts)
 NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(6))
 SHAPES = {n: torch.Size([64, 32]) for n in NAMES}
 TOKENS = (2560, 1280, 3840)
@@ -233,7 +234,7 @@ def test_a_member_sending_nan_every_round_does_not_block_the_rounds(tmp_path: Pa
             assert FIRED.value == fired + 1, "the fault did not fire"
             assert all(o.committed and o.group_size == 3 for o in outcomes), [o.reason for o in outcomes]
             # every part had exactly one sender left out -- the NaN member -- across the three reducers
-            assert PARTS.value - parts == len(NAMES) and LEFT_OUT.value - left_out == len(NAMES)
+            assert LEFT_OUT.value - left_out == PARTS.value - parts >= len(NAMES)  # (a part or more per tensor)
             assert EMPTY.value == 0
             honest = [i for i in range(3) if i != NAN_MEMBER]
             total = sum(TOKENS[i] for i in honest)

@@ -30,7 +30,8 @@ from p2p_diloco.core.codecs import (
     BLOCK_SIZE, CODEC_NAMES, ErrorFeedback, allreduce_error_bound, bits_per_element, error_bound, local_roundtrip,
 )
 from p2p_diloco.hivemind_ext.compression import (
-    BlockwiseAbsmaxQuantization, get_codec, roundtrip, simulate_allreduce, simulate_allreduce_per_peer,
+    MIN_PART_BYTES, PARTS_PER_SPAN, BlockwiseAbsmaxQuantization, get_codec, pipelined_part_bytes, roundtrip,
+    simulate_allreduce, simulate_allreduce_per_peer,
 )
 
 QUANTIZERS = ("int8", "int4")
@@ -180,6 +181,35 @@ def test_hivemind_parts_start_on_the_block_grid() -> None:
         assert all(codec.buffer_bytes(len(part)) <= 2**13 for part in parts)
         by_part = torch.cat([deserialize_torch_tensor(compress(name, part)) for part in parts])
         assert torch.equal(by_part, roundtrip(name, tensor))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("group_size", [2, 4, 7])
+def test_pipelined_parts_split_each_span_in_a_few_parts_on_the_block_grid(name: str, group_size: int) -> None:
+    """A demo-sized fragment (several tensors, 210k values): every member's span is cut in PARTS_PER_SPAN to twice
+    that many parts (one part each with hivemind's 512 kB), each part on the block grid, so compressing part by
+    part still equals compressing the whole tensor (a part off the grid would quantize other blocks)."""
+    tensors = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (128 * 512, 512 * 128, 65_536, 12_288)]
+    codec = get_codec(name)
+    size = pipelined_part_bytes(tensors, codec, group_size)
+    assert size & (size - 1) == 0 and MIN_PART_BYTES <= size < DEFAULT_PART_SIZE_BYTES
+    container = TensorPartContainer(tensors, [1.0] * group_size, compression=codec, part_size_bytes=size)
+    spans = [container.get_raw_input_parts(j) for j in range(group_size)]
+    container.finalize()
+    assert all(PARTS_PER_SPAN - 1 <= len(parts) <= 2 * PARTS_PER_SPAN + len(tensors) for parts in spans), \
+        [len(parts) for parts in spans]
+    by_part = torch.cat([deserialize_torch_tensor(compress(name, part)) for parts in spans for part in parts])
+    assert torch.equal(by_part, torch.cat([roundtrip(name, t) for t in tensors]))
+
+
+def test_pipelined_parts_are_bounded() -> None:
+    """A large fragment keeps hivemind's 512 kB parts (a part is a message); a tiny one gets the smallest part."""
+    codec = get_codec("int4")
+    assert pipelined_part_bytes([torch.zeros(50_000_000)], codec, 4) == DEFAULT_PART_SIZE_BYTES
+    assert pipelined_part_bytes([torch.zeros(1000)], codec, 4) == MIN_PART_BYTES
+    assert pipelined_part_bytes([torch.zeros(1000)], codec, 0) == MIN_PART_BYTES  # no group: no division by zero
+    # the same on every member: a function of the shapes, the codec and the group alone
+    assert pipelined_part_bytes([torch.zeros(210_000)], codec, 4) == pipelined_part_bytes([torch.ones(210_000)], codec, 4)
 
 
 # --- error bound --------------------------------------------------------------------------------

@@ -160,7 +160,9 @@ def test_cuda_optimizer_path_is_torch_fused_adamw() -> None:
         train_step(ours, opt_ours, (x, x), step, 10, cfg.inner, CPU)
         train_step(fused, opt_fused, (x, x), step, 10, cfg.inner, CPU)  # the CPU copy of the batch: it is here
     for (name, a), b in zip(ours.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        # atol: one step moves a weight by about lr (3e-3 here); Adam's m / (sqrt(v) + eps) on a near-zero gradient
+        # rounds differently in the fused kernel (the qkv biases differed by 1.05e-6 on an AMD EPYC, < 1e-6 elsewhere)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     # its state moves between devices like ours: what a checkpoint stores and a restore loads
     p = next(fused.parameters())
     host = devices.state_to_host(opt_fused.state[p])
