@@ -203,3 +203,48 @@ def test_leaving_the_block_on_ctrl_c_cancels_the_rounds_in_flight(caplog: pytest
     assert all(f.done() for h in hosts for f, _ in h.pending)
     said = [r.getMessage() for r in caplog.records if "leaving: cancelled the round in flight" in r.getMessage()]
     assert len(said) == len(in_flight), caplog.text
+
+
+def test_a_catch_up_still_in_flight_when_the_linger_ends_is_cancelled(caplog: pytest.LogCaptureFixture) -> None:
+    """The linger is bounded: a catch-up started while lingering that has not ended by ``linger_s`` (at 0.25 Mbit/s
+    a fragment's download, 54 s, kept a learner 100 s past its time limit) is cancelled, and the learner leaves."""
+    import logging
+
+    import torch
+    from test_engine import OVERRIDES, fake_swarm
+
+    from p2p_diloco import DiLoCo, build_model
+    from p2p_diloco.engine import engine
+    from p2p_diloco.engine.options import SyncOptions
+    from p2p_diloco.sync.fragment import ROUND
+    from p2p_diloco.transport import hivemind
+
+    cfg = load_config("llama-tiny", OVERRIDES)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner.lr)
+    linger_s = 1.0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hivemind, "FragmentAveragerHost", Hanging)
+        d = DiLoCo(model, opt, fake_swarm(cfg), SyncOptions(linger_s=linger_s))  # type: ignore[arg-type]
+    hanging: Hanging = d.rounds.hosts[0].averager  # type: ignore[attr-defined]
+    started: list[Future[Any]] = []
+
+    def catch_up() -> None:  # a catch-up that only our leaving ends (a download on a link too slow for the linger)
+        slot = d.slots[0]
+        if slot.inflight is None and not started:
+            slot.inflight = hanging.start_round(contribution(), plan())
+            slot.inflight_kind = ROUND
+            started.append(slot.inflight)
+
+    d.rounds.catch_up = catch_up  # type: ignore[method-assign]
+    d.rounds.peers_settled = lambda: False  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger=engine.__name__)
+    t0 = time.monotonic()
+    d.finish()
+    took_s = time.monotonic() - t0
+    d.close()
+    assert started and started[0].done(), "the catch-up never started, or was not ended"
+    assert hanging.calls[:1] == ["cancel"], hanging.calls
+    assert d.slots[0].inflight is None
+    assert linger_s <= took_s < linger_s + engine.LAST_SERVE_S + ENDED_WITHIN_S + 5.0, took_s
+    assert "leaving with a catch-up still in flight" in caplog.text
