@@ -47,8 +47,11 @@ QUIET: Mapping[str, Mapping[str, str]] = {
     # "Reducer: received 83.3% of input tensors", "Averaging: received 79.2% results": a partial all-reduce,
     # which our completeness check fails (the _step line above names the cause)
     "hivemind.averaging.partition": {"finalize": DROP},
-    # "Handler failed with the exception:" + traceback: a peer's request that failed (it died, it was banned)
-    "hivemind.p2p.p2p_daemon": {"_process_stream": "a peer's request failed"},
+    # "Handler failed with the exception:" + traceback: a peer's request that failed (it died, it was banned);
+    # "Exception while receiving requests:" + traceback: a peer's stream cut mid-message (killed with kill -9 while
+    # it sent us a part: ConnectionResetError; more likely since an all-reduce sends each span in several parts)
+    "hivemind.p2p.p2p_daemon": {"_process_stream": "a peer's request failed",
+                                "_handle_stream": "a peer's stream broke"},
 }
 """Logger -> hivemind function that logs there -> the one-line prefix its records get without ``-v`` (``DROP``:
 left out). Records of other functions pass unchanged."""

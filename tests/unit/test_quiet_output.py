@@ -161,6 +161,31 @@ def test_a_failed_round_is_one_warning_line_and_whole_with_v() -> None:
     assert len(got) == 1 and got[0].exc_info is not None and got[0].levelno == logging.ERROR
 
 
+def _handle_stream(logger: logging.Logger) -> None:
+    """Logs as hivemind's ``P2P`` stream handler does when a peer's stream is cut mid-message."""
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except Exception:
+        logger.warning("Exception while receiving requests:", exc_info=True)
+
+
+def test_a_peer_stream_cut_mid_message_is_one_warning_line_and_whole_with_v() -> None:
+    """A peer killed with kill -9 while it streams us a part: hivemind's warning with a traceback becomes one line."""
+    from p2p_diloco.hivemind_ext.logfilters import quiet_expected_failures
+
+    quiet_expected_failures()
+    daemon = logging.getLogger("hivemind.p2p.p2p_daemon")
+    with root_level(logging.WARNING), captured("hivemind.p2p.p2p_daemon") as quiet:
+        _handle_stream(daemon)
+    [line] = quiet
+    assert line.exc_info is None and line.getMessage() == (
+        "a peer's stream broke: Exception while receiving requests: ConnectionResetError: [Errno 104] Connection "
+        "reset by peer"), line.getMessage()
+    with root_level(logging.INFO), captured("hivemind.p2p.p2p_daemon") as loud:
+        _handle_stream(daemon)
+    assert len(loud) == 1 and loud[0].exc_info is not None
+
+
 def test_our_own_handled_failures_are_one_line_and_whole_with_v() -> None:
     from p2p_diloco.core.logs import log_handled
 
