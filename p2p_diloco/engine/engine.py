@@ -224,7 +224,7 @@ class DiLoCo:
     def finish(self) -> None:
         """Final rounds for every fragment with unsynced progress (one after another where together they would
         not fit the link, :meth:`Rounds.final_rounds_in_turn`), then linger until the live peers agree (at
-        most ``linger_s``: a catch-up still in flight then is cancelled), then serve newcomers ``serve_s``. After a stop signal: rounds in flight are
+        most ``linger_s``), then serve newcomers ``serve_s``. After a stop signal: rounds in flight are
         cancelled and nobody is waited for."""
         if self.finished:
             return
@@ -242,14 +242,10 @@ class DiLoCo:
         deadline = time.monotonic() + self.opts.linger_s
         while time.monotonic() < deadline and not stop.is_set():
             self.rounds.catch_up()
-            self.rounds.drain(self.inner_step, until=deadline)
+            self.rounds.drain(self.inner_step)
             if self.rounds.peers_settled():
                 break
             time.sleep(LINGER_POLL_S)
-        if any(s.inflight is not None for s in self.slots):  # a catch-up the linger did not see end: we leave
-            logger.info("lingered %.0f s: leaving with a catch-up still in flight", self.opts.linger_s)
-            self.rounds.cancel()  # at 0.25 Mbit/s a fragment's download (1.7 MB, 54 s) held the exit 100 s past
-            self.rounds.drain(self.inner_step)  # the time limit; cancelled, each ends within CANCEL_POLL_S
         if self.opts.serve_s > 0 and not stop.is_set():
             logger.info("serving our state to newcomers for %.0f s", self.opts.serve_s)
             stop.wait(self.opts.serve_s)

@@ -280,10 +280,9 @@ class Rounds:
                     break
         self.collect(step, min_age_steps=0)
 
-    def drain(self, step: int, until: float = math.inf) -> None:
-        """Wait for everything in flight and apply it (only at the end: training has stopped), until the monotonic
-        time ``until`` at most (what is still in flight then stays so)."""
-        while any(s.inflight is not None for s in self.slots) and time.monotonic() < until:
+    def drain(self, step: int) -> None:
+        """Wait for everything in flight and apply it (only at the end: training has stopped)."""
+        while any(s.inflight is not None for s in self.slots):
             for s in self.slots:
                 if s.inflight is not None:  # wait in slices; collect() below applies it, or logs why it failed
                     wait_futures([s.inflight], timeout=DRAIN_SLICE_S)  # (a download cut by our leaving raises)
