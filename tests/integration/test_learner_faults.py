@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 FIRED = mp.Value(ctypes.c_int, 0)  # shared with the forked averager processes
 STALLED = mp.Value(ctypes.c_int, 0)
-# six equal tensors: a part or two per tensor here (pipelined_part_bytes), dealt to reducers by position, so with
+# six equal tensors: two parts per tensor here (pipelined_part_bytes), dealt to reducers by position, so with
 # fewer parts than peers some peer would reduce nothing
 NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(6))
 SHAPES = {n: torch.Size([64, 32]) for n in NAMES}
