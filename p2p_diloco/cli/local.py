@@ -29,6 +29,7 @@ from p2p_diloco.local.run import (
     Ending,
     LiveView,
     TokenStop,
+    began_training,
     build_report,
     compute_reference,
     ending,
@@ -118,7 +119,8 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                 return swarm.start(name, argv)
 
             learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]
-            chaos = Chaos(args.chaos, seconds or estimate_s(cfg), learners, start_learner, seconds, events)
+            chaos = Chaos(args.chaos, seconds or estimate_s(cfg), learners, start_learner, seconds, events,
+                          lambda c: began_training(out_dir / "logs" / f"{c.name}.jsonl"))
             view = LiveView(args, cfg, peers, stop_tokens or budget_tokens, seconds)
             try:
                 deadline = t0 + (seconds or 24 * 3600) + 120 + FINISH_SLACK_S
@@ -196,7 +198,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the peers listen on (a LAN address lets other machines "
                    "join; default 127.0.0.1)")
     p.add_argument("--swarm-key", dest="swarm_key", metavar="FILE", help="private swarm: the key file from keygen")
-    p.add_argument("--chaos", action="store_true", help="kill -9 one learner a third into the run, restart it at half")
+    p.add_argument("--chaos", action="store_true", help="kill -9 one learner a third into the training (counted from "
+                   "when every learner trains), restart it at half")
     p.add_argument("--out", default="runs/swarm", help="output folder for the report, plots and logs (default: runs/swarm)")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--no-reference", dest="no_reference", action="store_true",

@@ -6,7 +6,8 @@ A learner logs what happens to it as events (``Learner._event``): ``--events FIL
 ``name``, ``step``, ``tokens``, ``time``, ``loss``), then ``"event": KIND``, then the kind's own fields:
 
 ``round`` :class:`RoundEvent`, ``resync`` :class:`ResyncEvent`, ``late_commit`` :class:`LateCommitEvent`,
-``replay`` :class:`ReplayEvent`, ``first_contribution`` :class:`FirstContributionEvent`, ``local_drop``
+``replay`` :class:`ReplayEvent`, ``training`` :class:`TrainingEvent`, ``first_contribution``
+:class:`FirstContributionEvent`, ``local_drop``
 :class:`LocalDropEvent`, ``eval`` :class:`EvalEvent`, ``clock`` :class:`ClockEvent`, ``checkpoint``
 :class:`CheckpointEvent`.
 
@@ -251,6 +252,18 @@ class ReplayEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrainingEvent(Event):
+    """The learner began training: its peers were live (or its wait for them ended), the first inner step is next
+    (logged once; the envelope's ``step`` is where it starts, not 0 after a resume)."""
+
+    KIND = "training"
+
+    seconds_since_start: float
+    """Seconds from the learner's start to its first step (monotonic clock, rounded to ms): start-up and the wait
+    for peers."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class FirstContributionEvent(Event):
     """This learner's first committed round (logged once)."""
 
@@ -344,8 +357,8 @@ class OtherEvent(Event):
 
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
-    RoundEvent, ResyncEvent, LateCommitEvent, ReplayEvent, FirstContributionEvent, LocalDropEvent, EvalEvent,
-    ClockEvent, CheckpointEvent)}
+    RoundEvent, ResyncEvent, LateCommitEvent, ReplayEvent, TrainingEvent, FirstContributionEvent, LocalDropEvent,
+    EvalEvent, ClockEvent, CheckpointEvent)}
 """Every kind a learner logs, by its ``"event"`` value."""
 
 

@@ -162,7 +162,9 @@ class DiLoCo:
         self._last_clock = self.dht_time()  # boundaries passed while waiting for peers are not due
         if self.cfg.averaging.schedule == "steps":
             self._align_schedule()
-        logger.info("training from step %d, %.1f s after start", self.inner_step, self.t_start - self.opts.started_at)
+        waited_s = self.t_start - self.opts.started_at
+        logger.info("training from step %d, %.1f s after start", self.inner_step, waited_s)
+        self.log_event(events.TrainingEvent(seconds_since_start=round(waited_s, 3)))
 
     def step(self, tokens: int, loss: torch.Tensor | float | None = None) -> None:
         """After the loop's own ``optimizer.step()``: count one inner step of ``tokens`` tokens (``loss``, kept as

@@ -5,8 +5,8 @@ Starts one bootstrap peer and N learner units as separate processes (``p2p-diloc
 the swarm live (the ``status`` table and a progress bar to the time budget, or to the token budget
 with ``--minutes 0``; plain lines when stdout is not a terminal), and at the end writes a report into
 ``--out``: ``summary.json``, the table it prints, and PNG plots (training loss per peer over time;
-group sizes and weight shares per round). ``--chaos`` kills one learner (kill -9) a third into the run
-and starts it again at half time (:mod:`p2p_diloco.local.chaos`, as ``scripts/chaos.py`` does): it
+group sizes and weight shares per round). ``--chaos`` kills one learner (kill -9) a third into the training
+(from when every learner trains) and starts it again at half time (:mod:`p2p_diloco.local.chaos`, as ``scripts/chaos.py`` does): it
 leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C stops every process
 cleanly (learners leave gracefully) and still writes what there is.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.core.console import out
-from p2p_diloco.core.events import EvalEvent, RoundEvent, read_events
+from p2p_diloco.core.events import EvalEvent, RoundEvent, TrainingEvent, read_events
 from p2p_diloco.local.chaos import Applied, ChaosAction, ChaosDriver, one_kill
 from p2p_diloco.local.launcher import Child
 
@@ -68,6 +68,8 @@ takes about a third of the training time -- and several times longer beside othe
 1733 s at nice 10 beside other test runs). Only for the estimate printed first."""
 EVENTS_TAIL_BYTES = 65_536
 """How much of the end of a learner's events file :func:`last_tokens` reads (an event is one line of < 4 kB)."""
+EVENTS_HEAD_BYTES = 65_536
+"""How much of the start of a learner's events file :func:`began_training` reads."""
 REFERENCE_EVAL_POINTS = 8
 """Evaluations along a reference computed for a run: at 1/8 steps, so a later run within the curve's last
 quarter (``reference.SPAN``) interpolates between points, and evaluation costs little beside training."""
@@ -183,6 +185,24 @@ def last_tokens(path: Path) -> int:
     return 0
 
 
+def began_training(path: Path) -> bool:
+    """Whether a learner's ``--events`` file holds its ``training`` event (:class:`~p2p_diloco.core.events.
+    TrainingEvent`), read from its head (:data:`EVENTS_HEAD_BYTES`): the learner logs it before its first step, so
+    only the downloads it made while waiting for peers come before it."""
+    if not path.exists():
+        return False
+    with path.open("rb") as f:
+        head = f.read(EVENTS_HEAD_BYTES).decode(errors="replace")
+    for line in head.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last one may still be being written
+        if isinstance(record, dict) and record.get("event") == TrainingEvent.KIND:
+            return True
+    return False
+
+
 class TokenStop:
     """The swarm's token budget: once its learners' events say they have trained ``budget`` tokens together
     (those the report counts: not the ones killed by ``--chaos``), or will have by the next look at the rate
@@ -223,27 +243,51 @@ def estimate_s(cfg: Any) -> float:
 
 
 class Chaos:
-    """``--chaos``: the last learner killed (kill -9 of its process group) a third into the run and started
+    """``--chaos``: the last learner killed (kill -9 of its process group) a third into the training and started
     again at half, as a new learner ``<name>-rejoined`` that downloads the current anchors and rejoins: the
     schedule :func:`~p2p_diloco.local.chaos.one_kill` on the :class:`~p2p_diloco.local.chaos.ChaosDriver`
-    that ``scripts/chaos.py`` uses too. Each step goes into ``events`` (the report's ``chaos_events``)."""
+    that ``scripts/chaos.py`` uses too. Each step goes into ``events`` (the report's ``chaos_events``).
+
+    The schedule counts from when every live learner has begun training (``began_training``), not from the
+    launch: start-up and the wait for peers took 38 s of a one-minute run on a loaded 2-core machine, and a kill
+    at a third of the launch's minute hit a learner that had not trained yet, its restart a swarm that had not
+    committed a round (nothing to catch up on). With a time budget (``seconds``) the training is what is left of
+    it then; with a step budget, ``run_s``."""
 
     def __init__(self, enabled: bool, run_s: float, learners: Sequence[Child], start_learner: Callable[..., Child],
-                 seconds: float | None, events: list[dict[str, Any]]) -> None:
+                 seconds: float | None, events: list[dict[str, Any]],
+                 began_training: Callable[[Child], bool]) -> None:
         self.t0 = time.monotonic()
-        """The schedule's zero: ``run_s`` counts from here."""
+        """The swarm's start: the events' and kills' times count from here."""
+        self.enabled, self.run_s, self.began_training = enabled, run_s, began_training
         self.learners, self.start_learner, self.seconds, self.events = list(learners), start_learner, seconds, events
+        self.trained_from_s: float | None = None
+        """When every live learner had begun training (seconds since :attr:`t0`): the schedule's zero."""
         self.killed: dict[str, float] = {}
         """The learners killed, by name, with when (seconds since :attr:`t0`)."""
-        schedule = one_kill(run_s, self.learners[-1].name) if enabled and self.learners else []
-        self.driver = ChaosDriver(schedule, self._victim, self._restart, self._applied)
+        self.driver = ChaosDriver([], self._victim, self._restart, self._applied)
+        """Empty until the training begins; then :func:`~p2p_diloco.local.chaos.one_kill`'s schedule."""
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.t0
 
     def tick(self) -> None:
-        """Apply what is due (called every ``VIEW_PERIOD_S``)."""
-        self.driver.tick(self.elapsed_s())
+        """Apply what is due (called every ``VIEW_PERIOD_S``); until every live learner trains, nothing is."""
+        elapsed = self.elapsed_s()
+        if self.trained_from_s is None:
+            live = [c for c in self.learners if c.alive]
+            if not self.enabled or not live or not all(self.began_training(c) for c in live):
+                return
+            self.trained_from_s = elapsed
+            run_s = self.run_s if self.seconds is None else self.seconds - elapsed
+            if run_s <= 0:
+                out(f"chaos: nothing done: every learner began training at {elapsed:.0f} s, past the time budget")
+                return
+            victim = self.learners[-1].name
+            self.driver = ChaosDriver(one_kill(run_s, victim), self._victim, self._restart, self._applied)
+            out(f"chaos: every learner trains at {elapsed:.0f} s: kill -9 {victim} at {elapsed + run_s / 3:.0f} s, "
+                f"restart at {elapsed + run_s / 2:.0f} s")
+        self.driver.tick(elapsed - self.trained_from_s)
 
     def _victim(self, name: str) -> Child:
         return next(c for c in self.learners if c.name == name)

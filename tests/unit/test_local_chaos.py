@@ -23,7 +23,8 @@ from p2p_diloco.local.chaos import (
     make_schedule,
     one_kill,
 )
-from p2p_diloco.local.run import Chaos
+from p2p_diloco.core.events import TrainingEvent
+from p2p_diloco.local.run import Chaos, began_training
 
 NAMES = ["l0", "l1", "l2", "l3"]
 RESULTS = Path(__file__).resolve().parents[2] / "results"
@@ -165,25 +166,57 @@ def test_driver_reports_a_restart_it_was_refused_and_continues_what_it_stopped_a
     assert children["l1"].signals == [signal.SIGSTOP, signal.SIGCONT]
 
 
-def test_swarm_chaos_kills_the_last_learner_at_a_third_and_restarts_it_at_half() -> None:
+def test_swarm_chaos_counts_from_when_every_learner_trains_kills_at_a_third_and_restarts_at_half() -> None:
     learners = [FakeChild(f"quick-{i}") for i in range(3)]
     started: list[tuple[int, dict[str, Any]]] = []
+    training: set[str] = set()
 
     def start_learner(i: int, **kw: Any) -> FakeChild:
         started.append((i, kw))
         return FakeChild(f"quick-{i}{kw['suffix']}")
 
     events: list[dict[str, Any]] = []
-    chaos = Chaos(True, 90.0, learners, start_learner, 90.0, events)  # type: ignore[arg-type]
-    chaos.t0 = time.monotonic() - 31.0
+    chaos = Chaos(True, 90.0, learners, start_learner, 90.0, events,  # type: ignore[arg-type]
+                  lambda c: c.name in training)
+    chaos.t0 = time.monotonic() - 31.0  # a third of the launch's 90 s, but two learners are still starting
+    training.add("quick-0")
+    chaos.tick()
+    assert chaos.trained_from_s is None and learners[2].signals == [] and events == []
+    training.update(("quick-1", "quick-2"))
+    chaos.t0 = time.monotonic() - 30.0  # every learner trains from 30 s: 60 s of training left
+    chaos.tick()
+    assert chaos.trained_from_s is not None and 29.0 <= chaos.trained_from_s <= 31.0 and learners[2].signals == []
+    chaos.t0 = time.monotonic() - 51.0  # a third of the 60 s in
     chaos.tick()
     assert learners[2].signals == [signal.SIGKILL] and set(chaos.killed) == {"quick-2"}
-    chaos.t0 = time.monotonic() - 46.0
+    chaos.t0 = time.monotonic() - 61.0  # half of them
     chaos.tick()
     assert [e["what"] for e in events] == ["kill -9 quick-2", "restart quick-2-rejoined"]
     (index, kw), = started
-    assert index == 2 and kw["wait"] == 0 and kw["suffix"] == "-rejoined" and 43.0 <= kw["max_time_s"] <= 44.0
-    off = Chaos(False, 90.0, learners, start_learner, 90.0, [])  # type: ignore[arg-type]
+    assert index == 2 and kw["wait"] == 0 and kw["suffix"] == "-rejoined" and 28.0 <= kw["max_time_s"] <= 29.5
+    off = Chaos(False, 90.0, learners, start_learner, 90.0, [], lambda c: True)  # type: ignore[arg-type]
     off.t0 = time.monotonic() - 100.0
     off.tick()
-    assert off.driver.done and off.killed == {}
+    assert off.driver.done and off.killed == {} and off.trained_from_s is None
+
+
+def test_swarm_chaos_does_nothing_when_the_training_begins_past_the_time_budget() -> None:
+    learners = [FakeChild(f"quick-{i}") for i in range(2)]
+    chaos = Chaos(True, 60.0, learners, lambda i, **kw: FakeChild("x"), 60.0, [],  # type: ignore[arg-type]
+                  lambda c: True)
+    chaos.t0 = time.monotonic() - 70.0
+    chaos.tick()
+    chaos.tick()
+    assert chaos.driver.done and chaos.killed == {} and learners[1].signals == []
+
+
+def test_began_training_reads_the_training_event_from_an_events_files_head(tmp_path: Path) -> None:
+    path = tmp_path / "quick-0.jsonl"
+    assert not began_training(path)  # not written yet
+    resync = {"name": "quick-0", "step": 0, "tokens": 0, "time": 1.0, "loss": None, "event": "resync"}
+    path.write_text(json.dumps(resync) + "\n" + '{"name": "quick-0", "ev')  # a line still being written
+    assert not began_training(path)
+    path.write_text(json.dumps(resync) + "\n" + json.dumps(
+        TrainingEvent(seconds_since_start=38.1).stamped(name="quick-0", step=0, tokens=0, time=2.0, loss=None)
+        .to_json()) + "\n")
+    assert began_training(path)
