@@ -96,6 +96,7 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
         "realized_period_s": median(intervals), "published_period_s": periods[-1] if periods else None,
         "period_ratio": (median(intervals) or 0) / (sync_every * step_s) if step_s else None,
         "median_round_s": duration, "median_allreduce_s": allreduce, "median_rtt_s": rtt, "round_bound_s": bound,
+        "median_part_bytes": median([e.part_bytes for e in committed if e.part_bytes]),
         "coordination_share": 1 - allreduce / duration if duration and allreduce is not None else None,
         "median_waited_s": median([e.waited_s for e in committed if e.waited_s is not None]),
         "median_after_last_s": after_last,

@@ -40,10 +40,11 @@ def averaging_swarm(tmp_path: Path, cfg: Any, names: Sequence[str], shapes: Mapp
 
 
 def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]], cfg: Any, tokens: Sequence[int],
-              deadline_s: float, timeouts: Any = None) -> list[Any]:
+              deadline_s: float, timeouts: Any = None, links: Sequence[float] | None = None) -> list[Any]:
     """One round of fragment 0 at version 0 among ``peers``, peer i bringing ``tensors[i]`` and ``tokens[i]``
-    tokens (its weight), all scheduled one window from now, with ``timeouts`` (a :class:`RoundTimeouts`; None:
-    the config's); returns every peer's :class:`RoundOutcome`."""
+    tokens (its weight) and ``links[i]`` (its measured link in bytes per second; None: none measured), all scheduled
+    one window from now, with ``timeouts`` (a :class:`RoundTimeouts`; None: the config's); returns every peer's
+    :class:`RoundOutcome`."""
     from hivemind.utils import get_dht_time
 
     from p2p_diloco.averaging.host import RoundPlan
@@ -51,9 +52,9 @@ def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]
 
     start = get_dht_time() + cfg.averaging.window_s
     futures = []
-    for peer, t, n in zip(peers, tensors, tokens, strict=True):
+    for peer, t, n, link in zip(peers, tensors, tokens, links or [0.0] * len(peers), strict=True):
         contribution = Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=n, steps=10, weight=float(n),
                                     tensors=dict(t), norms={})
-        plan = RoundPlan(start, cfg.averaging.window_s, due=get_dht_time(), timeouts=timeouts)
+        plan = RoundPlan(start, cfg.averaging.window_s, due=get_dht_time(), timeouts=timeouts, link_Bps=link)
         futures.append(peer.start_round(contribution, plan))
     return [f.result(timeout=deadline_s) for f in futures]

@@ -201,21 +201,25 @@ class RoundMeta:
     """Radial merge: the norm of each (non-embedding) pseudo-gradient tensor, in the order of their names
     (:func:`norms_in_order`; every member of a group has the same names: its config hash is the same), as float32
     values (what the wire carries, so that a member's own norms are what the others read)."""
+    link: float = 0.0
+    """Bytes per second the member's recent rounds moved (its link estimate; 0.0: none measured yet): the group's
+    all-reduce parts are sized for its slowest member (:func:`~p2p_diloco.hivemind_ext.compression.link_part_bytes`)."""
 
     @classmethod
-    def of(cls, contribution: Contribution, config: str, due: float) -> "RoundMeta":
+    def of(cls, contribution: Contribution, config: str, due: float, link: float = 0.0) -> "RoundMeta":
         """What a member sends of ``contribution`` (derived at the wire, nowhere else): its gathered fields, our
-        config hash and ``due`` (the DHT time it was handed off); checked (:meth:`check_outgoing`: raises
-        ``ValueError``) so that nothing malformed is ever sent."""
+        config hash, ``due`` (the DHT time it was handed off) and ``link`` (our measured throughput, 0.0: none);
+        checked (:meth:`check_outgoing`: raises ``ValueError``) so that nothing malformed is ever sent."""
         c = contribution
         meta = cls(fragment=c.fragment, version=c.version, anchor=c.anchor_hash, config=config, tokens=c.tokens,
-                   steps=c.steps, weight=c.weight, due=due, norms=norms_in_order(c.norms))
+                   steps=c.steps, weight=c.weight, due=due, norms=norms_in_order(c.norms), link=link)
         meta.check_outgoing()
         return meta
 
     def to_wire(self) -> list[Any]:
         """The fields in their order (:data:`META_FIELDS`), the norms packed (msgpack-safe: ints, str, floats, bytes)."""
-        wire = {**asdict(self), "weight": float(self.weight), "due": float(self.due), "norms": pack_norms(self.norms)}
+        wire = {**asdict(self), "weight": float(self.weight), "due": float(self.due), "norms": pack_norms(self.norms),
+                "link": float(self.link)}
         return [wire[name] for name in META_FIELDS]
 
     def check_outgoing(self) -> None:
@@ -249,11 +253,14 @@ class RoundMeta:
             if not isinstance(value[key], str) or len(value[key]) > 64:
                 raise refuse(Reason.OVERSIZE if isinstance(value[key], str) else Reason.MALFORMED,
                              f"gathered {key} must be a short string, got {value[key]!r:.80}")
-        numbers = {}
-        for key in ("weight", "due"):
-            numbers[key] = _finite_number(value[key])
-            if numbers[key] is None:
+        numbers: dict[str, float] = {}
+        for key in ("weight", "due", "link"):
+            number = _finite_number(value[key])
+            if number is None:
                 raise refuse(_number_reason(value[key]), f"gathered {key} must be a finite number, got {value[key]!r}")
+            numbers[key] = number
+        if numbers["link"] < 0:
+            raise refuse(Reason.MALFORMED, f"gathered link must be >= 0 bytes per second, got {value['link']!r}")
         packed = value["norms"]
         if not isinstance(packed, bytes) or len(packed) % NORM_BYTES:
             raise refuse(Reason.MALFORMED, "gathered norms must be float32 values packed in bytes")
@@ -263,14 +270,14 @@ class RoundMeta:
         if not all(math.isfinite(x) and x >= 0 for x in norms):
             raise refuse(Reason.NON_FINITE if not all(math.isfinite(x) for x in norms) else Reason.MALFORMED,
                          "gathered norms must be finite and non-negative")
-        return cls(**{**value, "weight": numbers["weight"], "due": numbers["due"], "norms": norms})
+        return cls(**{**value, **numbers, "norms": norms})
 
     def norms_by_name(self, radial_names: Sequence[str]) -> dict[str, float]:
         """Our norms keyed by the fragment's radial tensor names (checked to be as many by :func:`check_group`)."""
         return dict(zip(sorted(radial_names), self.norms))
 
 
-META_FIELDS = ("fragment", "version", "anchor", "config", "tokens", "steps", "weight", "due", "norms")
+META_FIELDS = ("fragment", "version", "anchor", "config", "tokens", "steps", "weight", "due", "norms", "link")
 """:class:`RoundMeta`'s fields in their wire order."""
 NORM_BYTES = 4
 

@@ -106,6 +106,9 @@ class RoundPlan:
     boundary_ms: int = -1
     """Groups from the clock: the clock's boundary the group meets at, in DHT milliseconds (a member that skips it
     says so: :meth:`~p2p_diloco.transport.network.Host.decline`); -1: none."""
+    link_Bps: float = 0.0
+    """Our link's measured throughput (bytes per second; 0.0: none measured yet), in our round metadata: the group
+    sizes its all-reduce parts for its slowest member (:func:`~p2p_diloco.hivemind_ext.compression.link_part_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,9 @@ class RoundOutcome:
     """Seconds the members' verdicts took to agree, after the all-reduce; NaN: none exchanged."""
     allreduce_s: float = float("nan")
     """Seconds the all-reduce itself ran (timed in the averager process); NaN: no group formed."""
+    part_bytes: int = 0
+    """The size of the parts the all-reduce was cut in (the same on every member: :func:`~p2p_diloco.hivemind_ext.
+    compression.link_part_bytes`); 0: no all-reduce ran."""
     rtt_s: float = float("nan")
     """The fastest DHT read of the members' verdicts (a round trip to the group); NaN: none was read."""
     timeouts: RoundTimeouts | None = None
@@ -310,7 +316,7 @@ class FragmentAveragerHost:
 
     # -- rounds
     def start_round(self, contribution: Contribution, plan: RoundPlan) -> "Future[RoundOutcome]":
-        meta = RoundMeta.of(contribution, self.config_hash, plan.due)  # checked on the caller's thread (its raise)
+        meta = RoundMeta.of(contribution, self.config_hash, plan.due, plan.link_Bps)  # checked on the caller's thread (its raise)
         return self._executor.submit(self._round, contribution, meta, plan)
 
     def _round(self, c: Contribution, meta: RoundMeta, plan: RoundPlan) -> RoundOutcome:
@@ -320,13 +326,15 @@ class FragmentAveragerHost:
         base: dict[str, Any] = dict(fragment=self.fragment, version=c.version, window_s=plan.window_s, timeouts=limits)
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
         self.averager.last_allreduce_s.value = math.nan  # the averager process times this round's all-reduce
+        self.averager.last_part_bytes.value = 0  # and says how it cut it
 
         def failed(reason: str, **extra: Any) -> RoundOutcome:
             now = time.monotonic()
             return RoundOutcome(**base, committed=False, reason=reason, duration_s=now - t0, finished_at=now,
                                 bytes_sent=self.averager.bytes_sent.value - sent0,
                                 bytes_received=self.averager.bytes_received.value - received0,
-                                allreduce_s=self.averager.last_allreduce_s.value, **extra)
+                                allreduce_s=self.averager.last_allreduce_s.value,
+                                part_bytes=self.averager.last_part_bytes.value, **extra)
 
         if c.weight <= 0:
             return failed("no progress since the last sync (weight 0): not joining")
@@ -427,7 +435,8 @@ class FragmentAveragerHost:
         return RoundOutcome(**base, committed=True, reason="ok", own_share=meta.weight / sum(weights),
                             duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
                             bytes_received=self.averager.bytes_received.value - received0,
-                            allreduce_s=self.averager.last_allreduce_s.value, merged=merged, **extra)
+                            allreduce_s=self.averager.last_allreduce_s.value,
+                            part_bytes=self.averager.last_part_bytes.value, merged=merged, **extra)
 
     def _read_verdicts(self, key: str) -> tuple[Any, float]:
         """One read of a round's verdicts: (what the DHT holds under ``key``, the seconds the read took)."""

@@ -33,7 +33,7 @@ from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.core.replay import PackedRound
 from p2p_diloco.hivemind_ext import require_hivemind
-from p2p_diloco.hivemind_ext.compression import pipelined_part_bytes
+from p2p_diloco.hivemind_ext.compression import link_part_bytes
 
 require_hivemind(__name__)  # overrides DecentralizedAverager's private methods, reads its private state
 
@@ -82,6 +82,9 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         self.bytes_received = mp.Value(ctypes.c_longlong, 0)
         self.refused = mp.Value(ctypes.c_longlong, 0)
         """Requests our handlers refused (non-members), counted in the averager process."""
+        self.last_part_bytes = mp.Value(ctypes.c_longlong, 0)
+        """The part size (bytes) the last all-reduce was cut in (:func:`link_part_bytes`); the host sets 0 before a
+        round and reads it after."""
         self.last_allreduce_s = mp.Value(ctypes.c_double, math.nan)
         """Seconds the last all-reduce ran (group formed to done or failed), timed in the averager process: the
         host sets NaN before a round and reads it after (the link's throughput, :mod:`linktime`)."""
@@ -101,12 +104,15 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
                                       group_id: bytes | None = None, **kwargs: Any) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         try:
-            robust = self._robust_weights(group_info)
+            metas = self._gathered_metas(group_info)
+            robust = self._robust_weights(group_info, metas)
         except ValueError as e:  # every member parses the same gathered data, so every member refuses
             self._running_groups[group_id].cancel()
             raise AllreduceException(f"refusing the round: {e}") from None
-        kwargs["part_size_bytes"] = pipelined_part_bytes(tensors, self.allreduce_kwargs["compression"],
-                                                       len(group_info.peer_ids))  # the same on every member
+        slowest = min((m.link for m in metas), default=0.0)  # the same on every member: the same gathered data
+        kwargs["part_size_bytes"] = link_part_bytes(tensors, self.allreduce_kwargs["compression"],
+                                                    len(group_info.peer_ids), slowest)
+        self.last_part_bytes.value = kwargs["part_size_bytes"]
         runner = self.runner_class(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, counters=(self.bytes_sent, self.bytes_received),
@@ -202,15 +208,21 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
                 "reducer_timeout_s": self.allreduce_kwargs["reducer_timeout"],
                 "allreduce_timeout_s": self._allreduce_timeout, "next_chunk_timeout_s": self.next_chunk_timeout}
 
-    def _robust_weights(self, group_info: GroupInfo) -> tuple[dict[Any, float], outer.Robust] | None:
+    def _gathered_metas(self, group_info: GroupInfo) -> list[RoundMeta]:
+        """Every member's round metadata, in the group's order (raises ValueError on a malformed one: the host logs
+        who sent it)."""
+        metas = []
+        for blob in group_info.gathered:
+            _bandwidth, _mode, user = self.serializer.loads(blob)
+            metas.append(RoundMeta.from_wire(self.serializer.loads(user)))
+        return metas
+
+    def _robust_weights(self, group_info: GroupInfo,
+                        metas: Sequence[RoundMeta]) -> tuple[dict[Any, float], outer.Robust] | None:
         """(each member's gathered weight after :func:`outer.clip_to_median`, the rule), or None when the
         robust merge is off: what our reducer weighs each sender's parts with."""
         if not self.robust.active:
             return None
-        metas = []
-        for blob in group_info.gathered:
-            _bandwidth, _mode, user = self.serializer.loads(blob)
-            metas.append(RoundMeta.from_wire(self.serializer.loads(user)))  # the host logs who sent bad metadata
         weights = outer.clip_to_median([m.weight for m in metas], self.robust.clip_factor)
         return dict(zip(group_info.peer_ids, weights)), self.robust
 

@@ -28,9 +28,11 @@ from p2p_diloco.core.errors import ConfigError as ConfigError  # re-exported: ev
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The wire protocol's version: peers of another are foreign (not in our groups, shown apart by ``status``), so a
-swarm half-upgraded splits cleanly instead of averaging nothing. 3: an all-reduce's parts are sized to the members'
+swarm half-upgraded splits cleanly instead of averaging nothing. 4: a round's metadata carries the member's measured
+link, and the parts are no shorter than a tenth of a second on the slowest member's
+(:func:`~p2p_diloco.hivemind_ext.compression.link_part_bytes`). 3: an all-reduce's parts are sized to the members'
 spans (:func:`~p2p_diloco.hivemind_ext.compression.pipelined_part_bytes`; 2: hivemind's 512 kB). 2: a round's
 metadata is a list of its fields with the radial norms packed (1: a dict keyed by field and tensor names)."""
 

@@ -145,6 +145,8 @@ class RoundEvent(Event):
     """Seconds the members' verdicts took to agree after the all-reduce; None: none exchanged or not measured."""
     allreduce_s: float | None
     """Seconds the all-reduce itself ran; None: no group formed."""
+    part_bytes: int = 0
+    """The size of the parts the all-reduce was cut in (the same on every member of the group); 0: none ran."""
     rtt_s: float | None
     """The fastest DHT read of the members' verdicts (a round trip, seconds); None: none was read."""
     timeouts: Mapping[str, float | None] | None

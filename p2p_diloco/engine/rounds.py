@@ -122,7 +122,7 @@ def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, st
         own_share=o.own_share, weights=tuple(o.weights), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
         duration_s=o.duration_s, arrival_spread_s=finite(o.arrival_spread_s),
         waited_s=finite(o.waited_s), setup_s=finite(o.setup_s), verdicts_s=finite(o.verdicts_s), window_s=o.window_s,
-        allreduce_s=finite(o.allreduce_s), rtt_s=finite(o.rtt_s),
+        allreduce_s=finite(o.allreduce_s), part_bytes=o.part_bytes, rtt_s=finite(o.rtt_s),
         timeouts=o.timeouts.event() if o.timeouts is not None else None, version_after=slot.version,
         group_distance=finite(o.group_distance), outcome="committed" if o.committed else "discarded",
         anchor_hash=slot.anchor_hash, tokens_sent=tokens_sent, steps_sent=steps_sent)

@@ -110,7 +110,8 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     boundary when there is a clock (at least a join request's time from now), else one window from now; timeouts from
     the bytes it moves and the engine's link estimate; with grid groups, the group key of our grid group at the
     boundary (raises ``ValueError`` without a clock: the engine starts no grid round then); otherwise the doomed check
-    and the quorum's count of live learners at our rank."""
+    and the quorum's count of live learners at our rank; and our link's measured throughput, which the group sizes its
+    all-reduce's parts by."""
     a, c, now = cfg.averaging, contribution, context.due
     ours = (c.version, c.anchor_hash)
     group_id, members = planned_group(ours, c.fragment, context, cfg, prefix, last_group)
@@ -135,8 +136,10 @@ def plan_round(contribution: Contribution, context: RoundContext, cfg: Config, p
     doomed = None if grid else doomed_check(ours, context.live_ranks)
     # a group from the clock has its own rule: more than half of the members it names (core.groups.without_absent)
     at_rank = 0 if grid or members else peers_at_rank(ours, context.peer_ranks)
+    link_Bps = context.link.throughput_Bps if context.link.throughput_samples else 0.0  # the prior is no measure
     return RoundPlan(scheduled, window_s, due=now, doomed=doomed, timeouts=timeouts, group_bits=bits, at_rank=at_rank,
-                     group_id=group_id, members=members, boundary_ms=clock_boundary_ms(c.fragment, context, cfg))
+                     group_id=group_id, members=members, boundary_ms=clock_boundary_ms(c.fragment, context, cfg),
+                     link_Bps=link_Bps)
 
 
 def doomed_check(ours: Rank, live_ranks: Callable[[], Sequence[Rank]]) -> Callable[[], bool]:

@@ -144,6 +144,8 @@ def case_metrics(case: Case, config: str, overrides: Sequence[str], finals: Sequ
     allreduce = [e["allreduce_s"] for evs in events for e in evs
                  if e.get("event") == "round" and e.get("outcome") == "committed" and e.get("allreduce_s")]
     firsts = [f["first_contribution_s"] for f in finals if f.get("first_contribution_s") is not None]
+    parts = [e["part_bytes"] for evs in events for e in evs
+             if e.get("event") == "round" and e.get("outcome") == "committed" and e.get("part_bytes")]
     row: dict[str, Any] = {
         "case": case.label, "rate_mbit": case.rate_mbit, "queue_ms": case.queue_ms, "rtt_ms": case.rtt_ms,
         "rounds": committed + discarded, "committed": committed, "discarded": discarded,
@@ -160,6 +162,7 @@ def case_metrics(case: Case, config: str, overrides: Sequence[str], finals: Sequ
         "period_over_bound": period / bound if bound > 0 and period > 0 else None,
         "eval_loss_end": evals,
         "median_allreduce_s": statistics.median(allreduce) if allreduce else None,
+        "median_part_bytes": statistics.median(parts) if parts else None,
         "first_contribution_s": firsts, "wire_tx_per_host": list(wire),
         "steps": [f["steps"] for f in finals], "tokens": sum(f["tokens"] for f in finals),
         "per_learner": [{"committed": f["committed"], "discarded": f["discarded"], "versions": f["versions"],

@@ -35,7 +35,7 @@ from hivemind.proto import averaging_pb2
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import load_config
-from p2p_diloco.hivemind_ext.compression import get_codec, pipelined_part_bytes
+from p2p_diloco.hivemind_ext.compression import get_codec, link_part_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -176,18 +176,19 @@ FIRED = mp.Value(ctypes.c_int, 0)  # shared with the forked averager processes
 LEFT_OUT = mp.Value(ctypes.c_int, 0)  # parts left out, summed over every member's reducer
 PARTS = mp.Value(ctypes.c_int, 0)  # parts reduced, summed over every member's reducer
 EMPTY = mp.Value(ctypes.c_int, 0)
-# six equal tensors, cut in parts of pipelined_part_bytes (two per tensor here) and dealt to reducers by position
-# (every peer reduces some parts)
+# six equal tensors, cut in parts of link_part_bytes (two per tensor here, no link measured) and dealt to reducers by
+# position (every peer reduces some parts)
 NAMES = tuple(f"blocks.{i}.fc.weight" for i in range(6))
 SHAPES = {n: torch.Size([64, 32]) for n in NAMES}
 
 
-def parts_of_a_round(members: int) -> int:
-    """The parts an fp32 round of NAMES among ``members`` is cut in, as every member's runner cuts them."""
+def parts_of_a_round(members: int, slowest_Bps: float = 0.0) -> int:
+    """The parts an fp32 round of NAMES among ``members`` is cut in, as every member's runner cuts them (sized for the
+    slowest member's measured link: 0.0, none measured)."""
     tensors = [torch.zeros(SHAPES[n]) for n in NAMES]
     codec = get_codec("fp32")
     container = TensorPartContainer(tensors, [1.0] * members, compression=codec,
-                                    part_size_bytes=pipelined_part_bytes(tensors, codec, members))
+                                    part_size_bytes=link_part_bytes(tensors, codec, members, slowest_Bps))
     return sum(container.num_parts_by_peer)
 TOKENS = (2560, 1280, 3840)
 ROUND_DEADLINE_S = 60.0
@@ -254,6 +255,27 @@ def test_a_member_sending_nan_every_round_does_not_block_the_rounds(tmp_path: Pa
                 assert all(m is not None and torch.equal(m[n], merged[0][n]) for m in merged), n  # bit-identical
                 exact = sum(tensors[i][n] * (TOKENS[i] / total) for i in honest)
                 assert torch.allclose(merged[0][n], exact, rtol=1e-5, atol=1e-6), n  # fp32: up to rounding
+
+
+def test_the_parts_are_sized_for_the_slowest_members_link(tmp_path: Path) -> None:
+    """Each member's measured link goes in its round metadata; every member cuts the all-reduce in parts no shorter
+    than a tenth of a second on the slowest one's: one slow member keeps the small pipelined parts for the group, a
+    group of fast links gets hivemind's (a part a tensor here). Both rounds commit with the same average everywhere."""
+    cfg = _config("none")
+    PARTS.value = 0
+    pipelined, fast = parts_of_a_round(3), parts_of_a_round(3, 1e9)
+    assert pipelined > fast, (pipelined, fast)  # the test tells them apart
+    with averaging_swarm(tmp_path, cfg, NAMES, SHAPES, (Counting,) * 3) as peers:
+        gen = torch.Generator().manual_seed(1)
+        for links, expected in (((1e9, 31_250.0, 1e9), pipelined), ((1e9, 2e9, 1e9), fast)):
+            tensors = [{n: torch.randn(SHAPES[n], generator=gen) for n in NAMES} for _ in peers]
+            parts = PARTS.value
+            outcomes = run_round(peers, tensors, cfg, TOKENS, ROUND_DEADLINE_S, links=links)
+            assert all(o.committed and o.group_size == 3 for o in outcomes), [o.reason for o in outcomes]
+            assert PARTS.value - parts == expected, (links, PARTS.value - parts, expected)
+            first = outcomes[0].merged
+            assert first is not None
+            assert all(o.merged is not None and torch.equal(o.merged[n], first[n]) for o in outcomes for n in NAMES)
 
 
 class SendsWrongShape(ExactAllReduceRunner):

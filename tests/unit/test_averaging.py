@@ -42,6 +42,8 @@ def test_the_wire_metadata_is_derived_from_the_contribution() -> None:
     m = meta()
     assert RoundMeta.of(contribution_of(m), m.config, m.due) == m
     assert RoundMeta.of(contribution_of(m), m.config, m.due).to_wire() == m.to_wire()
+    measured = meta(link=250_000.0)  # our link's measured throughput goes along (0.0: none measured yet)
+    assert RoundMeta.of(contribution_of(measured), m.config, m.due, 250_000.0) == measured
 
 
 def decide(own: RoundMeta, members: list[RoundMeta], min_group_size: int = 2) -> tuple[bool, str]:
@@ -107,14 +109,16 @@ def test_round_meta_wire_is_strict() -> None:
     m = meta()
     assert RoundMeta.from_wire(m.to_wire()) == m
     wire = m.to_wire()
-    assert wire == [0, 3, "a" * 16, "c" * 16, 2560, 10, 2560.0, 100.0, struct.pack("<f", 0.5)]  # no names: the group has them
+    assert wire == [0, 3, "a" * 16, "c" * 16, 2560, 10, 2560.0, 100.0, struct.pack("<f", 0.5), 0.0]  # no names
+    assert RoundMeta.from_wire([*wire[:-1], 31_250]).link == 31_250.0  # an int is a number too
 
     def changed(**fields: object) -> list[object]:
         return [fields.get(name, v) for name, v in zip(META_FIELDS, wire)]
 
     for bad in ([*wire, 1], wire[:-1], changed(tokens=-1), changed(weight=math.nan), changed(anchor=5),
                 changed(norms=struct.pack("<f", -1.0)), changed(norms=struct.pack("<f", math.inf)),
-                changed(norms=b"abc"), changed(norms=[0.5]), {"norms": b""}, [1, 2]):
+                changed(norms=b"abc"), changed(norms=[0.5]), {"norms": b""}, [1, 2], changed(link=-1.0),
+                changed(link=math.inf), changed(link="fast")):
         with pytest.raises(ValueError):
             RoundMeta.from_wire(bad)
     huge = meta(norms=(1e39,))  # beyond float32: sent as inf, which every peer refuses; so it is never sent
@@ -342,7 +346,7 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
     def shared(value: float) -> SimpleNamespace:
         return SimpleNamespace(value=value)
 
-    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0),
+    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0),
                                set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
                                set_group_bits=lambda bits: None, get_tensors=lambda: contextlib.nullcontext([]),
                                step=step)

@@ -353,3 +353,22 @@ def test_a_partition_forks_under_groups_from_the_clock_and_heals(cfg: Config) ->
     during = [r for r in hub.rounds[split_at:] if r.committed]
     assert any(set(r.members) == {"a", "b"} for r in during) and any(set(r.members) == {"c", "d"} for r in during)
     assert any(e.outcome == "fork healed" for loop in loops.values() for e in loop.resyncs()), "no fork healed"
+
+
+def test_a_plan_carries_our_measured_link_for_the_parts_and_none_before_a_round_committed(cfg: Config) -> None:
+    """The plan's ``link_Bps`` goes into our round metadata, whose slowest member sizes the all-reduce's parts
+    (``hivemind_ext.compression.link_part_bytes``): the prior is not a measure (0.0: pipelined parts)."""
+    from p2p_diloco.sync.fragment import Contribution
+    from p2p_diloco.transport.planning import plan_round
+
+    contribution = Contribution(fragment=0, version=3, anchor_hash="aa", tokens=256, steps=2, weight=256.0,
+                                tensors={"w": torch.zeros(1000)}, norms={})
+
+    def plan(link: object) -> float:
+        context = RoundContext(due=0.0, window_s=1.0, link=link, clock=None, fragments=2,  # type: ignore[arg-type]
+                               own_id="p1", roster=("p1", "p2"), peers=(("p2", (3, "aa")),), live_ranks=lambda: ())
+        return plan_round(contribution, context, cfg, "run/f0").link_Bps
+
+    assert plan(estimate_link([], [])) == 0.0
+    measured = estimate_link([200_000.0, 250_000.0, 300_000.0], [0.01])
+    assert measured.throughput_samples == 3 and plan(measured) == measured.throughput_Bps > 0

@@ -30,7 +30,8 @@ from p2p_diloco.core.codecs import (
     BLOCK_SIZE, CODEC_NAMES, ErrorFeedback, allreduce_error_bound, bits_per_element, error_bound, local_roundtrip,
 )
 from p2p_diloco.hivemind_ext.compression import (
-    MIN_PART_BYTES, PARTS_PER_SPAN, BlockwiseAbsmaxQuantization, get_codec, pipelined_part_bytes, roundtrip,
+    MIN_PART_BYTES, PARTS_PER_SPAN, BlockwiseAbsmaxQuantization, get_codec, link_part_bytes, pipelined_part_bytes,
+    roundtrip,
     simulate_allreduce, simulate_allreduce_per_peer,
 )
 
@@ -210,6 +211,25 @@ def test_pipelined_parts_are_bounded() -> None:
     assert pipelined_part_bytes([torch.zeros(1000)], codec, 0) == MIN_PART_BYTES  # no group: no division by zero
     # the same on every member: a function of the shapes, the codec and the group alone
     assert pipelined_part_bytes([torch.zeros(210_000)], codec, 4) == pipelined_part_bytes([torch.ones(210_000)], codec, 4)
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_parts_from_the_link_are_pipelined_on_slow_links_and_hivemind_s_on_fast_ones(group_size: int) -> None:
+    """The slowest member's measured link sets a floor on a part (a tenth of a second on it): unknown (0) or slow,
+    the pipelined parts; loopback's measured ~0.8 MB/s, a demo fragment's span in one part (hivemind's 512 kB caps
+    it); in between, a power of two that grows with the link."""
+    codec = get_codec("int4")
+    demo = [torch.zeros(n) for n in (128 * 512, 512 * 128, 65_536, 12_288)]
+    pipelined = pipelined_part_bytes(demo, codec, group_size)
+    assert link_part_bytes(demo, codec, group_size, 0.0) == pipelined  # a member has not measured its link
+    assert link_part_bytes(demo, codec, group_size, math.nan) == pipelined
+    assert link_part_bytes(demo, codec, group_size, 31_250.0) == pipelined  # 0.25 Mbit/s
+    sizes = [link_part_bytes(demo, codec, group_size, bps) for bps in (62_500, 250_000, 800_000, 1e8, 1e12)]
+    assert sizes == sorted(sizes) and all(s & (s - 1) == 0 for s in sizes) and sizes[-1] == DEFAULT_PART_SIZE_BYTES
+    assert link_part_bytes(demo, codec, group_size, 250_000.0) == 16_384  # 2 Mbit/s: 25 kB in a tenth of a second
+    loopback = link_part_bytes(demo, codec, group_size, 800_000.0)
+    container = TensorPartContainer(demo, [1.0] * group_size, compression=codec, part_size_bytes=loopback)
+    assert all(len(container.get_raw_input_parts(j)) <= len(demo) for j in range(group_size))  # a part a tensor
 
 
 # --- error bound --------------------------------------------------------------------------------

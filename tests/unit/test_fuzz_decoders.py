@@ -115,6 +115,7 @@ METAS = st.builds(
     steps=WIRE_INT, weight=st.floats(allow_nan=False, allow_infinity=False),
     due=st.floats(allow_nan=False, allow_infinity=False),
     norms=st.lists(st.floats(min_value=0.0, max_value=2.0**100, width=32, allow_nan=False, allow_infinity=False), max_size=4).map(tuple),
+    link=st.floats(min_value=0.0, allow_nan=False, allow_infinity=False),
 )
 
 
@@ -203,7 +204,7 @@ def test_round_meta_decodes_or_refuses(value: Any) -> None:
     got = decodes_or_refuses(RoundMeta.from_wire, value)
     if isinstance(got, RoundMeta):
         assert RoundMeta.from_wire(got.to_wire()) == got
-        assert all(math.isfinite(x) for x in (got.weight, got.due, *got.norms))
+        assert all(math.isfinite(x) for x in (got.weight, got.due, got.link, *got.norms)) and got.link >= 0
 
 
 @FEW
@@ -225,6 +226,7 @@ def test_round_meta_reason_codes_and_the_member_is_named(caplog: pytest.LogCaptu
                           (changed(norms=bytes(4 * 70_000)), Reason.OVERSIZE),
                           (changed(norms=struct.pack("<f", math.nan)), Reason.NON_FINITE),
                           ([*wire, 2], Reason.MALFORMED), (changed(due=True), Reason.MALFORMED),
+                          (changed(link=-5.0), Reason.MALFORMED), (changed(link=math.nan), Reason.NON_FINITE),
                           (dict(zip(META_FIELDS, wire)), Reason.MALFORMED)):
         with pytest.raises(PeerDataError) as info:
             RoundMeta.from_wire(value)
