@@ -238,7 +238,7 @@ class Rounds:
         what = slot.inflight_kind
         handed = sync.hand_off(step)
         if handed.status == STARTED:
-            slot.inflight_since = self.dht_time()
+            slot.inflight_since = slot.last_round_at = self.dht_time()
         if handed.status == BUSY:
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the "
                         "next round", slot.index, step, what)
@@ -528,7 +528,10 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
     would not fit the link, :meth:`Rounds.final_rounds_in_turn`), and they are waited for. With groups from the clock
     each waits for its fragment's next boundary first: its group is the one the clock names there, with the learners
     still training or leaving at the same time (a round handed off between boundaries names a group nobody else
-    does). Returns early on ``stop``."""
+    does); a boundary just passed still takes it while its group is open (within the window), unless we were in that
+    boundary's round already: at 0.25 Mbit/s a learner whose time ran out just after its round at a boundary handed
+    its final round off to that boundary again, alone ("1 of 4 members showed"), and left before the others' final
+    round of the fragment at the next one (it ended a version behind them). Returns early on ``stop``."""
     in_turn = rounds.final_rounds_in_turn()
 
     def wait_s(sync: FragmentSync) -> float:
@@ -536,7 +539,8 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
         if clock is None:
             return 0.0
         now, f, fragments = rounds.dht_time(), sync.slot.index, len(rounds.syncs)
-        if 0.0 <= now - clock.boundary(now, f, fragments) <= rounds.window_s:  # its group there is still open
+        passed = clock.boundary(now, f, fragments)
+        if 0.0 <= now - passed <= rounds.window_s and sync.slot.last_round_at < passed:  # its group is still open
             return 0.0
         return max(0.0, clock.boundary(now + clock.period_s, f, fragments) - now)
 

@@ -46,6 +46,9 @@ class FragmentSlot:
     inflight_kind: str = ""  # "round" or "fetch" (sync.fragment.ROUND, FETCH)
     inflight_since: float = 0.0
     """When what is in flight started (the engine's DHT time)."""
+    last_round_at: float = -math.inf
+    """When our last round of this fragment was handed off (the engine's DHT time): a final round does not go to a
+    boundary whose round we already took part in (:func:`~p2p_diloco.engine.rounds.final_rounds`)."""
     sent_step: int = 0
     sent_tokens: int = 0
     sent_steps: int = 0

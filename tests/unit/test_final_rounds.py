@@ -3,6 +3,7 @@ each waits for its fragment's next boundary on the clock as it is *then*, so a r
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from types import SimpleNamespace
@@ -15,8 +16,9 @@ DEADLINE_S = 30.0
 """Generous: the waits below are a few seconds."""
 
 
-def _rounds(clock: SyncClock, handed: list[tuple[int, float]], now: Any) -> SimpleNamespace:
-    slot = SimpleNamespace(index=0, since_steps=5)
+def _rounds(clock: SyncClock, handed: list[tuple[int, float]], now: Any,
+            last_round_at: float = -math.inf) -> SimpleNamespace:
+    slot = SimpleNamespace(index=0, since_steps=5, last_round_at=last_round_at)
     return SimpleNamespace(
         final_rounds_in_turn=lambda: False, view=SimpleNamespace(clock=clock),
         cfg=SimpleNamespace(averaging=SimpleNamespace(clock_groups=True)), dht_time=now, window_s=0.5,
@@ -54,3 +56,17 @@ def test_a_final_round_is_handed_off_at_once_within_its_open_window() -> None:
     handed: list[tuple[int, float]] = []
     final_rounds(_rounds(SyncClock(period_s=100.0, origin=1000.0 - 100.0 - 0.1), handed, now), 7, threading.Event())
     assert len(handed) == 1 and handed[0][1] - 1000.0 < 0.5  # the boundary 0.1 s ago: its group is still open
+
+
+def test_a_final_round_does_not_go_to_the_boundary_whose_round_we_were_in() -> None:
+    """Our time ran out just after our round at a boundary: that boundary's group is over for us (the others are not
+    coming to it again), so the final round waits for the next boundary, where the others' final rounds go too."""
+    t0 = time.monotonic()
+
+    def now() -> float:
+        return 1000.0 + time.monotonic() - t0
+
+    clock = SyncClock(period_s=2.0, origin=1000.0 - 2.0 - 0.1)  # a boundary 0.1 s ago, the next one 1.9 s ahead
+    handed: list[tuple[int, float]] = []
+    final_rounds(_rounds(clock, handed, now, last_round_at=1000.0 - 0.05), 7, threading.Event())
+    assert len(handed) == 1 and 1.9 - 0.1 <= handed[0][1] - 1000.0 < 1.9 + 2 * FINAL_WAIT_LOOK_S
