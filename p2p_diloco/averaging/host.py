@@ -546,14 +546,25 @@ def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[
     member in one message over the group's connections, theirs come to us (the averager process keeps them), until
     all are in, one is not "ok", or :func:`verdict_wait_s` passes (``commit_timeout_s`` and, on a measured link, a
     control message's wait there); then, as there, silence only withdraws our "ok" (a second message replaces it
-    where it arrives). No DHT store or read. Raises :class:`Leaving`."""
+    where it arrives). No DHT store or read. Raises :class:`Leaving`. An exchange the averager process does not
+    answer in time (this learner was stopped, SIGSTOP, past its deadline) is a silence: the round is discarded (it
+    raised into the training loop and ended the learner, under ``scripts/chaos.py``)."""
     timeout_s = verdict_wait_s(host.cfg.averaging, limits)
-    reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, timeout_s),
-                                timeout_s + SET_TIMEOUTS_DEADLINE_S)
+    try:
+        reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, timeout_s),
+                                    timeout_s + SET_TIMEOUTS_DEADLINE_S)
+    except TimeoutError:
+        logger.warning("fragment %d: the verdicts' exchange did not end within %.0f s (were we stopped?): as if "
+                       "none came", host.fragment, timeout_s + SET_TIMEOUTS_DEADLINE_S)
+        reports, rtt_s = {}, math.nan
     decision, silent = decision_at_deadline(reports, peers, timeout_s)
     withdrawn = silent and own_verdict == "ok"
     if withdrawn:
         request_s = host.cfg.averaging.request_timeout_s
-        host._wait(host.averager.send_verdict(group_id, tuple(peers), f"withdrawn: {decision.reason}"[:300], request_s),
-                   request_s + SET_TIMEOUTS_DEADLINE_S)
+        try:
+            host._wait(host.averager.send_verdict(group_id, tuple(peers), f"withdrawn: {decision.reason}"[:300],
+                                                  request_s), request_s + SET_TIMEOUTS_DEADLINE_S)
+        except TimeoutError:  # a member that read our "ok" may commit: the late-commit and fork rules cover it
+            logger.warning("fragment %d: our withdrawal was not sent within %.0f s", host.fragment,
+                           request_s + SET_TIMEOUTS_DEADLINE_S)
     return decision, rtt_s, withdrawn

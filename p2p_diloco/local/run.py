@@ -6,9 +6,9 @@ the swarm live (the ``status`` table and a progress bar to the time budget, or t
 with ``--minutes 0``; plain lines when stdout is not a terminal), and at the end writes a report into
 ``--out``: ``summary.json``, the table it prints, and PNG plots (training loss per peer over time;
 group sizes and weight shares per round). ``--chaos`` kills one learner (kill -9) a third into the training
-(from when every learner trains) and starts it again at half time (:mod:`p2p_diloco.local.chaos`, as ``scripts/chaos.py`` does): it
-leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C stops every process
-cleanly (learners leave gracefully) and still writes what there is.
+(from when every learner trains) and starts it again at half time (:mod:`p2p_diloco.local.chaos`, as
+``scripts/chaos.py`` does): it leaves, the others go on, it rejoins by downloading the current anchors. Ctrl+C
+stops every process cleanly (learners leave gracefully) and still writes what there is.
 
 With a time budget (``--minutes``, the default) every learner trains for that long whatever the
 machine's speed: there is no step limit, so no learner leaves early; but all of them finish together once

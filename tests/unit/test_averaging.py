@@ -383,3 +383,28 @@ def test_peers_at_the_version_count_the_ones_whose_records_lag_one_round() -> No
     # another anchor at our version (a fork), further behind, ahead: not at our rank
     assert peers_at_rank(ours, [(3, "bb"), (1, "aa"), (4, "cc")]) == 1
     assert quorum_problem(2, peers_at_rank(ours, [(3, "aa"), (2, "zz"), (2, "zz")])) is not None
+
+
+def test_a_verdicts_exchange_that_outlives_its_deadline_is_a_silence_not_a_crash() -> None:
+    """A learner SIGSTOPped while its round exchanged verdicts: once continued, the wait for the averager process's
+    answer is past its deadline (TimeoutError). That discards the round and withdraws our "ok"; it once raised into
+    the training loop and ended the learner (scripts/chaos.py, a 15 s SIGSTOP)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from p2p_diloco.averaging.host import agree_in_group
+    from p2p_diloco.averaging.linktime import floor_timeouts
+    from p2p_diloco.core.config import load_config
+
+    sent: list[str] = []
+
+    def never_in_time(future: Any, timeout_s: float) -> Any:
+        raise TimeoutError()
+
+    averager = SimpleNamespace(exchange_verdicts=lambda *args: Future(),
+                               send_verdict=lambda group, peers, verdict, timeout: sent.append(verdict) or Future())
+    cfg = load_config(None, [])
+    host = SimpleNamespace(cfg=cfg, fragment=2, averager=averager, _wait=never_in_time)
+    decision, rtt_s, withdrawn = agree_in_group(host, b"group", ("QmA", "QmB"), "ok", floor_timeouts(cfg.averaging))
+    assert not decision.ok and "no verdict" in decision.reason and withdrawn and math.isnan(rtt_s), decision
+    assert sent and sent[0].startswith("withdrawn: ")  # the withdrawal was tried (its wait timed out too)
