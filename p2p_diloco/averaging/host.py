@@ -316,7 +316,8 @@ class FragmentAveragerHost:
 
     # -- rounds
     def start_round(self, contribution: Contribution, plan: RoundPlan) -> "Future[RoundOutcome]":
-        meta = RoundMeta.of(contribution, self.config_hash, plan.due, plan.link_Bps)  # checked on the caller's thread (its raise)
+        # checked on the caller's thread (its raise)
+        meta = RoundMeta.of(contribution, self.config_hash, plan.due, plan.link_Bps)
         return self._executor.submit(self._round, contribution, meta, plan)
 
     def _round(self, c: Contribution, meta: RoundMeta, plan: RoundPlan) -> RoundOutcome:

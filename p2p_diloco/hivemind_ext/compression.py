@@ -228,8 +228,12 @@ def pipelined_part_bytes(tensors: Sequence[torch.Tensor], compression: Compressi
     wire = sum(t.numel() * t.element_size() * compression.estimate_compression_ratio(CompressionInfo.from_tensor(t))
                for t in tensors)
     target = wire / max(1, group_size) / PARTS_PER_SPAN
-    size = 1 << max(0, math.floor(math.log2(max(1.0, target))))
-    return min(DEFAULT_PART_SIZE_BYTES, max(MIN_PART_BYTES, size))
+    return min(DEFAULT_PART_SIZE_BYTES, max(MIN_PART_BYTES, _power_of_two_below(target)))
+
+
+def _power_of_two_below(size: float) -> int:
+    """The largest power of two at most ``size`` (1 below 2): part sizes stay on the quantizer's block grid."""
+    return 1 << max(0, math.floor(math.log2(max(1.0, size))))
 
 
 PART_SECONDS: Final[float] = 0.1
@@ -249,8 +253,7 @@ def link_part_bytes(tensors: Sequence[torch.Tensor], compression: CompressionBas
     pipelined = pipelined_part_bytes(tensors, compression, group_size)
     if not math.isfinite(slowest_Bps) or slowest_Bps <= 0:
         return pipelined
-    by_link = 1 << max(0, math.floor(math.log2(max(1.0, slowest_Bps * PART_SECONDS))))
-    return min(DEFAULT_PART_SIZE_BYTES, max(pipelined, by_link))
+    return min(DEFAULT_PART_SIZE_BYTES, max(pipelined, _power_of_two_below(slowest_Bps * PART_SECONDS)))
 
 
 # --- local simulation ---------------------------------------------------------------------------
