@@ -321,6 +321,21 @@ class FragmentAveragerHost:
         return self._executor.submit(self._round, contribution, meta, plan)
 
     def _round(self, c: Contribution, meta: RoundMeta, plan: RoundPlan) -> RoundOutcome:
+        """One round (:meth:`_run_round`); whatever it raises discards it with the exception as its reason, logged with
+        its traceback. A worker's exception reaches the training loop through the future and ends the learner: a
+        verdicts' exchange past its deadline after a SIGSTOP once did (07a3b96 caught that one). Our "ok", if posted, may
+        let the others commit without us; we then catch up like any member that discarded."""
+        t0 = time.monotonic()
+        try:
+            return self._run_round(c, meta, plan)
+        except Exception as e:
+            logger.exception("fragment %d v%d: the round failed: %s: %s", self.fragment, c.version, type(e).__name__, e)
+            now = time.monotonic()
+            return RoundOutcome(fragment=self.fragment, version=c.version, window_s=plan.window_s, timeouts=plan.timeouts,
+                                committed=False, reason=f"the round failed: {type(e).__name__}: {e}"[:300],
+                                duration_s=now - t0, finished_at=now)
+
+    def _run_round(self, c: Contribution, meta: RoundMeta, plan: RoundPlan) -> RoundOutcome:
         a = self.cfg.averaging
         t0 = time.monotonic()
         limits = plan.timeouts if plan.timeouts is not None else floor_timeouts(a)

@@ -260,6 +260,12 @@ def test_donor_order_only_donors_ahead_best_first_and_spread_over_equal_ones() -
     counts = [firsts.count(f"donor{i}") for i in range(6)]
     assert min(counts) > 60, counts  # 100 each on average
     assert donor_order({"x": 1.0}, "me", ours=1.0) == []
+    # one learner's fragments start with different equal donors (rotated), the worse ones still last
+    three = {"d0": 7.25, "d1": 7.25, "d2": 7.25, "behind": 6.9}
+    orders = [donor_order(three, "me", ours=5.0, fragment=f) for f in range(4)]
+    assert orders[0] == donor_order(three, "me", ours=5.0)  # fragment 0: the rendezvous order itself
+    assert len({o[0] for o in orders[:3]}) == 3 and orders[3] == orders[0], orders
+    assert all(o[-1] == "behind" and sorted(o) == sorted(three) for o in orders), orders
 
 
 def test_state_size_cap_allows_the_state_and_little_more() -> None:
@@ -408,3 +414,40 @@ def test_a_verdicts_exchange_that_outlives_its_deadline_is_a_silence_not_a_crash
     decision, rtt_s, withdrawn = agree_in_group(host, b"group", ("QmA", "QmB"), "ok", floor_timeouts(cfg.averaging))
     assert not decision.ok and "no verdict" in decision.reason and withdrawn and math.isnan(rtt_s), decision
     assert sent and sent[0].startswith("withdrawn: ")  # the withdrawal was tried (its wait timed out too)
+
+
+def test_any_exception_a_round_raises_discards_it_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever a round's worker raises outside hivemind's step (here: the averager's shared tensors are gone) is the
+    round's reason for discarding, logged with its traceback -- not an exception in the future, which the training
+    loop's collect re-raised and so ended the learner. A stand-in averager (pure host logic) raises it."""
+    import threading
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
+    from p2p_diloco.core.config import load_config
+
+    raised: list[str] = []
+
+    def tensors_gone() -> Any:
+        raised.append("get_tensors")
+        raise RuntimeError("the averager's shared tensors are gone")
+
+    def shared(value: float) -> SimpleNamespace:
+        return SimpleNamespace(value=value)
+
+    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0),
+                               last_part_bytes=shared(0),
+                               set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
+                               set_group_bits=lambda bits: None, get_tensors=tensors_gone)
+    host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic
+    host.cfg, host.fragment, host.averager, host.names, host.wire_names, host._cancelled = (
+        load_config(None, []), 3, averager, (), (), threading.Event())
+    own = meta(weight=10.0)
+    with caplog.at_level("ERROR", logger="p2p_diloco.averaging.host"):
+        outcome = host._round(contribution_of(own), own, RoundPlan(get_dht_time() + 1.0, 1.0, due=own.due))
+    assert raised == ["get_tensors"], "the fault did not fire"
+    assert not outcome.committed and outcome.fragment == 3 and outcome.version == own.version, outcome
+    assert outcome.reason == "the round failed: RuntimeError: the averager's shared tensors are gone", outcome
+    assert any(r.exc_info for r in caplog.records), "the traceback was not logged"
