@@ -137,19 +137,14 @@ def sharing_priority(version: int, anchor: str) -> float:
     return version + (0xFFFFFFFF - int(anchor[:8], 16)) / 2.0**32
 
 
-def donor_order(priorities: Mapping[str, float], own_id: str, ours: float, fragment: int = 0) -> list[str]:
+def donor_order(priorities: Mapping[str, float], own_id: str, ours: float) -> list[str]:
     """The donors to download a fragment's state from, in the order to try them: only peers ahead of us
     (their :func:`sharing_priority` above ours ``ours``), the best rank first; peers of equal rank (the
     same version and anchor, the usual case) in rendezvous-hash order of (our id, their id), so that
     newcomers spread over the donors instead of all starting with the same one, and each newcomer's
-    order is stable; the best ones rotated by ``fragment``, so that one learner's fragments start with
-    different donors: their downloads can go side by side, each on another donor's uplink (at 0.5 Mbit/s
-    a paused learner's replays all came from one donor, at the 24 kB/s its own rounds left of its uplink)."""
+    order is stable."""
     ahead = [(p, d) for d, p in priorities.items() if d != own_id and math.isfinite(p) and p > ours]
-    order = [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
-    best = sum(1 for p, _ in ahead if p == max(p for p, _ in ahead)) if ahead else 0
-    turn = fragment % best if best else 0
-    return order[turn:best] + order[:turn] + order[best:]
+    return [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
 
 
 def state_size_cap(shapes: Sequence[torch.Size]) -> int:

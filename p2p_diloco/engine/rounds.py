@@ -18,17 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.averaging.decisions import (
     adapt_window,
     anchor_hash,
     anchor_order,
-    donor_order,
     is_ahead,
     round_is_doomed,
-    sharing_priority,
 )
 from p2p_diloco.averaging.linktime import (
     LinkHistory,
@@ -107,10 +104,7 @@ class FragmentLink:
         donors = dict(fragment_peers(self.rounds.view, self.fragment))
         r = self.rounds
         replay = r.cfg.averaging.kept_rounds > 0 and ours != r.syncs[self.fragment].slot.no_replay_from
-        beside = sum(1 for s in r.slots if s.index != self.fragment and s.inflight is not None and s.inflight_kind == FETCH)
-        link = r.link.estimate()  # downloads side by side share our downlink: deadlines for our share of it
-        return self.host.fetch_state(ours, donors, replace(link, throughput_Bps=link.throughput_Bps / (1 + beside)),
-                                     replay=replay)
+        return self.host.fetch_state(ours, donors, self.rounds.link.estimate(), replay=replay)
 
     def anchor_changed(self, version: int, anchor_hash: str) -> None:
         """Our anchor moved (a commit, a checked download, the start or a verified restore): vouch for it -- what a
@@ -154,8 +148,6 @@ class Rounds:
         self.spreads: list[float] = []
         self.deferred: dict[int, float] = {}
         """Fragments due whose round waits for the link (:func:`waits_for_link`) -> until when, DHT time."""
-        self.fetch_donors: dict[int, str | None] = {}
-        """Fragment -> the donor its latest download asked first (:meth:`first_donor`)."""
         self.link = LinkHistory()
         """Throughput and round trips seen in our rounds: every round's timeouts are derived from them."""
         self.last_sync_time = 0.0
@@ -340,25 +332,14 @@ class Rounds:
             if self.grid and not needs_download(slot.version, best[0], self.max_lag_rounds()):
                 continue  # grid groups: a small lag is averaged away in our next rounds
             fetching = [s.index for s in self.slots if s.inflight is not None and s.inflight_kind == FETCH]
-            donor = self.first_donor(slot)
-            if fetching and downloads_in_turn(self) and donor in {self.fetch_donors.get(i) for i in fetching}:
-                continue  # after fragment fetching[0]'s: together they would not fit the link (its donor's uplink)
-            self.fetch_donors[slot.index] = donor
+            if fetching and downloads_in_turn(self):
+                continue  # after fragment fetching[0]'s: together they would not fit the link
             slot.last_fetch_try = now
             what = "a fork: its anchor wins" if best[0] == slot.version else "fetching its anchor"
             logger.info("fragment %d: we are at v%d (%s), a peer is at v%d (%s): %s", slot.index, slot.version,
                         slot.anchor_hash, best[0], best[1], what)
             sync.start_fetch()
             slot.inflight_since = self.dht_time()
-
-    def first_donor(self, slot: FragmentSlot) -> str | None:
-        """The donor a download of ``slot`` asks first (the host's :func:`donor_order`, from what our view holds): on a
-        link too slow for every fragment's download at once (:func:`downloads_in_turn`) two go side by side only from
-        different donors -- each donor's uplink also carries its own rounds, and ours is mostly idle while we are
-        behind (a paused learner's replays at 0.5 Mbit/s came at the 24 kB/s one donor had to spare)."""
-        donors = {peer: sharing_priority(*rank) for peer, rank in fragment_peers(self.view, slot.index)}
-        order = donor_order(donors, self.own_id, sharing_priority(*slot.rank), slot.index)
-        return order[0] if order else None
 
     def _adopt_pending(self, sync: FragmentSync) -> bool:
         """A round we discarded for want of verdicts, if a live peer holds exactly its result: that member read

@@ -197,7 +197,6 @@ def test_a_download_tries_the_live_learners_our_view_ranks_and_never_one_that_le
     from types import SimpleNamespace
     from typing import Any
 
-    from p2p_diloco.averaging.linktime import LinkHistory
     from p2p_diloco.core.config import load_config
     from p2p_diloco.engine.rounds import FragmentLink
     from p2p_diloco.net.records import PeerRecord
@@ -222,7 +221,7 @@ def test_a_download_tries_the_live_learners_our_view_ranks_and_never_one_that_le
         asked.append((ours, donors))
         return Future()
 
-    rounds: Any = SimpleNamespace(view=view, link=LinkHistory(), cfg=load_config(None), slots=[],
+    rounds: Any = SimpleNamespace(view=view, link=SimpleNamespace(estimate=lambda: None), cfg=load_config(None),
                                   syncs=[SimpleNamespace(slot=SimpleNamespace(no_replay_from=None))] * 2)
     FragmentLink(SimpleNamespace(fetch_state=fetch_state), rounds, 1).fetch_state((0, "0" * 16))  # type: ignore[arg-type]
     assert asked == [((0, "0" * 16), {"A": (4, "a4".ljust(16, "0")), "B": (4, "b4".ljust(16, "0"))})]

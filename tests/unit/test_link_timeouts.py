@@ -317,59 +317,6 @@ def test_state_downloads_go_one_at_a_time_where_together_they_would_not_fit_the_
     assert not downloads_in_turn(rounds)  # type: ignore[arg-type]  # loopback
 
 
-def test_on_a_slow_link_downloads_go_side_by_side_only_from_different_donors() -> None:
-    """The engine's catch-up (:meth:`p2p_diloco.engine.rounds.Rounds.catch_up`) on a stand-in, behind on all four
-    fragments on a link where their downloads would not fit together (the prior's 1 Mbit/s): each fragment asks
-    another of the three equal donors first (:func:`donor_order` rotates them), so three start side by side and the
-    fourth, whose first donor serves one already, waits; each one's deadlines assume its share of our downlink."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    import torch
-
-    from p2p_diloco.engine.rounds import FragmentLink, Rounds
-    from p2p_diloco.sync.fragment import FETCH
-    from p2p_diloco.sync.slot import FragmentSlot
-
-    asked: list[tuple[int, float]] = []  # (fragment, the throughput its deadlines assume)
-
-    class Host:
-        def __init__(self, fragment: int) -> None:
-            self.fragment = fragment
-
-        def fetch_state(self, ours: object, donors: object, link: LinkEstimate, replay: bool) -> Future[object]:
-            asked.append((self.fragment, link.throughput_Bps))
-            return Future()
-
-    rounds = Rounds.__new__(Rounds)  # only what catch-up reads
-    slots = [FragmentSlot(index=f, names=("w",), anchor={"w": torch.zeros(50_000)}) for f in range(4)]
-    donors = ["QmDonorA", "QmDonorB", "QmDonorC"]
-    rounds.cfg = SimpleNamespace(averaging=CFG.__class__(kept_rounds=4))
-    rounds.grid, rounds.own_id, rounds.fetch_donors, rounds.link = False, "QmUs", {}, LinkHistory()
-    rounds.view = SimpleNamespace(peer_ids=donors, peer_anchors=[[(3, "abc")] * 4] * 3)
-    rounds.dht_time = lambda: 100.0
-    rounds.links = [FragmentLink(Host(f), rounds, f) for f in range(4)]  # type: ignore[arg-type]
-
-    class Sync:
-        def __init__(self, slot: FragmentSlot, link: FragmentLink) -> None:
-            self.slot, self.link = slot, link
-
-        def start_fetch(self) -> None:
-            self.slot.inflight, self.slot.inflight_kind = self.link.fetch_state(self.slot.rank), FETCH
-
-    rounds.syncs = [Sync(s, link) for s, link in zip(slots, rounds.links)]  # type: ignore[misc]
-    rounds.catch_up()
-    assert [f for f, _ in asked] == [0, 1, 2], asked  # fragment 3's first donor is fragment 0's
-    assert len({rounds.fetch_donors[f] for f in range(3)}) == 3, rounds.fetch_donors
-    prior = rounds.link.estimate().throughput_Bps
-    assert [rate for _, rate in asked] == [prior, prior / 2, prior / 3], asked
-    assert slots[3].inflight is None
-    slots[0].inflight = None  # fragment 0's download ended: fragment 3 goes (after the retry pause)
-    slots[3].last_fetch_try = -math.inf
-    rounds.catch_up()
-    assert [f for f, _ in asked] == [0, 1, 2, 3] and asked[-1][1] == prior / 3, asked
-
-
 def test_a_round_due_while_the_link_is_busy_waits_for_it_until_half_its_window() -> None:
     """The engine's rule (:func:`p2p_diloco.engine.rounds.waits_for_link`) on a stand-in: with groups from the clock
     a round due while another is on the link waits for it until half its window past the boundary (its leader awaits
