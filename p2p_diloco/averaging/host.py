@@ -144,8 +144,6 @@ class RoundOutcome:
     part_bytes: int = 0
     """The size of the parts the all-reduce was cut in (the same on every member: :func:`~p2p_diloco.hivemind_ext.
     compression.link_part_bytes`); 0: no all-reduce ran."""
-    steady_Bps: float = float("nan")
-    """The all-reduce's steady rate (:func:`~p2p_diloco.averaging.linktime.steady_throughput`); NaN: not timed."""
     rtt_s: float = float("nan")
     """The fastest DHT read of the members' verdicts (a round trip to the group); NaN: none was read."""
     timeouts: RoundTimeouts | None = None
@@ -173,8 +171,7 @@ class RoundOutcome:
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
-        for key in ("arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "allreduce_s", "steady_Bps", "rtt_s",
-                    "group_distance"):
+        for key in ("arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "allreduce_s", "rtt_s", "group_distance"):
             if not math.isfinite(d[key]):
                 d[key] = None
         d["timeouts"] = self.timeouts.event() if self.timeouts is not None else None
@@ -346,7 +343,6 @@ class FragmentAveragerHost:
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
         self.averager.last_allreduce_s.value = math.nan  # the averager process times this round's all-reduce
         self.averager.last_part_bytes.value = 0  # and says how it cut it
-        self.averager.last_steady_Bps.value = math.nan  # and at what rate its bytes came in
 
         def failed(reason: str, **extra: Any) -> RoundOutcome:
             now = time.monotonic()
@@ -456,8 +452,7 @@ class FragmentAveragerHost:
                             duration_s=now - t0, finished_at=now, bytes_sent=self.averager.bytes_sent.value - sent0,
                             bytes_received=self.averager.bytes_received.value - received0,
                             allreduce_s=self.averager.last_allreduce_s.value,
-                            part_bytes=self.averager.last_part_bytes.value,
-                            steady_Bps=self.averager.last_steady_Bps.value, merged=merged, **extra)
+                            part_bytes=self.averager.last_part_bytes.value, merged=merged, **extra)
 
     def _read_verdicts(self, key: str) -> tuple[Any, float]:
         """One read of a round's verdicts: (what the DHT holds under ``key``, the seconds the read took)."""

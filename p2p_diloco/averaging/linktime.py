@@ -100,11 +100,6 @@ BACKOFF_BASE = 2.0
 MAX_BACKOFF_STEPS = 4
 """At most this many halvings (16x): beyond, the caps bind anyway."""
 
-STEADY_SPAN = (0.2, 0.8)
-"""Which shares of an all-reduce's received bytes time the link's steady rate (:func:`steady_throughput`)."""
-STEADY_MIN_MESSAGES = 8
-"""... from at least this many messages received (fewer say little about the rate)."""
-
 STATE_CHUNK_BYTES = 2**16
 """The size of one streamed part of a state download (hivemind's ``STREAMING_CHUNK_SIZE_BYTES``)."""
 DOWNLOAD_SAFETY = 4.0
@@ -193,24 +188,9 @@ def sync_link_s(payloads: Sequence[float], group_size: int, link: LinkEstimate, 
     its data: on 1 s queues it came out 2.0-2.3x one sync's nominal link time at 0.5-0.25 Mbit/s
     (``results/slowlink-21744f4``: 32.8 s at 0.5 Mbit/s for 4 all-reduces of 3.6 s). Without any overhead it held the
     all-reduces and not the rounds that end them: at 1 Mbit/s, 1 s queues, a 9.8 s period for rounds of 2.0-2.9 s
-    whose all-reduces took 1.5-1.9 s (the safety factor was 1.5 then too). No round trips on top: the overhead holds
-    them, and with a steady rate (:meth:`LinkHistory.measured`) an all-reduce's opening and tail too, once."""
+    whose all-reduces took 1.5-1.9 s (the safety factor was 1.5 then too). No round trips on top: a measured throughput
+    is a round's bytes over its whole all-reduce's seconds, which hold them."""
     return sum(window_s + allreduce_bytes(p, group_size) / link.throughput_Bps for p in payloads) + overhead_s
-
-
-def steady_throughput(arrivals: Sequence[tuple[float, int]], span: tuple[float, float] = STEADY_SPAN) -> float | None:
-    """Bytes per second at which an all-reduce's bytes arrived between the ``span`` shares of them (``arrivals``: (time,
-    bytes received so far) after each message, in order): the link's rate, past the opening (connections, slow start)
-    and before the tail (the last parts wait in a deep queue, then the averages come back through it). None with fewer
-    than :data:`STEADY_MIN_MESSAGES` messages (a loopback round's few large parts) or no time between the two."""
-    if len(arrivals) < STEADY_MIN_MESSAGES:
-        return None
-    total = arrivals[-1][1]
-    low = next(a for a in arrivals if a[1] >= span[0] * total)
-    high = next(a for a in arrivals if a[1] >= span[1] * total)
-    if not (high[0] > low[0] and high[1] > low[1]):
-        return None
-    return (high[1] - low[1]) / (high[0] - low[0])
 
 
 def throughput_sample(bytes_moved: float, seconds: float) -> float | None:
@@ -334,19 +314,15 @@ class LinkHistory:
     rtts: list[float] = field(default_factory=list)
     overheads: list[float] = field(default_factory=list)
     """Committed rounds' seconds beyond their all-reduce (:meth:`round_overhead_s`)."""
-    steady: list[float] = field(default_factory=list)
-    """Committed rounds' steady rates (:func:`steady_throughput`), bytes per second."""
-    tails: list[float] = field(default_factory=list)
-    """... and the seconds each one's all-reduce took beyond its bytes at that rate (its opening and tail)."""
     failures: int = 0
     """Rounds in a row whose all-reduce ran but which did not commit (the back-off)."""
 
     def observe(self, *, committed: bool, bytes_moved: float, allreduce_s: float, rtt_s: float,
-                duration_s: float = math.nan, steady_Bps: float = math.nan) -> None:
+                duration_s: float = math.nan) -> None:
         """Learn from a round that ended (``allreduce_s``: NaN when no all-reduce ran; ``duration_s``: the whole
-        round's seconds, NaN if not known; ``steady_Bps``: its all-reduce's steady rate, NaN if not timed): its RTT
-        sample if it has one; a committed round's throughput, steady rate and overhead (and the back-off ends); a
-        failed round whose all-reduce ran adds a back-off step (one that found no group says nothing about the link)."""
+        round's seconds, NaN if not known): its RTT sample if it has one; a committed round's throughput and overhead
+        (and the back-off ends); a failed round whose all-reduce ran adds a back-off step (one that found no group
+        says nothing about the link)."""
         if math.isfinite(rtt_s) and rtt_s > 0:
             self.rtts = [*self.rtts, rtt_s][-LINK_HISTORY_ROUNDS:]
         if committed:
@@ -355,9 +331,6 @@ class LinkHistory:
                 self.throughputs = [*self.throughputs, sample][-LINK_HISTORY_ROUNDS:]
                 if math.isfinite(duration_s):
                     self.overheads = [*self.overheads, max(0.0, duration_s - allreduce_s)][-LINK_HISTORY_ROUNDS:]
-                if math.isfinite(steady_Bps) and steady_Bps > sample:
-                    self.steady = [*self.steady, steady_Bps][-LINK_HISTORY_ROUNDS:]
-                    self.tails = [*self.tails, allreduce_s - bytes_moved / steady_Bps][-LINK_HISTORY_ROUNDS:]
             self.failures = 0
         elif math.isfinite(allreduce_s):
             self.failures += 1
@@ -368,20 +341,14 @@ class LinkHistory:
         return estimate_link(self.throughputs, self.rtts, self.failures, prior_Bps=DEADLINE_PRIOR_THROUGHPUT_BPS)
 
     def measured(self) -> LinkEstimate:
-        """The link for planning (the period, the window, what may go side by side): the typical round's steady rate
-        where rounds were timed so (:func:`steady_throughput`), else its throughput (:data:`PLANNING_QUANTILE`); the
-        back-off only until a round committed -- a period or window stretched by lost rounds would stretch further
-        with every round they lose. The steady rate, not bytes over the whole all-reduce: on a deep queue an
-        all-reduce's last parts and averages wait out the queue (at 0.25 Mbit/s, 1 s queues: 7-8 s for 5.3 s of
-        bytes), and that wait is the link's once per sync, not once per round -- the next round's bytes go through
-        meanwhile (:meth:`round_overhead_s` holds it once). Planned per round, the period came out 1.3x the bound."""
-        return estimate_link(self.steady or self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
+        """The link for planning (the window, the period): the typical round's throughput (:data:`PLANNING_QUANTILE`),
+        the back-off only until a round committed -- a period or window stretched by lost rounds would stretch
+        further with every round they lose."""
+        return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
                              quantile=PLANNING_QUANTILE)
 
     def round_overhead_s(self) -> float:
         """The median seconds a recent committed round spent beyond its all-reduce (0.0 before one): the arrivals,
         offers, decision and verdicts, which on a slow link with a deep queue wait behind the data of the round
-        before (a round holds its link for all of it); and where :meth:`measured` is the steady rate, the median
-        all-reduce's seconds beyond its bytes at it (its opening and tail)."""
-        overhead = statistics.median(self.overheads) if self.overheads else 0.0
-        return overhead + (max(0.0, statistics.median(self.tails)) if self.steady else 0.0)
+        before (a round holds its link for all of it)."""
+        return statistics.median(self.overheads) if self.overheads else 0.0

@@ -27,7 +27,7 @@ from p2p_diloco.averaging.decisions import (
     RoundMeta,
     commit_key,
 )
-from p2p_diloco.averaging.linktime import RoundTimeouts, steady_throughput
+from p2p_diloco.averaging.linktime import RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
@@ -88,8 +88,6 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         self.last_allreduce_s = mp.Value(ctypes.c_double, math.nan)
         """Seconds the last all-reduce ran (group formed to done or failed), timed in the averager process: the
         host sets NaN before a round and reads it after (the link's throughput, :mod:`linktime`)."""
-        self.last_steady_Bps = mp.Value(ctypes.c_double, math.nan)
-        """The last all-reduce's steady rate (:func:`steady_throughput`; NaN: not timed), as :attr:`last_allreduce_s`."""
         self.membership = membership
         self.state_provider = state_provider
         self.fragment = fragment
@@ -132,7 +130,6 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
             problem = runner.completeness_problem()
             if problem is not None:
                 raise AllreduceException(problem)
-            self.last_steady_Bps.value = steady_throughput(runner.arrivals) or math.nan
         except asyncio.CancelledError:
             # hivemind's step cancels us at its all-reduce timeout, and its _aggregate_with_group turns the
             # cancellation into "Unable to run All-Reduce: " (no reason): say which reducers we still waited on

@@ -26,8 +26,6 @@ import asyncio
 import collections
 import logging
 import math
-import threading
-import time
 from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Sequence
 
 import torch
@@ -132,10 +130,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                  robust: tuple[Mapping[Any, float], outer.Robust] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sent, self._received = counters
-        self.arrivals: list[tuple[float, int]] = []
-        """(monotonic time, bytes received so far) after each message received: the link's steady rate
-        (:func:`~p2p_diloco.averaging.linktime.steady_throughput`)."""
-        self._arrivals_lock = threading.Lock()
         self.fragment = fragment
         self.reducer_failures: list[str] = []  # "peer: why" for each reducer that failed us, for the round's reason
         self.left_out: dict[Any, int] = {}
@@ -154,13 +148,6 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _count(self, counter: Any, message: Any) -> None:
         with counter.get_lock():
             counter.value += message.ByteSize() + HIVEMIND_FRAMING_BYTES
-
-    def _count_received(self, message: Any) -> None:
-        """Count a received message, and when it arrived (:attr:`arrivals`)."""
-        self._count(self._received, message)
-        got = message.ByteSize() + HIVEMIND_FRAMING_BYTES
-        with self._arrivals_lock:  # the decoders run in executor threads
-            self.arrivals.append((time.monotonic(), (self.arrivals[-1][1] if self.arrivals else 0) + got))
 
     def _quantized(self, averaged: torch.Tensor, compression_type: int) -> tuple[Any, torch.Tensor]:
         message = serialize_torch_tensor(averaged, compression_type)
@@ -251,7 +238,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     raise NotInGroup(f"{peer_id} sent BAD_GROUP_ID: it does not run this group's all-reduce")
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                self._count_received(msg)
+                self._count(self._received, msg)
                 return deserialize_torch_tensor(msg.tensor_part)
 
             part_index, expected = 0, container.num_parts_by_peer[peer_index]
@@ -335,7 +322,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     ) -> tuple[torch.Tensor | PeerDataError, float, int]:
             """(the decoded part, or the NON_FINITE refusal of a part that is left out; weight; codec slot)."""
             index, msg = item
-            self._count_received(msg)
+            self._count(self._received, msg)
             if index >= reducer.num_parts:
                 raise PeerDataError(Reason.OVERSIZE, f"part {index} of only {reducer.num_parts}")
             if not math.isfinite(msg.weight) or msg.weight < 0:

@@ -147,9 +147,6 @@ class RoundEvent(Event):
     """Seconds the all-reduce itself ran; None: no group formed."""
     part_bytes: int = 0
     """The size of the parts the all-reduce was cut in (the same on every member of the group); 0: none ran."""
-    steady_Bps: float | None = None
-    """The all-reduce's steady rate, bytes/s (:func:`~p2p_diloco.averaging.linktime.steady_throughput`); None: not
-    timed (too few messages, or no all-reduce)."""
     rtt_s: float | None
     """The fastest DHT read of the members' verdicts (a round trip, seconds); None: none was read."""
     timeouts: Mapping[str, float | None] | None

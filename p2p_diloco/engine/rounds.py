@@ -122,8 +122,7 @@ def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, st
         own_share=o.own_share, weights=tuple(o.weights), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
         duration_s=o.duration_s, arrival_spread_s=finite(o.arrival_spread_s),
         waited_s=finite(o.waited_s), setup_s=finite(o.setup_s), verdicts_s=finite(o.verdicts_s), window_s=o.window_s,
-        allreduce_s=finite(o.allreduce_s), part_bytes=o.part_bytes,
-        steady_Bps=finite(o.steady_Bps), rtt_s=finite(o.rtt_s),
+        allreduce_s=finite(o.allreduce_s), part_bytes=o.part_bytes, rtt_s=finite(o.rtt_s),
         timeouts=o.timeouts.event() if o.timeouts is not None else None, version_after=slot.version,
         group_distance=finite(o.group_distance), outcome="committed" if o.committed else "discarded",
         anchor_hash=slot.anchor_hash, tokens_sent=tokens_sent, steps_sent=steps_sent)
@@ -311,8 +310,7 @@ class Rounds:
                 self.spreads.append(outcome.arrival_spread_s)
                 self.spread_window_s = adapt_window(self.spreads, self.cfg.averaging)
         self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
-                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s,
-                          steady_Bps=outcome.steady_Bps)
+                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s)
         self.event(_round_event(outcome, slot, sent_tokens, sent_steps))
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
                     outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,

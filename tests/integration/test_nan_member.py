@@ -273,8 +273,6 @@ def test_the_parts_are_sized_for_the_slowest_members_link(tmp_path: Path) -> Non
             outcomes = run_round(peers, tensors, cfg, TOKENS, ROUND_DEADLINE_S, links=links)
             assert all(o.committed and o.group_size == 3 for o in outcomes), [o.reason for o in outcomes]
             assert PARTS.value - parts == expected, (links, PARTS.value - parts, expected)
-            # each member timed the steady rate at which its bytes came in (linktime.steady_throughput)
-            assert all(math.isfinite(o.steady_Bps) and o.steady_Bps > 0 for o in outcomes), outcomes
             first = outcomes[0].merged
             assert first is not None
             assert all(o.merged is not None and torch.equal(o.merged[n], first[n]) for o in outcomes for n in NAMES)

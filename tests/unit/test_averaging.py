@@ -346,7 +346,7 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
     def shared(value: float) -> SimpleNamespace:
         return SimpleNamespace(value=value)
 
-    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0), last_steady_Bps=shared(0.0),
+    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0),
                                set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
                                set_group_bits=lambda bits: None, get_tensors=lambda: contextlib.nullcontext([]),
                                step=step)
@@ -432,7 +432,7 @@ def test_any_exception_a_round_raises_discards_it_with_its_reason(caplog: pytest
         return SimpleNamespace(value=value)
 
     averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0),
-                               last_part_bytes=shared(0), last_steady_Bps=shared(0.0),
+                               last_part_bytes=shared(0),
                                set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
                                set_group_bits=lambda bits: None, get_tensors=tensors_gone)
     host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic

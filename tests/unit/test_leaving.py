@@ -50,7 +50,7 @@ def host_of(averager: Any, dht: Any = None) -> FragmentAveragerHost:
 def averager(step: Any, download: Any = None) -> SimpleNamespace:
     done: Future[Any] = Future()
     done.set_result({})
-    return SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0), last_steady_Bps=shared(0.0),
+    return SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0),
                            set_round_timeouts=lambda limits: done, set_group_bits=lambda bits: None,
                            get_tensors=lambda: contextlib.nullcontext([]), step=step, download_state=download,
                            is_alive=lambda: False)  # stopped: procguard.stop_process has nothing to do

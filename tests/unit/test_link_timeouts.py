@@ -32,7 +32,6 @@ from p2p_diloco.averaging.linktime import (
     link_window_s,
     payload_bytes,
     round_timeouts,
-    steady_throughput,
     sync_link_s,
     throughput_sample,
 )
@@ -351,25 +350,3 @@ def test_verdicts_are_awaited_longer_on_a_slow_measured_link() -> None:
     wait = verdict_wait_s(CFG, round_timeouts(1e5, half_mbit, CFG))
     assert wait == pytest.approx(CFG.commit_timeout_s + JOIN_ROUND_TRIPS * 0.3 + STATE_CHUNK_BYTES / 31_000.0)
     assert verdict_wait_s(CFG, round_timeouts(1e5, FAST, CFG)) < CFG.commit_timeout_s + 0.01  # loopback: as before
-
-
-def test_the_steady_rate_leaves_out_an_all_reduces_opening_and_tail() -> None:
-    """An all-reduce on a deep queue: a slow opening, 100 kB/s for 8 s, then 2 s in which the last bytes wait out the
-    queue. Its steady rate is the link's 100 kB/s, not the 75 kB/s of its bytes over its whole time; planning uses it
-    (the deadlines keep the whole round's), and the opening and tail count once per sync, in the round's overhead."""
-    arrivals = [(0.5, 1_000), (1.0, 2_000), *((1.0 + 0.1 * k, 2_000 + 10_000 * k) for k in range(1, 81)),
-                (10.0, 810_000), (11.0, 812_000)]
-    assert steady_throughput(arrivals) == pytest.approx(100_000, rel=0.02)
-    assert steady_throughput(arrivals[:5]) is None  # too few messages (a loopback round's few large parts)
-    assert steady_throughput([(1.0, 10)] * 10) is None  # no time between them
-    history = LinkHistory()
-    history.observe(committed=True, bytes_moved=800_000, allreduce_s=10.0, rtt_s=0.01, duration_s=11.0)
-    assert history.measured().throughput_Bps == 80_000 and history.round_overhead_s() == 1.0  # not timed: as before
-    history = LinkHistory()
-    history.observe(committed=True, bytes_moved=800_000, allreduce_s=10.0, rtt_s=0.01, duration_s=11.0,
-                    steady_Bps=100_000)
-    assert history.measured().throughput_Bps == 100_000 and history.estimate().throughput_Bps == 80_000
-    assert history.round_overhead_s() == pytest.approx(1.0 + 2.0)  # coordination, then the opening and tail
-    # a sync of four such rounds: 4 x 8 s of bytes and one tail, not 4 x 10 s
-    need_s = sync_link_s([800_000.0] * 4, 2, history.measured(), overhead_s=history.round_overhead_s())
-    assert need_s == pytest.approx(4 * 8.0 + 3.0)
