@@ -61,6 +61,9 @@ first 8 steps, the median of the 4), where they then ran at about 0.55 s a step:
 20.8 s after the clock instead of about 15 s, and every round after them too (within the retune tolerance)."""
 CLOCK_REPUBLISH_S = 60.0
 """The clock leader re-stores the current clock this often (it expires after ``clock.CLOCK_TTL_S``)."""
+CLOCK_LEADER_FRESH_S = 1.5 * CLOCK_REPUBLISH_S
+"""A clock stored this recently by a peer with a smaller id than ours says it is alive and leads, whatever our view
+holds (:func:`~p2p_diloco.net.clock.defers_to_publisher`)."""
 SPEED_WINDOW_S = 10.0
 """Published tokens/s are measured over this much recent wall time (one status period is too noisy)."""
 JOIN_VIEW_FRESH_S = 3.0

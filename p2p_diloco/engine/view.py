@@ -16,6 +16,7 @@ from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_
 from p2p_diloco.core import events
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.engine.options import (
+    CLOCK_LEADER_FRESH_S,
     CLOCK_READ_EVERY,
     CLOCK_REPUBLISH_S,
     CLOCK_SKIP_STEPS,
@@ -40,8 +41,9 @@ from p2p_diloco.net.clock import (
     SyncClock,
     clock_in,
     clock_key,
-    clock_leader,
+    clock_publisher,
     derive_period,
+    leads_clock,
     min_period_s,
     needs_retune,
     publish_clock,
@@ -198,13 +200,11 @@ class SwarmView:
         """Head probes so far (the fragment whose own version a probe reads turns with it)."""
         self._unknown_read: dict[tuple[str, int, int], float] = {}
         """(peer, fragment, version) of an unknown voucher -> when read (monotonic): once per the reread period."""
-        self._others: list[Any] = []
-        """The other live learners' records at the last full read."""
+        self._others: list[Any] = []  # the other live learners' records at the last full read
         self.peer_states: list[str] = []
         self.peer_steps: list[tuple[int, float, float]] = []
         """(inner step, DHT time published, step time) of the other live learners that train."""
-        self.swarm_reads = 0
-        """Successful reads of the swarm by the status thread (0: we do not know yet whether we are behind)."""
+        self.swarm_reads = 0  # successful reads of the swarm by the status thread (0: we may be behind, unknown)
         self.live_learners = 1
         a = learner.cfg.averaging
         self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
@@ -213,8 +213,8 @@ class SwarmView:
         self._clock_known = 0  # how many step times and link times the current period was derived from
         self._untimed = False  # we lead the clock and a training learner's step time is not known yet
         self._leading = False  # we derive the clock (the smallest peer id among the training learners, at our last look)
-        self.clock_read = False
-        """Did the last head probe read the sync clock (:data:`CLOCK_READ_EVERY`)?"""
+        self._clock_publisher: tuple[str, float] | None = None  # who stored the newest clock we read, and when
+        self.clock_read = False  # did the last head probe read the sync clock (CLOCK_READ_EVERY)?
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
 
@@ -318,6 +318,7 @@ class SwarmView:
         self._merge()
         if self.clock_read:
             self._adopt(clock_in(found.get(clock_key(run_id))))
+            self._clock_publisher = clock_publisher(found.get(clock_key(run_id)))
         return True
 
     def _read_unknown_vouchers(self, signed: dict[tuple[int, int], dict[str, Any]]) -> None:
@@ -447,7 +448,8 @@ class SwarmView:
 
         me = self.learner
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
-        leading = self._leading = clock_leader([me.joined.peer_id, *(r.peer_id for r in training)]) == me.joined.peer_id
+        leading = self._leading = leads_clock(me.joined.peer_id, [r.peer_id for r in training], self._clock_publisher,
+                                              me.dht_time(), CLOCK_LEADER_FRESH_S)
         # the leader reads the swarm every view period until it has every learner's step time (its first clock
         # may come from a few learners' alone; a full read is 30 s or more away otherwise)
         self._untimed = leading and any(r.step_time_s <= 0 for r in training)

@@ -241,6 +241,46 @@ def clock_leader(peer_ids: Iterable[str]) -> str | None:
     return min(peer_ids, default=None)
 
 
+def defers_to_publisher(own_id: str, publisher: tuple[str, float] | None, now_s: float, fresh_s: float) -> bool:
+    """Should a learner whose view makes it the clock leader leave the clock alone? Yes while the newest published
+    clock's ``publisher`` -- (peer id, DHT time it stored it) -- is a smaller peer id than ours that stored it within
+    ``fresh_s``: that learner is alive and leads, and our view lacks it (a partial read; a view gone stale while we
+    were stopped). At 0.5 Mbit/s a learner SIGSTOPped 60 s published a 17.8 s period from three learners' steps, two
+    seconds after the leader's 31.9 s; its clock won, the leader's came back, and the period flapped 20.6 -> 31.9 ->
+    17.8 -> 32.2 s while the rounds at each boundary failed. A leader that died is so replaced ``fresh_s`` later;
+    meanwhile its clock's boundaries hold."""
+    if publisher is None:
+        return False
+    peer, stored_at = publisher
+    return peer < own_id and now_s - stored_at < fresh_s
+
+
+def leads_clock(own_id: str, training_ids: Iterable[str], publisher: tuple[str, float] | None, now_s: float,
+                fresh_s: float) -> bool:
+    """Do we derive and publish the clock? We are the :func:`clock_leader` among ourselves and the training learners
+    our view holds, and do not :func:`defer <defers_to_publisher>` to the newest clock's publisher."""
+    return (clock_leader([own_id, *training_ids]) == own_id
+            and not defers_to_publisher(own_id, publisher, now_s, fresh_s))
+
+
+def clock_publisher(found: Any) -> tuple[str, float] | None:
+    """Who stored the newest clock in a ``dht.get(clock_key(run_id), latest=True)`` result, and when (DHT time:
+    its expiration less :data:`CLOCK_TTL_S`); None without a valid clock under an owner-signed subkey."""
+    from p2p_diloco.net.membership import owner_peer_id
+
+    if found is None or not isinstance(found.value, dict):
+        return None
+    best: tuple[SyncClock, str | None, float] | None = None
+    for subkey, item in found.value.items():
+        try:
+            clock = SyncClock.from_wire(item.value)
+        except ValueError:
+            continue
+        if best is None or clock.newer_than(best[0]):
+            best = (clock, owner_peer_id(subkey), item.expiration_time - CLOCK_TTL_S)
+    return (best[1], best[2]) if best is not None and best[1] is not None else None
+
+
 def newest_clock(values: Iterable[Any]) -> SyncClock | None:
     """The clock everyone adopts: the valid published clock of the highest epoch (then origin, then period;
     malformed ones skipped)."""

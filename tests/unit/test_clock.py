@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,31 @@ def test_a_slow_link_grows_the_derived_period_to_fit_its_rounds() -> None:
     # a fast link, or none measured (0, NaN), changes nothing
     assert derive_period(steps, 28, 5.0, sync_link_s=[1.0, 0.0, math.nan]) == pytest.approx(28 * 0.55)
     assert derive_period([], 28, 5.0, sync_link_s=[22.0]) is None
+
+
+def test_a_learner_whose_view_lacks_the_leader_defers_to_its_fresh_clock(tmp_path: Path) -> None:
+    """A learner whose view makes it the smallest training peer id still leaves the clock alone while the newest
+    published clock was stored by a smaller id within the freshness bound: that leader is alive (our view is partial,
+    or stale after a SIGSTOP). Its own clock, a larger id's, or an old one do not hold it back. Who stored the newest
+    clock is read from its owner-signed subkey, when from its expiration."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.net.clock import CLOCK_TTL_S, clock_publisher, defers_to_publisher
+    from p2p_diloco.net.keys import load_or_create_identity
+    from p2p_diloco.net.membership import owner_subkey
+
+    a, b = sorted((load_or_create_identity(tmp_path / f"{n}.id") for n in "ab"), key=lambda i: i.peer_id)
+    old, new = SyncClock(20.0, 100.0, 2), SyncClock(31.9, 150.0, 3)
+    found = SimpleNamespace(value={
+        owner_subkey(a.private_key()): SimpleNamespace(value=new.to_wire(), expiration_time=1000.0 + CLOCK_TTL_S),
+        owner_subkey(b.private_key()): SimpleNamespace(value=old.to_wire(), expiration_time=1010.0 + CLOCK_TTL_S),
+        b"plain": SimpleNamespace(value=SyncClock(99.0, 0.0, 1).to_wire(), expiration_time=1020.0 + CLOCK_TTL_S)})
+    assert clock_publisher(found) == (a.peer_id, 1000.0)  # the newest clock's owner, not the latest store's
+    found.value[b"plain"].value = SyncClock(99.0, 0.0, 9).to_wire()  # the newest clock is under no owner: unknown
+    assert clock_publisher(found) is None and clock_publisher(None) is None
+    fresh_s = 90.0
+    assert defers_to_publisher(b.peer_id, (a.peer_id, 1000.0), 1050.0, fresh_s)  # the leader is alive
+    assert not defers_to_publisher(b.peer_id, (a.peer_id, 1000.0), 1091.0, fresh_s)  # it stopped re-storing: we lead
+    assert not defers_to_publisher(a.peer_id, (a.peer_id, 1000.0), 1050.0, fresh_s)  # our own clock
+    assert not defers_to_publisher(a.peer_id, (b.peer_id, 1000.0), 1050.0, fresh_s)  # a larger id's: we lead
+    assert not defers_to_publisher(b.peer_id, None, 1050.0, fresh_s)

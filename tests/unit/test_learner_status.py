@@ -341,3 +341,34 @@ def test_a_peer_behind_us_outside_our_last_group_makes_the_probe_read_who_vouche
     assert f1_ours in read[0] and vouch_key(averager_prefix("r", 0), 3) not in read[0]  # fragment 1 only
     assert view._anchors["A"][1] == (3, "c" * 16) and view._anchors["B"][1] == (2, "b" * 16)  # A caught up
     assert view.probe_heads() and f1_ours in read[1]  # B is still behind on fragment 1
+
+
+def test_a_learner_that_would_lead_by_its_view_leaves_a_living_leaders_clock_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our view makes us the smallest training peer id (it lacks the leader: a partial read, or one gone stale while we
+    were stopped), but the newest clock was stored by a smaller id 50 s ago: we publish nothing. Once that clock is
+    older than the freshness bound (its leader stopped re-storing it), we lead and publish."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.engine import view as view_module
+    from p2p_diloco.engine.options import CLOCK_LEADER_FRESH_S
+    from p2p_diloco.net import membership
+
+    logged: list[object] = []
+    owner = SimpleNamespace(cfg=load_config(None), slots=[SimpleNamespace(index=f, version=3) for f in range(2)],
+                            local=SimpleNamespace(run_id="r"),
+                            joined=SimpleNamespace(peer_id="QmB", dht=None, private_key=None),
+                            dht_time=lambda: 1050.0, rounds=SimpleNamespace(sync_link_s=lambda: 0.0),
+                            log_event=logged.append, opts=SimpleNamespace(view_period_s=5.0))
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    published: list[object] = []
+    monkeypatch.setattr(view_module, "publish_clock", lambda dht, run_id, clock, subkey, now: published.append(clock) or True)
+    monkeypatch.setattr(membership, "owner_subkey", lambda key: b"[owner]")
+    others = [SimpleNamespace(peer_id="QmC", state="training", step_time_s=0.5, sync_link_s=0.0)]
+    view._clock_publisher = ("QmA", 1000.0)  # the leader, whom our view lacks, stored its clock 50 s ago
+    view._tend_clock(0.5, others)
+    assert not view._leading and published == [] and logged == []
+    view._clock_publisher = ("QmA", 1050.0 - CLOCK_LEADER_FRESH_S - 1.0)  # it stopped re-storing: gone
+    view._tend_clock(0.5, others)
+    assert view._leading and len(published) == 1 and len(logged) == 1, (published, logged)
