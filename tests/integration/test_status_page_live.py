@@ -219,7 +219,8 @@ def test_metrics_of_the_page_and_of_a_learner_parse_with_plausible_values(swarm:
     assert own[("p2p_diloco_learner_tokens_per_second", me)] > 0
     assert 0 < own[("p2p_diloco_learner_loss", me)] < 10
     assert own[("p2p_diloco_learner_bytes_total", (("direction", "sent"), ("peer", "l0"), ("purpose", "averaging")))] > 0
-    assert own[("p2p_diloco_learner_round_group_size", me)] in (1, 2)
+    # the last round's group: at most both learners; 0 when that round found none (discarded: CI on 9bd43ce read it so)
+    assert own[("p2p_diloco_learner_round_group_size", me)] in (0, 1, 2)
     assert 0 < own[("p2p_diloco_learner_utilization", me)] <= 1
     print(f"metrics: page {len(page)} samples; l0 {len(own)} samples, "
           f"{own[('p2p_diloco_learner_tokens_per_second', me)]:.0f} tokens/s, utilization "
