@@ -60,9 +60,11 @@ def test_groups_from_the_clock_commit_over_hivemind_and_go_on_without_a_killed_m
                                      "--num-shards", "3", "--wait-peers", "3", "--linger", "10", "--steps", "100000",
                                      "--max-time", str(TRAIN_S + START_ALLOWANCE_S), *CLOCK, config=("--config", TINY))
                     for i, n in enumerate(names)}
-        poll_until(lambda: all(sum(e["group_size"] == 3 for e in committed(tmp_path / f"{n}.jsonl")) >= 2
-                               for n in names), FIRST_ROUNDS_DEADLINE_S, "two committed rounds of three each",
-                   detail=learners["victim"].output)
+        # a round of three committed on each fragment (what is asserted below: one fragment's first round may fail
+        # and commit at its next boundary; CI on a01153b killed the member after two rounds of fragment 1)
+        poll_until(lambda: all({e["fragment"] for e in committed(tmp_path / f"{n}.jsonl") if e["group_size"] == 3}
+                               == {0, 1} for n in names), FIRST_ROUNDS_DEADLINE_S,
+                   "a committed round of three on each fragment", detail=learners["victim"].output)
         learners["victim"].kill_group(signal.SIGKILL)
         assert learners["victim"].wait_exit(30) == -signal.SIGKILL
         killed_at = time.time()  # DHT time, as the events' (loopback: the same clock)
