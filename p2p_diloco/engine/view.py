@@ -317,8 +317,8 @@ class SwarmView:
         self._heads = probed_heads(self._heads, read, me.dht_time())
         self._merge()
         if self.clock_read:
-            self._adopt(clock_in(found.get(clock_key(run_id))))
-            self._clock_publisher = clock_publisher(found.get(clock_key(run_id)))
+            self._adopt(clock_in(published := found.get(clock_key(run_id))))
+            self._clock_publisher = clock_publisher(published)
         return True
 
     def _read_unknown_vouchers(self, signed: dict[tuple[int, int], dict[str, Any]]) -> None:

@@ -264,21 +264,16 @@ def leads_clock(own_id: str, training_ids: Iterable[str], publisher: tuple[str, 
 
 
 def clock_publisher(found: Any) -> tuple[str, float] | None:
-    """Who stored the newest clock in a ``dht.get(clock_key(run_id), latest=True)`` result, and when (DHT time:
-    its expiration less :data:`CLOCK_TTL_S`); None without a valid clock under an owner-signed subkey."""
+    """Who stored the newest clock (:func:`clock_in`) in a ``dht.get(clock_key(run_id), latest=True)`` result, and when
+    (DHT time: its expiration less :data:`CLOCK_TTL_S`); None without a clock, or one not under an owner-signed subkey."""
     from p2p_diloco.net.membership import owner_peer_id
 
-    if found is None or not isinstance(found.value, dict):
-        return None
-    best: tuple[SyncClock, str | None, float] | None = None
-    for subkey, item in found.value.items():
-        try:
-            clock = SyncClock.from_wire(item.value)
-        except ValueError:
-            continue
-        if best is None or clock.newer_than(best[0]):
-            best = (clock, owner_peer_id(subkey), item.expiration_time - CLOCK_TTL_S)
-    return (best[1], best[2]) if best is not None and best[1] is not None else None
+    newest = clock_in(found)
+    for subkey, item in found.value.items() if newest is not None else ():
+        if newest_clock([item.value]) == newest:
+            peer = owner_peer_id(subkey)
+            return None if peer is None else (peer, item.expiration_time - CLOCK_TTL_S)
+    return None
 
 
 def newest_clock(values: Iterable[Any]) -> SyncClock | None:
