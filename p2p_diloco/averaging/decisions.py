@@ -137,14 +137,20 @@ def sharing_priority(version: int, anchor: str) -> float:
     return version + (0xFFFFFFFF - int(anchor[:8], 16)) / 2.0**32
 
 
-def donor_order(priorities: Mapping[str, float], own_id: str, ours: float) -> list[str]:
+def donor_order(priorities: Mapping[str, float], own_id: str, ours: float, fragment: int = 0) -> list[str]:
     """The donors to download a fragment's state from, in the order to try them: only peers ahead of us
     (their :func:`sharing_priority` above ours ``ours``), the best rank first; peers of equal rank (the
     same version and anchor, the usual case) in rendezvous-hash order of (our id, their id), so that
     newcomers spread over the donors instead of all starting with the same one, and each newcomer's
-    order is stable."""
+    order is stable; the best ones rotated by ``fragment``, so that one learner's fragments start with
+    different donors and its catch-up, fragment after fragment, moves from one donor's uplink to the next
+    (at 0.5 Mbit/s a paused learner's every replay and download came from one donor, whose own rounds
+    slowed until the clock's period doubled)."""
     ahead = [(p, d) for d, p in priorities.items() if d != own_id and math.isfinite(p) and p > ours]
-    return [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
+    order = [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
+    best = sum(1 for p, _ in ahead if p == max(p for p, _ in ahead)) if ahead else 0
+    turn = fragment % best if best else 0
+    return order[turn:best] + order[:turn] + order[best:]
 
 
 def state_size_cap(shapes: Sequence[torch.Size]) -> int:

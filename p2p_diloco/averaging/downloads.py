@@ -131,7 +131,8 @@ class StateDownloads:
             names, shapes = self.layout
             cap = state_size_cap([shapes[n] for n in names])
             expected = [shapes[n] for n in names] * 2  # the anchor then the momentum, in names order
-            order = donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours))[:MAX_DONORS_TRIED]
+            order = donor_order(priorities, self.peer_id.to_base58(), sharing_priority(*ours),
+                                self.fragment)[:MAX_DONORS_TRIED]
             rounds = await self._replay_from(order[0], ours, cap, silence_s, received) if replay and order else []
             if rounds:
                 future.set_result((None, attempts, received[0], rounds))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from p2p_diloco.averaging.decisions import is_ahead, relative_distance
 from p2p_diloco.core import events
 from p2p_diloco.core.replay import KeptRound
 from p2p_diloco.sync.fragment import FragmentSync
+from p2p_diloco.sync.slot import FragmentSlot
 
 if TYPE_CHECKING:
     from p2p_diloco.averaging.host import Download
@@ -23,6 +24,14 @@ Keep = Callable[[KeptRound], None]
 """Keeps a round for peers that replay it (the fragment's host)."""
 
 logger = logging.getLogger("p2p_diloco.engine.rounds")
+
+
+def fetch_order(slots: Sequence[FragmentSlot]) -> list[int]:
+    """The order catch-up considers fragments in: the least recently fetched first (never fetched: by index). On a
+    slow link downloads go one at a time and the swarm moves on while one goes, so the first fragments were always
+    behind again when the link came free: in fragment order, a learner paused 60 s at 0.5 Mbit/s fetched fragment 0
+    three times and fragment 1 twice in 170 s and never reached fragment 3, which stayed at v0 to the end."""
+    return sorted(range(len(slots)), key=lambda i: (slots[i].last_fetch_try, i))
 
 
 def apply_download(sync: FragmentSync, download: Download, event: Event, keep: Keep) -> None:

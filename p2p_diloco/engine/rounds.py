@@ -38,7 +38,7 @@ from p2p_diloco.averaging.linktime import (
 from p2p_diloco.core import events
 from p2p_diloco.core.groups import group_of, mixing_rounds, needs_download
 from p2p_diloco.core.replay import KeptRound
-from p2p_diloco.engine.catchup import apply_download
+from p2p_diloco.engine.catchup import apply_download, fetch_order
 from p2p_diloco.core.config import Config
 from p2p_diloco.engine.options import ROUND_POLL_S
 from p2p_diloco.sync.fragment import BUSY, DROPPED, FETCH, ROUND, STARTED, Contribution, FragmentSync, Replica
@@ -322,7 +322,7 @@ class Rounds:
         """Download fragments on which a live peer's record is ahead of us: a newer version, or the same
         version with a winning anchor (a fork; see :func:`~p2p_diloco.averaging.decisions.anchor_order`)."""
         now = time.monotonic()
-        for sync in self.syncs:
+        for sync in (self.syncs[i] for i in fetch_order(self.slots)):
             slot = sync.slot
             if slot.pending is not None and self._adopt_pending(sync):
                 continue

@@ -260,6 +260,12 @@ def test_donor_order_only_donors_ahead_best_first_and_spread_over_equal_ones() -
     counts = [firsts.count(f"donor{i}") for i in range(6)]
     assert min(counts) > 60, counts  # 100 each on average
     assert donor_order({"x": 1.0}, "me", ours=1.0) == []
+    # one learner's fragments start with different equal donors (rotated), the worse ones still last
+    three = {"d0": 7.25, "d1": 7.25, "d2": 7.25, "behind": 6.9}
+    orders = [donor_order(three, "me", ours=5.0, fragment=f) for f in range(4)]
+    assert orders[0] == donor_order(three, "me", ours=5.0)  # fragment 0: the rendezvous order itself
+    assert len({o[0] for o in orders[:3]}) == 3 and orders[3] == orders[0], orders
+    assert all(o[-1] == "behind" and sorted(o) == sorted(three) for o in orders), orders
 
 
 def test_state_size_cap_allows_the_state_and_little_more() -> None:

@@ -317,6 +317,27 @@ def test_state_downloads_go_one_at_a_time_where_together_they_would_not_fit_the_
     assert not downloads_in_turn(rounds)  # type: ignore[arg-type]  # loopback
 
 
+def test_fragments_in_turn_are_fetched_least_recently_fetched_first() -> None:
+    """Catch-up's order (:func:`p2p_diloco.engine.catchup.fetch_order`): downloads that go one at a time take turns
+    -- the fragment fetched last goes to the back, never-fetched ones come first by index -- so a learner behind on
+    every fragment reaches the last one even though the first is behind again by the time its download ends."""
+    import torch
+
+    from p2p_diloco.engine.catchup import fetch_order
+    from p2p_diloco.sync.slot import FragmentSlot
+
+    slots = [FragmentSlot(i, ("w",), {"w": torch.zeros(1)}) for i in range(4)]
+    assert fetch_order(slots) == [0, 1, 2, 3]
+    fetched = []
+    for now in range(8):  # one download at a time; every fragment is behind again each time
+        first = fetch_order(slots)[0]
+        slots[first].last_fetch_try = float(now)
+        fetched.append(first)
+    assert fetched == [0, 1, 2, 3, 0, 1, 2, 3]
+    slots[2].last_fetch_try = -math.inf  # a replay that did not reproduce its anchors: downloaded at once
+    assert fetch_order(slots)[0] == 2
+
+
 def test_a_round_due_while_the_link_is_busy_waits_for_it_until_half_its_window() -> None:
     """The engine's rule (:func:`p2p_diloco.engine.rounds.waits_for_link`) on a stand-in: with groups from the clock
     a round due while another is on the link waits for it until half its window past the boundary (its leader awaits
