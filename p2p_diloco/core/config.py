@@ -198,9 +198,10 @@ class AveragingConfig:
     state_timeout_s: float = _f(15.0, "Floor of a state download's budget per donor (it grows with the state's "
                                   "bytes over the measured link).")
     shutdown_timeout_s: float = _f(5.0, "How long an averager process may take to shut down.")
-    kept_rounds: int = _f(4, "Committed rounds each learner keeps per fragment (packed: about 1.25 bytes a value for "
+    kept_rounds: int = _f(8, "Committed rounds each learner keeps per fragment (packed: about 0.6 bytes a value for "
                           "int4) so that a learner up to that many versions behind replays them instead of downloading "
-                          "the fragment's fp32 state; 0: none kept, a learner behind always downloads.")
+                          "the fragment's fp32 state (8 bytes a value); 0: none kept, a learner behind always "
+                          "downloads.")
     schedule: str = _f("clock", "When a fragment is due in a networked run: 'clock' (at instants of the swarm's DHT "
                        "clock, the same for everyone: learners of any speed meet) or 'steps' (every outer.sync_every "
                        "of the learner's own steps, as in the simulator: for homogeneous, paced runs).")

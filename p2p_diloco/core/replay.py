@@ -5,12 +5,15 @@ Every member of a committed round applies the same merged pseudo-gradient to the
 what makes anchors identical), so a learner that missed a few rounds reaches the swarm's anchor exactly by applying
 the rounds it missed, in order: each :class:`KeptRound` names the (version, anchor hash) it was applied at and the
 anchor hash it made, and a replay is accepted only if every step reproduces that hash bit for bit (else the learner
-downloads the state as before). A merged pseudo-gradient is the decoded all-reduce of int4 parts: a block of
-:data:`BLOCK` consecutive values holds at most a few dozen distinct floats (the quantizer's 15 levels times the
-scales of the two quantizer blocks it may straddle), so :func:`pack_exact` stores each block as its distinct values
-and an index of a few bits per value -- about 1.25 bytes a value for an int4 round, against the 8 (anchor and
-momentum in fp32) of a state download -- and :func:`unpack_exact` gives back the same bits (a tensor whose values do
-not repeat, an fp32 round's, goes raw: 4 bytes a value).
+downloads the state as before). A merged pseudo-gradient is the decoded all-reduce of int4 parts, times one factor
+per tensor (the radial merge's length): a block of :data:`BLOCK` consecutive values, on the quantizer's block grid,
+holds the quantizer's 15 levels ``c`` in -7..7, each ``c x scale x factor`` rounded twice. :func:`pack_exact` stores
+such a block as one float32 step ``t`` (its largest magnitude / 7), a 4-bit level per value and, per level, how many
+float32 steps (ulps) the value lies from ``c x t`` -- about 0.56 bytes a value, against the 8 (anchor and momentum
+in fp32) of a state download and the 0.53 of the int4 wire. Where that does not hold for every block (levels
+straddling two quantizer blocks, a -0.0), each block is stored as its distinct values and an index of a few bits per
+value (about 1.25 bytes a value), and a tensor whose values do not repeat, an fp32 round's, goes raw: 4 bytes a
+value. :func:`unpack_exact` gives back the same bits in every case.
 
 Pure: torch and numpy only.
 """
@@ -30,12 +33,20 @@ import torch
 from p2p_diloco.core.rejects import PeerDataError, Reason
 
 MAX_KEPT_ROUNDS = 64
-"""The most rounds a learner keeps per fragment (``averaging.kept_rounds``, 4 by default) and a replay accepts."""
+"""The most rounds a learner keeps per fragment (``averaging.kept_rounds``, 8 by default) and a replay accepts."""
 BLOCK = 128
 """Values per block of :func:`pack_exact` (each block has its own distinct values)."""
 MAX_INDEX_BITS = 8
 """Past this many bits of index (256 distinct values in a block) a tensor goes as raw float32 bits."""
-_HEADER = struct.Struct("<QB")  # element count, index bits (0: raw float32)
+LEVELS = 7
+"""The levels of a stepped block (:func:`pack_exact`): ``-LEVELS..LEVELS``, the int4 quantizer's."""
+MAX_ULPS = 7
+"""The most float32 steps (ulps) a stepped block's value may lie from its level times the block's step (twice
+rounded, as a decode and a merge factor round, it lies within two)."""
+STEPPED = 0x84
+"""The header's mode byte of a stepped tensor (levels of 4 bits); 0 is raw, 1..:data:`MAX_INDEX_BITS` the bits of a
+table's index."""
+_HEADER = struct.Struct("<QB")  # element count, mode: 0 raw float32, 1..8 the index bits of a table, STEPPED
 
 
 @dataclass(frozen=True)
@@ -100,11 +111,15 @@ def chain(kept: Sequence[R], ours: tuple[int, str]) -> list[R]:
 
 
 def pack_exact(tensor: torch.Tensor) -> bytes:
-    """``tensor`` (float32) as blocks of :data:`BLOCK` values, each its distinct values' bits and a fixed-width index
-    per value: :func:`unpack_exact` gives back every bit (``-0.0`` and ``0.0`` stay apart). A tensor with more
-    than 256 distinct values in a block, or one that packs no smaller, goes raw."""
+    """``tensor`` (float32) stepped (:func:`pack_stepped`) where every block is; else as blocks of :data:`BLOCK`
+    values, each its distinct values' bits and a fixed-width index per value. :func:`unpack_exact` gives back every
+    bit (``-0.0`` and ``0.0`` stay apart). A tensor with more than 256 distinct values in a block, or one that packs
+    no smaller, goes raw."""
     flat = tensor.detach().cpu().contiguous().view(-1).to(torch.float32).view(torch.int32).numpy()
     n = flat.size
+    stepped = pack_stepped(flat)
+    if stepped is not None:
+        return _HEADER.pack(n, STEPPED) + stepped
     rows = np.concatenate([flat, np.zeros((-n) % BLOCK, np.int32)]).reshape(-1, BLOCK) if n else flat.reshape(0, BLOCK)
     order = np.argsort(rows, axis=1, kind="stable")
     ordered = np.take_along_axis(rows, order, axis=1)
@@ -131,6 +146,8 @@ def unpack_exact(data: bytes, shape: Sequence[int]) -> torch.Tensor:
         raise PeerDataError(Reason.MALFORMED, "a replayed tensor is shorter than its header")
     count, bits = _HEADER.unpack_from(data)
     body = memoryview(data)[_HEADER.size:]
+    if count == n and bits == STEPPED:
+        return torch.from_numpy(unpack_stepped(body, n)).view(torch.float32).reshape(tuple(shape))
     if count != n or bits > MAX_INDEX_BITS:
         raise PeerDataError(Reason.MALFORMED, f"a replayed tensor holds {count} values at {bits} bits; expected {n} "
                                               f"values at <= {MAX_INDEX_BITS}")
@@ -156,6 +173,68 @@ def unpack_exact(data: bytes, shape: Sequence[int]) -> torch.Tensor:
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         values = book[(starts[:, None] + index).reshape(-1)][:n]
     return torch.from_numpy(values.copy()).view(torch.float32).reshape(tuple(shape))
+
+
+def _step_products(levels: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """float32 bits (int64) of ``level x step`` for each value (``levels``: blocks x BLOCK, ``steps``: per block)."""
+    return (levels.astype(np.float32) * steps[:, None]).view(np.int32).astype(np.int64)
+
+
+def pack_stepped(flat: np.ndarray) -> bytes | None:
+    """float32 bits ``flat`` (int32) as stepped blocks, or None where a block is not one: every value of a block
+    within :data:`MAX_ULPS` float32 steps of ``c x t`` for its level ``c`` in -7..7 (``t``: the block's largest
+    magnitude / 7), the same number of steps for every value of a level. The body: each block's ``t`` (float32),
+    then 8 bytes per block of the 15 levels' steps off (4 bits each, +8), then the values' levels (4 bits each, +8)."""
+    n = flat.size
+    values = np.concatenate([flat, np.zeros((-n) % BLOCK, np.int32)]).view(np.float32).reshape(-1, BLOCK)
+    if not n or not np.isfinite(values).all():
+        return None
+    steps = (np.abs(values).max(axis=1) / np.float32(LEVELS)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rounded = np.where(steps[:, None] > 0, np.rint(values / steps[:, None]), 0.0)
+    if (np.abs(rounded) > LEVELS).any():
+        return None
+    levels = rounded.astype(np.int64)  # integers, as unpacking reads them: a level of -0.0 would make -0.0
+    off = values.view(np.int32).astype(np.int64) - _step_products(levels, steps)
+    if (np.abs(off) > MAX_ULPS).any():
+        return None
+    slot = (np.arange(levels.shape[0])[:, None] * (2 * LEVELS + 1) + levels + LEVELS).reshape(-1)
+    per_level = np.zeros(levels.shape[0] * (2 * LEVELS + 1), np.int64)
+    per_level[slot] = off.reshape(-1)  # one of each level's values; all must agree with it
+    if (per_level[slot] != off.reshape(-1)).any():
+        return None
+    table = np.concatenate([per_level.reshape(-1, 2 * LEVELS + 1) + 8, np.full((levels.shape[0], 1), 8)], axis=1)
+    return b"".join([steps.astype("<f4").tobytes(), _nibbles(table.reshape(-1)),
+                     _nibbles(levels.reshape(-1) + 8)])
+
+
+def _nibbles(codes: np.ndarray) -> bytes:
+    """Values 0..15, two to a byte (the first in the high half); an even count."""
+    pairs = codes.astype(np.uint8).reshape(-1, 2)
+    return ((pairs[:, 0] << 4) | pairs[:, 1]).astype(np.uint8).tobytes()
+
+
+def _from_nibbles(data: memoryview, count: int) -> np.ndarray:
+    raw = np.frombuffer(data, np.uint8)
+    return np.stack([raw >> 4, raw & 0x0F], axis=1).reshape(-1)[:count].astype(np.int64)
+
+
+def unpack_stepped(body: memoryview, n: int) -> np.ndarray:
+    """The float32 bits (int32) of ``n`` values that :func:`pack_stepped` made ``body`` of; :class:`PeerDataError`
+    (``malformed``) for anything else."""
+    blocks = -(-n // BLOCK)
+    table_bytes, level_bytes = blocks * (LEVELS + 1), blocks * BLOCK // 2
+    if len(body) != 4 * blocks + table_bytes + level_bytes:
+        raise PeerDataError(Reason.MALFORMED, f"a stepped replayed tensor of {n} values has {len(body)} bytes")
+    steps = np.frombuffer(body[:4 * blocks], "<f4").astype(np.float32)
+    if not (np.isfinite(steps).all() and (steps >= 0).all()):
+        raise PeerDataError(Reason.MALFORMED, "a stepped replayed tensor has a negative or non-finite step")
+    table = _from_nibbles(body[4 * blocks:4 * blocks + table_bytes], blocks * 2 * (LEVELS + 1)) - 8
+    levels = _from_nibbles(body[4 * blocks + table_bytes:], blocks * BLOCK).reshape(blocks, BLOCK) - 8
+    if (np.abs(levels) > LEVELS).any():
+        raise PeerDataError(Reason.MALFORMED, "a stepped replayed tensor has a level outside -7..7")
+    off = table.reshape(blocks, 2 * (LEVELS + 1))[np.arange(blocks)[:, None], levels + LEVELS]
+    return (_step_products(levels, steps) + off).astype(np.int32).reshape(-1)[:n]
 
 
 # ---------------------------------------------------------------- the wire

@@ -36,6 +36,8 @@ from hivemind.utils.streaming import split_for_streaming
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from p2p_diloco.core.codecs import local_roundtrip
+from p2p_diloco.core.replay import pack_exact, unpack_exact
 from p2p_diloco.averaging.decisions import (
     MAX_STATE_METADATA_BYTES,
     META_FIELDS,
@@ -684,3 +686,21 @@ def test_a_state_download_stream_round_trips_and_lies_are_refused() -> None:
     with pytest.raises(PeerDataError) as info:
         _download(lying)
     assert info.value.reason == Reason.BAD_SHAPE
+
+
+# ---------------------------------------------------------------- replayed rounds
+
+STEPPED_VALID = pack_exact(local_roundtrip("int4", torch.randn(300, generator=torch.Generator().manual_seed(5))))
+
+
+@FUZZ
+@given(flips=st.lists(st.tuples(st.integers(0, len(STEPPED_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.integers(0, 3))
+def test_a_replayed_tensor_unpacks_or_refuses(flips: list[tuple[int, int]], cut: int) -> None:
+    """A kept round's packed tensor (stepped, as an int4 round packs) with bytes replaced or cut: the same count of
+    float32 values back, or a refusal with a reason code; never another exception."""
+    data = bytearray(STEPPED_VALID)
+    for at, byte in flips:
+        data[at] = byte
+    got = decodes_or_refuses(unpack_exact, bytes(data[:len(data) - cut]), (300,))
+    assert isinstance(got, PeerDataError) or (got.dtype == torch.float32 and got.shape == (300,))

@@ -4,6 +4,8 @@ swarm's anchor bit for bit -- or refuses."""
 
 from __future__ import annotations
 
+import struct
+
 import msgpack
 import pytest
 import torch
@@ -16,6 +18,7 @@ from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.core.replay import (
     BLOCK,
     MAX_KEPT_ROUNDS,
+    STEPPED,
     KeptRound,
     PackedRound,
     chain,
@@ -51,6 +54,39 @@ def test_an_int4_average_packs_exactly_into_a_fraction_of_its_fp32_bytes() -> No
     packed = pack_exact(merged)
     assert torch.equal(bits(unpack_exact(packed, merged.shape)), bits(merged))
     assert len(packed) < 1.4 * merged.numel()  # ~1.25 bytes a value, not 4 (nor 8 for a state's anchor and momentum)
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.7317, 1 / 3, 812.5])
+def test_a_merged_int4_round_on_the_block_grid_packs_stepped_into_little_more_than_its_wire_bytes(factor: float) -> None:
+    """What a round over hivemind merges: parts on the quantizer's block grid, decoded, times the radial merge's
+    factor (each value rounded twice): stepped, about 0.59 bytes a value (the int4 wire takes 0.53), bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    merged = local_roundtrip("int4", torch.randn(5 * BLOCK + 17, generator=g) * 0.01) * factor
+    packed = pack_exact(merged)
+    assert packed[8] == STEPPED
+    assert torch.equal(bits(unpack_exact(packed, merged.shape)), bits(merged))
+    assert len(packed) < 0.65 * merged.numel() + 64
+    merged[200] = -0.0  # not a level times a step: the table holds it, still bit for bit
+    packed = pack_exact(merged)
+    assert packed[8] != STEPPED and torch.equal(bits(unpack_exact(packed, merged.shape)), bits(merged))
+
+
+@pytest.mark.parametrize("harm", ["cut", "level", "step", "long"])
+def test_a_stepped_packing_that_was_tampered_with_is_refused(harm: str) -> None:
+    merged = local_roundtrip("int4", torch.randn(3 * BLOCK, generator=torch.Generator().manual_seed(4)))
+    packed = bytearray(pack_exact(merged))
+    assert packed[8] == STEPPED
+    if harm == "cut":
+        packed = packed[:-1]
+    elif harm == "level":
+        packed[-1] &= 0xF0  # a level of nibble 0: -8, outside -7..7
+    elif harm == "step":
+        packed[9:13] = struct.pack("<f", -1.0)
+    else:
+        packed += b"\0"
+    with pytest.raises(PeerDataError) as e:
+        unpack_exact(bytes(packed), merged.shape)
+    assert e.value.reason == Reason.MALFORMED
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (BLOCK - 1,), (BLOCK + 1, 3), (5, 0)])
