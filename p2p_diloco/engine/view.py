@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import statistics
 import threading
 import time
 from concurrent.futures import wait as wait_futures
@@ -16,11 +15,8 @@ from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_
 from p2p_diloco.core import events
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.engine.options import (
-    CLOCK_LEADER_FRESH_S,
     CLOCK_READ_EVERY,
-    CLOCK_REPUBLISH_S,
     CLOCK_SKIP_STEPS,
-    CLOCK_START_MARGIN_S,
     CLOCK_WARMUP_STEPS,
     JOIN_VIEW_FRESH_S,
     LEARNER_STATES,
@@ -36,21 +32,13 @@ from p2p_diloco.engine.options import (
     waiting_line,
 )
 from p2p_diloco.transport.planning import with_us
+from p2p_diloco.engine.clocktender import ClockTender
 from p2p_diloco.net.clock import (
     STEP_TIME_WINDOW_S,
     SyncClock,
-    clock_in,
     clock_key,
-    clock_publisher,
-    derive_period,
-    leads_clock,
-    min_period_s,
-    needs_retune,
-    publish_clock,
     read_clock,
     recent_step_time_s,
-    retune,
-    retune_allowed,
 )
 
 if TYPE_CHECKING:
@@ -206,17 +194,18 @@ class SwarmView:
         """(inner step, DHT time published, step time) of the other live learners that train."""
         self.swarm_reads = 0  # successful reads of the swarm by the status thread (0: we may be behind, unknown)
         self.live_learners = 1
-        a = learner.cfg.averaging
-        self.auto_clock = a.schedule == "clock" and a.sync_period_s == 0
-        self.clock: SyncClock | None = SyncClock(a.sync_period_s) if a.schedule == "clock" and not self.auto_clock else None
-        self._clock_published_at = self._clock_retuned_at = -math.inf
-        self._clock_known = 0  # how many step times and link times the current period was derived from
-        self._untimed = False  # we lead the clock and a training learner's step time is not known yet
-        self._leading = False  # we derive the clock (the smallest peer id among the training learners, at our last look)
-        self._clock_publisher: tuple[str, float] | None = None  # who stored the newest clock we read, and when
-        self.clock_read = False  # did the last head probe read the sync clock (CLOCK_READ_EVERY)?
+        self.clocks = ClockTender(learner)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._status_loop, name="learner-status", daemon=True)
+
+    @property
+    def clock(self) -> SyncClock | None:
+        """The sync clock we hold (:class:`ClockTender`); None: none known yet, or the step schedule."""
+        return self.clocks.clock
+
+    @clock.setter
+    def clock(self, clock: SyncClock | None) -> None:
+        self.clocks.clock = clock
 
     @property
     def peer_anchors(self) -> list[list[Rank]]:
@@ -295,9 +284,10 @@ class SwarmView:
                 if me.cfg.averaging.clock_groups else {})
         # the clock, which changes only at a retune (announced CLOCK_READ_EVERY view periods ahead): in every search
         # that goes out anyway, and once in CLOCK_READ_EVERY probes alone; its leader, and a learner without one, always
-        self.clock_read = self.auto_clock and bool(wanted or ours or self.clock is None or self._leading
-                                                   or self._probes % CLOCK_READ_EVERY == 0)
-        keys = list(wanted) + list(ours) + ([clock_key(run_id)] if self.clock_read else [])
+        clocks = self.clocks
+        clocks.read = clocks.auto and bool(wanted or ours or self.clock is None or clocks.leading
+                                           or self._probes % CLOCK_READ_EVERY == 0)
+        keys = list(wanted) + list(ours) + ([clock_key(run_id)] if clocks.read else [])
         if not keys:
             return True
         try:
@@ -305,7 +295,7 @@ class SwarmView:
             found = read_many(me.joined.dht, keys, replicas_of=dict.fromkeys(ours, OWN_VERSION_READ_REPLICAS))
         except Exception:  # a DHT hiccup: keep the last view, try again next period
             log_handled(logger, "probing the fragments' next versions failed")
-            self.clock_read = False
+            clocks.read = False
             return False
         for f, version in wanted.values():  # read at the probe's start: see _settled
             self._advanced.setdefault(f, (version - 1, now))
@@ -316,9 +306,8 @@ class SwarmView:
         read = {rank: vouched_heads(signed[key], rank[1], live, own) for key, rank in (wanted | ours).items()}
         self._heads = probed_heads(self._heads, read, me.dht_time())
         self._merge()
-        if self.clock_read:
-            self._adopt(clock_in(published := found.get(clock_key(run_id))))
-            self._clock_publisher = clock_publisher(published)
+        if clocks.read:
+            clocks.found(found.get(clock_key(run_id)))
         return True
 
     def _read_unknown_vouchers(self, signed: dict[tuple[int, int], dict[str, Any]]) -> None:
@@ -417,12 +406,13 @@ class SwarmView:
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
-            read_s = me.opts.view_period_s if self._untimed else read_period_s(me.opts.view_period_s, self.live_learners)
+            read_s = (me.opts.view_period_s if self.clocks.untimed
+                      else read_period_s(me.opts.view_period_s, self.live_learners))
             if view_due(now, viewed_at, read_s, me.training):
                 viewed_at = probed_at = now
                 if self.read() is None or not me.training:
                     if record.state == "syncing":  # its final rounds wait on the clock: a retune must reach them
-                        self._adopt(final_clock(me))
+                        self.clocks.adopt(final_clock(me))
                     continue
             elif now - probed_at >= me.opts.view_period_s:
                 probed_at = now
@@ -430,55 +420,8 @@ class SwarmView:
                 continue
             # the clock leader tends the clock at every probe that read it (from the last full read's step times): a
             # derived clock must not wait for a full read, which may be 30 s or more away
-            if self.probe_heads() and self.clock_read and me.training:  # the probe adopted the newest clock
-                self._tend_clock(step_time_s, self._others)
-
-    def _adopt(self, published: SyncClock | None) -> None:
-        """Adopt ``published`` (the newest clock a probe found) if it is newer than ours."""
-        if published is not None and published.newer_than(self.clock):
-            if self.clock is None or published.period_s != self.clock.period_s:
-                logger.info("sync clock: period %.2f s from DHT time %.1f", published.period_s, published.origin)
-            self.clock = published.after(self.clock, self.learner.dht_time())
-
-    def _tend_clock(self, own_step_time_s: float, others: list[Any]) -> None:
-        """(status thread, after a probe adopted the newest published sync clock) If we are the clock leader (smallest peer
-        id among the training learners), derive the period from everyone's step time and publish it when
-        it is off (or missing), and keep it alive in the DHT."""
-        from p2p_diloco.net.membership import owner_subkey
-
-        me = self.learner
-        training = [r for r in others if r.state in ("joining", "training", "averaging")]
-        leading = self._leading = leads_clock(me.joined.peer_id, [r.peer_id for r in training], self._clock_publisher,
-                                              me.dht_time(), CLOCK_LEADER_FRESH_S)
-        # the leader reads the swarm every view period until it has every learner's step time (its first clock
-        # may come from a few learners' alone; a full read is 30 s or more away otherwise)
-        self._untimed = leading and any(r.step_time_s <= 0 for r in training)
-        times = [t for t in (own_step_time_s, *(r.step_time_s for r in training)) if t > 0]
-        if not leading or not times:  # a slow leader need not wait for its own step time: the others' do
-            return
-        a, h = me.cfg.averaging, me.cfg.outer.sync_every
-        links = [me.rounds.sync_link_s(), *(r.sync_link_s for r in training)]
-        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s, a.clock_groups),
-                               sync_link_s=links)
-        now, wall = me.dht_time(), time.monotonic()
-        clock = self.clock
-        known = len(times) + sum(1 for t in links if t > 0)
-        settled = period is not None and retune_allowed(clock, wall - self._clock_retuned_at, known, self._clock_known,
-                                                        longer=clock is not None and period > clock.period_s)
-        if period is not None and settled and needs_retune(clock, period):
-            clock = retune(clock, period, now, CLOCK_START_MARGIN_S + CLOCK_READ_EVERY * me.opts.view_period_s, len(me.slots))
-            self._clock_retuned_at, self._clock_known = wall, known
-            logger.info("sync clock leader: period %.2f s (H %d x median step %.3f s of %d learners; a sync's link "
-                        "time at most %.1f s), from DHT time %.1f", period, h, statistics.median(times), len(times),
-                        max(links), clock.origin)
-            me.log_event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))
-        elif clock is None or wall - self._clock_published_at < CLOCK_REPUBLISH_S:
-            return
-        self.clock = clock  # the leader runs on its retuned clock even if this publish is refused (republished next period)
-        if publish_clock(me.joined.dht, me.local.run_id, clock, owner_subkey(me.joined.private_key), now):
-            self._clock_published_at = wall
-        else:
-            logger.warning("publishing the sync clock was not accepted by any DHT node; retrying next period")
+            if self.probe_heads() and self.clocks.read and me.training:  # the probe adopted the newest clock
+                self.clocks.tend(step_time_s, self._others)
 
     def wait_for_peers(self, stop: threading.Event) -> None:
         """Start together with ``wait_peers`` learners (:func:`start_together`)."""

@@ -278,17 +278,17 @@ def test_a_followers_probes_read_the_clock_once_in_three_and_its_leaders_at_ever
                             local=SimpleNamespace(run_id="r"), joined=SimpleNamespace(peer_id="ME", dht=None),
                             dht_time=lambda: 100.0)
     view = SwarmView(owner)  # type: ignore[arg-type]
-    assert view.auto_clock and view.clock is None
+    assert view.clocks.auto and view.clock is None
     read: list[list[str]] = []
     monkeypatch.setattr(membership, "read_many", lambda dht, keys, **_kw: read.append(list(keys)) or {})
-    assert view.probe_heads() and view.clock_read and clock_key("r") in read[0] and len(read[0]) == 3  # no clock yet
+    assert view.probe_heads() and view.clocks.read and clock_key("r") in read[0] and len(read[0]) == 3  # no clock yet
     view.clock = SyncClock(20.0, origin=95.0)  # adopted; both fragments were read at 100: settled until 115 and 125
     read.clear()
     probes = 3 * CLOCK_READ_EVERY
     for _ in range(probes):
         assert view.probe_heads()
     assert read == [[clock_key("r")]] * (probes // CLOCK_READ_EVERY)  # the clock alone, once in CLOCK_READ_EVERY
-    view._leading = True
+    view.clocks.leading = True
     read.clear()
     for _ in range(probes):
         assert view.probe_heads()
@@ -351,7 +351,7 @@ def test_a_learner_that_would_lead_by_its_view_leaves_a_living_leaders_clock_alo
     from types import SimpleNamespace
 
     from p2p_diloco.core.config import load_config
-    from p2p_diloco.engine import view as view_module
+    from p2p_diloco.engine import clocktender
     from p2p_diloco.engine.options import CLOCK_LEADER_FRESH_S
     from p2p_diloco.net import membership
 
@@ -363,12 +363,12 @@ def test_a_learner_that_would_lead_by_its_view_leaves_a_living_leaders_clock_alo
                             log_event=logged.append, opts=SimpleNamespace(view_period_s=5.0))
     view = SwarmView(owner)  # type: ignore[arg-type]
     published: list[object] = []
-    monkeypatch.setattr(view_module, "publish_clock", lambda dht, run_id, clock, subkey, now: published.append(clock) or True)
+    monkeypatch.setattr(clocktender, "publish_clock", lambda dht, run_id, clock, subkey, now: published.append(clock) or True)
     monkeypatch.setattr(membership, "owner_subkey", lambda key: b"[owner]")
     others = [SimpleNamespace(peer_id="QmC", state="training", step_time_s=0.5, sync_link_s=0.0)]
-    view._clock_publisher = ("QmA", 1000.0)  # the leader, whom our view lacks, stored its clock 50 s ago
-    view._tend_clock(0.5, others)
-    assert not view._leading and published == [] and logged == []
-    view._clock_publisher = ("QmA", 1050.0 - CLOCK_LEADER_FRESH_S - 1.0)  # it stopped re-storing: gone
-    view._tend_clock(0.5, others)
-    assert view._leading and len(published) == 1 and len(logged) == 1, (published, logged)
+    view.clocks.publisher = ("QmA", 1000.0)  # the leader, whom our view lacks, stored its clock 50 s ago
+    view.clocks.tend(0.5, others)
+    assert not view.clocks.leading and published == [] and logged == []
+    view.clocks.publisher = ("QmA", 1050.0 - CLOCK_LEADER_FRESH_S - 1.0)  # it stopped re-storing: gone
+    view.clocks.tend(0.5, others)
+    assert view.clocks.leading and len(published) == 1 and len(logged) == 1, (published, logged)
