@@ -12,7 +12,6 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Protocol
 
 from p2p_diloco.averaging.decisions import anchor_order, averager_prefix, vouch_key
-from p2p_diloco.core import events
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.engine.options import (
     CLOCK_READ_EVERY,
@@ -33,6 +32,7 @@ from p2p_diloco.engine.options import (
 )
 from p2p_diloco.transport.planning import with_us
 from p2p_diloco.engine.clocktender import ClockTender
+from p2p_diloco.engine.clocktender import Owner as ClockOwner
 from p2p_diloco.net.clock import (
     STEP_TIME_WINDOW_S,
     SyncClock,
@@ -42,11 +42,6 @@ from p2p_diloco.net.clock import (
 )
 
 if TYPE_CHECKING:
-    from p2p_diloco.core.config import Config
-    from p2p_diloco.engine.options import SyncOptions
-    from p2p_diloco.engine.rounds import Rounds
-    from p2p_diloco.net.joined import Joined
-    from p2p_diloco.net.records import LocalRun
     from p2p_diloco.sync.slot import FragmentSlot
 
 logger = logging.getLogger(__name__)
@@ -149,16 +144,11 @@ def unknown_vouchers(signed: dict[str, Any], version: int, live: set[str], own: 
     return set(vouchers(signed, own)) - live
 
 
-class Owner(Protocol):
+class Owner(ClockOwner, Protocol):
     """What the status thread reads of its engine (:class:`~p2p_diloco.engine.engine.DiLoCo` is one; a protocol,
-    because the engine builds its view: it imports this module, not the other way round)."""
+    because the engine builds its view: it imports this module, not the other way round): what its clock reads, and
+    its progress."""
 
-    cfg: Config
-    opts: SyncOptions
-    joined: Joined
-    local: LocalRun
-    slots: list[FragmentSlot]
-    rounds: Rounds
     training: bool
     inner_step: int
     tokens: int
@@ -166,8 +156,6 @@ class Owner(Protocol):
     start_tokens: int
     t_start: float
 
-    def dht_time(self) -> float: ...
-    def log_event(self, event: events.Event) -> None: ...
     def latest_loss(self) -> float | None: ...
 
 
