@@ -316,21 +316,18 @@ class LinkHistory:
     """Committed rounds' seconds beyond their all-reduce (:meth:`round_overhead_s`)."""
     failures: int = 0
     """Rounds in a row whose all-reduce ran but which did not commit (the back-off)."""
-    shared: list[bool] = field(default_factory=list)
-    """Per throughput sample, newest last: did its round share our link with another round or download of ours?"""
 
     def observe(self, *, committed: bool, bytes_moved: float, allreduce_s: float, rtt_s: float,
-                duration_s: float = math.nan, shared: bool = False) -> None:
+                duration_s: float = math.nan) -> None:
         """Learn from a round that ended (``allreduce_s``: NaN when no all-reduce ran; ``duration_s``: the whole
-        round's seconds, NaN if not known; ``shared``: another transfer of ours was on the link meanwhile): its RTT
-        sample if it has one; a committed round's throughput and overhead (and the back-off ends); a failed round
-        whose all-reduce ran adds a back-off step (one that found no group says nothing about the link)."""
+        round's seconds, NaN if not known): its RTT sample if it has one; a committed round's throughput and overhead
+        (and the back-off ends); a failed round whose all-reduce ran adds a back-off step (one that found no group
+        says nothing about the link)."""
         if math.isfinite(rtt_s) and rtt_s > 0:
             self.rtts = [*self.rtts, rtt_s][-LINK_HISTORY_ROUNDS:]
         if committed:
             sample = throughput_sample(bytes_moved, allreduce_s)
             if sample is not None:
-                self.shared = [*self._flags(), shared][-LINK_HISTORY_ROUNDS:]
                 self.throughputs = [*self.throughputs, sample][-LINK_HISTORY_ROUNDS:]
                 if math.isfinite(duration_s):
                     self.overheads = [*self.overheads, max(0.0, duration_s - allreduce_s)][-LINK_HISTORY_ROUNDS:]
@@ -344,22 +341,11 @@ class LinkHistory:
         return estimate_link(self.throughputs, self.rtts, self.failures, prior_Bps=DEADLINE_PRIOR_THROUGHPUT_BPS)
 
     def measured(self) -> LinkEstimate:
-        """The link for planning (the window, the period): the typical round's throughput (:data:`PLANNING_QUANTILE`)
-        among the recent rounds that had the link to themselves (all recent ones if none did), the back-off only until
-        a round committed -- a period or window stretched by lost rounds would stretch further with every round they
-        lose. A round that shared the link measured half of it: at 0.25 Mbit/s, 1 s queues, the rounds that piled up
-        at the first retune (two or three at once, 9-12 s all-reduces) lengthened the period a second time, from
-        33.6 s to 46.4 s, 1.44x the bound, and the rounds at that retune failed too. The plans assume rounds one at a
-        time on the link (:func:`~p2p_diloco.engine.rounds.link_busy`); the deadlines (:meth:`estimate`) keep every
-        sample: a round may share the link again."""
-        alone = [t for t, shared in zip(self.throughputs, self._flags()) if not shared]
-        return estimate_link(alone or self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
+        """The link for planning (the window, the period): the typical round's throughput (:data:`PLANNING_QUANTILE`),
+        the back-off only until a round committed -- a period or window stretched by lost rounds would stretch
+        further with every round they lose."""
+        return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
                              quantile=PLANNING_QUANTILE)
-
-    def _flags(self) -> list[bool]:
-        """:attr:`shared`, one per throughput sample (samples set without one had the link to themselves)."""
-        n = len(self.throughputs)
-        return ([False] * n + self.shared)[-n:] if n else []
 
     def round_overhead_s(self) -> float:
         """The median seconds a recent committed round spent beyond its all-reduce (0.0 before one): the arrivals,

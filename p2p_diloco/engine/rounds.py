@@ -239,7 +239,6 @@ class Rounds:
         handed = sync.hand_off(step)
         if handed.status == STARTED:
             slot.inflight_since = slot.last_round_at = self.dht_time()
-            share_link(self, slot)
         if handed.status == BUSY:
             logger.info("fragment %d due at step %d but its last %s is still in flight; its progress waits for the "
                         "next round", slot.index, step, what)
@@ -311,8 +310,7 @@ class Rounds:
                 self.spreads.append(outcome.arrival_spread_s)
                 self.spread_window_s = adapt_window(self.spreads, self.cfg.averaging)
         self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
-                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s,
-                          shared=slot.link_shared)
+                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s)
         self.event(_round_event(outcome, slot, sent_tokens, sent_steps))
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
                     outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
@@ -342,7 +340,6 @@ class Rounds:
                         slot.anchor_hash, best[0], best[1], what)
             sync.start_fetch()
             slot.inflight_since = self.dht_time()
-            share_link(self, slot)
 
     def _adopt_pending(self, sync: FragmentSync) -> bool:
         """A round we discarded for want of verdicts, if a live peer holds exactly its result: that member read
@@ -464,40 +461,22 @@ def transfer_on_link(rounds: Rounds, slot: FragmentSlot) -> str:
     retune -- ran together at 0.25 Mbit/s for 22-26 s and one failed, but declining them instead lost more (a member
     that declines fails its group's round where half of it is left; at 0.5 Mbit/s 85% of rounds committed against
     93% without the rule, one run each). Empty where nothing of ours is on the link or it was never measured."""
-    if not rounds.link.throughputs:
-        return ""
-    for other, data_s in sending(rounds, slot):
-        return (f"fragment {other.index}'s transfer is still on the link ({rounds.dht_time() - other.inflight_since:.1f} "
-                f"s of about {data_s:.1f} s)")
-    return ""
-
-
-def sending(rounds: Rounds, slot: FragmentSlot) -> list[tuple[FragmentSlot, float]]:
-    """Our other fragments whose round's or download's data is still on the link, with its expected seconds there
-    (:func:`transfer_s` at the measured throughput; every one in flight, with NaN, before a round measured it)."""
     others = on_link(rounds, slot)
     if not others or not rounds.link.throughputs:
-        return [(other, math.nan) for other in others]
+        return ""
     payloads, group = rounds.one_sync()
     rate, now = rounds.link.measured().throughput_Bps, rounds.dht_time()
-    timed = [(other, transfer_s(other, payloads[other.index], group, rate)) for other in others]
-    return [(other, data_s) for other, data_s in timed if now - other.inflight_since < data_s]
+    for other in others:
+        data_s = transfer_s(other, payloads[other.index], group, rate)
+        if now - other.inflight_since < data_s:
+            return (f"fragment {other.index}'s transfer is still on the link ({now - other.inflight_since:.1f} s of "
+                    f"about {data_s:.1f} s)")
+    return ""
 
 
 def on_link(rounds: Rounds, slot: FragmentSlot) -> list[FragmentSlot]:
     """Our other fragments with a round or download in flight."""
     return [s for s in rounds.slots if s is not slot and s.inflight is not None]
-
-
-def share_link(rounds: Rounds, slot: FragmentSlot) -> None:
-    """``slot``'s round or download just started: it and whatever of ours still sends its data (:func:`sending`; a
-    round in its verdicts does not count: rounds pipeline past each other's coordination) share the link
-    (:attr:`FragmentSlot.link_shared`; a round's throughput sample then plans nothing, :meth:`LinkHistory.measured`).
-    """
-    others = sending(rounds, slot)
-    slot.link_shared = bool(others)
-    for other, _ in others:
-        other.link_shared = True
 
 
 def transfer_s(slot: FragmentSlot, payload: float, group: int, throughput_Bps: float) -> float:

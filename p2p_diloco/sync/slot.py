@@ -70,9 +70,6 @@ class FragmentSlot:
     """Progress restored from a checkpoint and not yet in a round we committed: rounds that committed after
     the checkpoint (before the crash) may already hold part of it, so it is not rebased (see apply_fetched)."""
     last_fetch_try: float = -math.inf
-    link_shared: bool = False
-    """Another round or download of ours was on the link while our last round was (:func:`~p2p_diloco.engine.rounds.
-    share_link`): its throughput sample does not plan the period."""
     no_replay_from: tuple[int, str] | None = None
     """A rank from which replaying a peer's kept rounds did not reproduce their anchors: from it, we download."""
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -236,51 +236,6 @@ def test_planning_ignores_the_back_off_once_a_round_committed() -> None:
     assert h.measured().throughput_Bps == 5e4  # the window and the period do not
 
 
-def test_plans_leave_out_rounds_that_shared_the_link_and_deadlines_keep_them() -> None:
-    """A round that shared the link with another of ours measured a part of it: the period and the window plan from
-    the rounds that had the link to themselves (from all rounds while none did); a round's deadlines fit any."""
-    h = LinkHistory()
-    for seconds, shared in ((2.0, True), (4.0, True), (4.0, True)):  # 1e5 bytes each
-        h.observe(committed=True, bytes_moved=1e5, allreduce_s=seconds, rtt_s=0.2, shared=shared)
-    assert h.measured().throughput_Bps == pytest.approx(1e5 / 4.0)  # none alone: every round
-    h.observe(committed=True, bytes_moved=1e5, allreduce_s=1.0, rtt_s=0.2)
-    h.observe(committed=True, bytes_moved=1e5, allreduce_s=1.0, rtt_s=0.2)
-    assert h.measured().throughput_Bps == pytest.approx(1e5)  # the two alone
-    assert h.estimate().throughput_Bps < 1e5 / 2.0  # the deadlines' low quantile still sees the shared ones
-    h.throughputs = [*h.throughputs, 1e3]  # a sample set without a flag had the link to itself
-    assert len(h._flags()) == len(h.throughputs) and not h._flags()[-1]
-
-
-def test_a_round_that_starts_while_another_sends_marks_both_shared() -> None:
-    """The engine's rule (:func:`p2p_diloco.engine.rounds.share_link`) on a stand-in: a round that starts while
-    another of ours still sends its data shares the link with it, both are marked; one that starts in the other's
-    verdicts (its data through, at the measured link) does not; before any round measured the link, anything in
-    flight counts."""
-    from types import SimpleNamespace
-
-    from p2p_diloco.engine.rounds import share_link
-    from p2p_diloco.sync.fragment import ROUND
-
-    slots = [SimpleNamespace(index=i, inflight=None, inflight_kind=ROUND, inflight_since=0.0, link_shared=False)
-             for i in range(3)]
-    history, now = LinkHistory(), [100.0]
-    rounds = SimpleNamespace(slots=slots, link=history, one_sync=lambda: ([1e5] * 3, 2), dht_time=lambda: now[0])
-    share_link(rounds, slots[0])  # type: ignore[arg-type]
-    assert not slots[0].link_shared  # alone on the link
-    slots[0].inflight, slots[0].inflight_since = object(), 100.0
-    share_link(rounds, slots[1])  # type: ignore[arg-type]  # nothing measured: in flight is on the link
-    assert slots[0].link_shared and slots[1].link_shared
-    history.observe(committed=True, bytes_moved=1e5, allreduce_s=1.0, rtt_s=0.01)  # 1e5 B/s: 1 s of data a round
-    slots[0].link_shared = slots[1].link_shared = False
-    now[0] = 100.5
-    share_link(rounds, slots[1])  # type: ignore[arg-type]
-    assert slots[0].link_shared and slots[1].link_shared  # fragment 0 still sends
-    slots[0].link_shared = False
-    now[0] = 102.0
-    share_link(rounds, slots[2])  # type: ignore[arg-type]
-    assert not slots[0].link_shared and not slots[2].link_shared  # its data is through: only its verdicts are left
-
-
 def test_plans_take_the_typical_round_and_deadlines_a_slow_one() -> None:
     """The period and the window plan for the median committed round; a round's deadlines fit a slower one (on slow
     links the slowest committed rounds are those that shared the link with another)."""
