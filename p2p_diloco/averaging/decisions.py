@@ -148,7 +148,8 @@ def donor_order(priorities: Mapping[str, float], own_id: str, ours: float, fragm
     slowed until the clock's period doubled)."""
     ahead = [(p, d) for d, p in priorities.items() if d != own_id and math.isfinite(p) and p > ours]
     order = [d for _, d in sorted(ahead, key=lambda pd: (-pd[0], hashlib.sha256(f"{own_id}/{pd[1]}".encode()).digest()))]
-    best = sum(1 for p, _ in ahead if p == max(p for p, _ in ahead)) if ahead else 0
+    top = max((p for p, _ in ahead), default=math.nan)
+    best = sum(1 for p, _ in ahead if p == top)
     turn = fragment % best if best else 0
     return order[turn:best] + order[:turn] + order[best:]
 

@@ -9,7 +9,7 @@ downloads the state as before). A merged pseudo-gradient is the decoded all-redu
 per tensor (the radial merge's length): a block of :data:`BLOCK` consecutive values, on the quantizer's block grid,
 holds the quantizer's 15 levels ``c`` in -7..7, each ``c x scale x factor`` rounded twice. :func:`pack_exact` stores
 such a block as one float32 step ``t`` (its largest magnitude / 7), a 4-bit level per value and, per level, how many
-float32 steps (ulps) the value lies from ``c x t`` -- about 0.56 bytes a value, against the 8 (anchor and momentum
+float32 steps (ulps) the value lies from ``c x t`` -- about 0.59 bytes a value, against the 8 (anchor and momentum
 in fp32) of a state download and the 0.53 of the int4 wire. Where that does not hold for every block (levels
 straddling two quantizer blocks, a -0.0), each block is stored as its distinct values and an index of a few bits per
 value (about 1.25 bytes a value), and a tensor whose values do not repeat, an fp32 round's, goes raw: 4 bytes a
@@ -117,10 +117,10 @@ def pack_exact(tensor: torch.Tensor) -> bytes:
     no smaller, goes raw."""
     flat = tensor.detach().cpu().contiguous().view(-1).to(torch.float32).view(torch.int32).numpy()
     n = flat.size
-    stepped = pack_stepped(flat)
+    rows = np.concatenate([flat, np.zeros((-n) % BLOCK, np.int32)]).reshape(-1, BLOCK) if n else flat.reshape(0, BLOCK)
+    stepped = pack_stepped(rows)
     if stepped is not None:
         return _HEADER.pack(n, STEPPED) + stepped
-    rows = np.concatenate([flat, np.zeros((-n) % BLOCK, np.int32)]).reshape(-1, BLOCK) if n else flat.reshape(0, BLOCK)
     order = np.argsort(rows, axis=1, kind="stable")
     ordered = np.take_along_axis(rows, order, axis=1)
     fresh = np.ones_like(ordered, dtype=bool)
@@ -133,9 +133,8 @@ def pack_exact(tensor: torch.Tensor) -> bytes:
         return _HEADER.pack(n, 0) + flat.astype("<i4").tobytes()
     index = np.empty_like(order)
     np.put_along_axis(index, order, np.cumsum(fresh, axis=1) - 1, axis=1)
-    planes = np.unpackbits(index.astype(np.uint8)[..., None], axis=-1)[..., 8 - bits:]  # big-endian bits
     return b"".join([_HEADER.pack(n, bits), (counts - 1).astype(np.uint8).tobytes(),
-                     ordered[fresh].astype("<i4").tobytes(), np.packbits(planes.reshape(-1)).tobytes()])
+                     ordered[fresh].astype("<i4").tobytes(), _pack_bits(index, bits)])
 
 
 def unpack_exact(data: bytes, shape: Sequence[int]) -> torch.Tensor:
@@ -164,10 +163,7 @@ def unpack_exact(data: bytes, shape: Sequence[int]) -> torch.Tensor:
             raise PeerDataError(Reason.MALFORMED, f"a replayed tensor of {n} values has {len(body)} bytes, not what "
                                                   "its header and block counts make")
         book = np.frombuffer(body[blocks:blocks + 4 * distinct], "<i4").astype(np.int32)
-        planes = np.unpackbits(np.frombuffer(body[blocks + 4 * distinct:], np.uint8))[:blocks * BLOCK * bits]
-        index = np.packbits(np.concatenate([np.zeros((blocks * BLOCK, 8 - bits), np.uint8),
-                                            planes.reshape(-1, bits)], axis=1), axis=1).reshape(blocks, BLOCK)
-        index = index.astype(np.int64)
+        index = _unpack_bits(body[blocks + 4 * distinct:], blocks * BLOCK, bits).reshape(blocks, BLOCK)
         if (index >= counts[:, None]).any():
             raise PeerDataError(Reason.MALFORMED, "a replayed tensor's index points past its block's values")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -180,14 +176,14 @@ def _step_products(levels: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return (levels.astype(np.float32) * steps[:, None]).view(np.int32).astype(np.int64)
 
 
-def pack_stepped(flat: np.ndarray) -> bytes | None:
-    """float32 bits ``flat`` (int32) as stepped blocks, or None where a block is not one: every value of a block
+def pack_stepped(rows: np.ndarray) -> bytes | None:
+    """float32 bits ``rows`` (int32, :data:`BLOCK` a row, the last padded with zeros) as stepped blocks, or None where
+    a block is not one (or there is none): every value of a block
     within :data:`MAX_ULPS` float32 steps of ``c x t`` for its level ``c`` in -7..7 (``t``: the block's largest
     magnitude / 7), the same number of steps for every value of a level. The body: each block's ``t`` (float32),
     then 8 bytes per block of the 15 levels' steps off (4 bits each, +8), then the values' levels (4 bits each, +8)."""
-    n = flat.size
-    values = np.concatenate([flat, np.zeros((-n) % BLOCK, np.int32)]).view(np.float32).reshape(-1, BLOCK)
-    if not n or not np.isfinite(values).all():
+    values = rows.view(np.float32)
+    if not values.size or not np.isfinite(values).all():
         return None
     steps = (np.abs(values).max(axis=1) / np.float32(LEVELS)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -204,19 +200,20 @@ def pack_stepped(flat: np.ndarray) -> bytes | None:
     if (per_level[slot] != off.reshape(-1)).any():
         return None
     table = np.concatenate([per_level.reshape(-1, 2 * LEVELS + 1) + 8, np.full((levels.shape[0], 1), 8)], axis=1)
-    return b"".join([steps.astype("<f4").tobytes(), _nibbles(table.reshape(-1)),
-                     _nibbles(levels.reshape(-1) + 8)])
+    return b"".join([steps.astype("<f4").tobytes(), _pack_bits(table, 4), _pack_bits(levels + 8, 4)])
 
 
-def _nibbles(codes: np.ndarray) -> bytes:
-    """Values 0..15, two to a byte (the first in the high half); an even count."""
-    pairs = codes.astype(np.uint8).reshape(-1, 2)
-    return ((pairs[:, 0] << 4) | pairs[:, 1]).astype(np.uint8).tobytes()
+def _pack_bits(values: np.ndarray, bits: int) -> bytes:
+    """Values 0..2**bits - 1, each in ``bits`` bits, big-endian, back to back (the last byte padded with zeros)."""
+    planes = np.unpackbits(values.astype(np.uint8)[..., None], axis=-1)[..., 8 - bits:]
+    return np.packbits(planes.reshape(-1)).tobytes()
 
 
-def _from_nibbles(data: memoryview, count: int) -> np.ndarray:
-    raw = np.frombuffer(data, np.uint8)
-    return np.stack([raw >> 4, raw & 0x0F], axis=1).reshape(-1)[:count].astype(np.int64)
+def _unpack_bits(data: memoryview, count: int, bits: int) -> np.ndarray:
+    """The first ``count`` values of ``bits`` bits each that :func:`_pack_bits` wrote into ``data`` (int64)."""
+    planes = np.unpackbits(np.frombuffer(data, np.uint8))[:count * bits].reshape(-1, bits)
+    padded = np.concatenate([np.zeros((count, 8 - bits), np.uint8), planes], axis=1)
+    return np.packbits(padded, axis=1).reshape(-1).astype(np.int64)
 
 
 def unpack_stepped(body: memoryview, n: int) -> np.ndarray:
@@ -229,8 +226,8 @@ def unpack_stepped(body: memoryview, n: int) -> np.ndarray:
     steps = np.frombuffer(body[:4 * blocks], "<f4").astype(np.float32)
     if not (np.isfinite(steps).all() and (steps >= 0).all()):
         raise PeerDataError(Reason.MALFORMED, "a stepped replayed tensor has a negative or non-finite step")
-    table = _from_nibbles(body[4 * blocks:4 * blocks + table_bytes], blocks * 2 * (LEVELS + 1)) - 8
-    levels = _from_nibbles(body[4 * blocks + table_bytes:], blocks * BLOCK).reshape(blocks, BLOCK) - 8
+    table = _unpack_bits(body[4 * blocks:4 * blocks + table_bytes], blocks * 2 * (LEVELS + 1), 4) - 8
+    levels = _unpack_bits(body[4 * blocks + table_bytes:], blocks * BLOCK, 4).reshape(blocks, BLOCK) - 8
     if (np.abs(levels) > LEVELS).any():
         raise PeerDataError(Reason.MALFORMED, "a stepped replayed tensor has a level outside -7..7")
     off = table.reshape(blocks, 2 * (LEVELS + 1))[np.arange(blocks)[:, None], levels + LEVELS]
