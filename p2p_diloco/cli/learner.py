@@ -71,7 +71,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     check_shard_flags(args.shard, args.num_shards)
     for flag, value in (("--wait-peers", args.wait_peers), ("--serve", args.serve_s),
                         ("--eval-every", args.eval_every_s), ("--train-nice", args.train_nice),
-                        ("--checkpoint-every", args.checkpoint_every_s), ("--linger", args.linger_s)):
+                        ("--checkpoint-every", args.checkpoint_every_s), ("--linger", args.linger_s),
+                        ("--final-wait", args.final_wait_s)):
         if value is not None and value < 0:
             raise ValueError(f"{flag}: must be >= 0, got {value}")
     if args.steps is not None and args.steps < 1:
@@ -136,7 +137,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
         sync = SyncOptions(
             events_path=Path(args.events) if args.events else None, metrics=metrics_specs,
-            wait_peers=args.wait_peers or 0, linger_s=args.linger_s, serve_s=args.serve_s,
+            wait_peers=args.wait_peers or 0, linger_s=args.linger_s, final_wait_s=args.final_wait_s, serve_s=args.serve_s,
             view_period_s=args.view_period_s, blocking=args.blocking, max_time_s=args.max_time_s or 0.0,
             started_at=started_at,
         )
@@ -257,3 +258,7 @@ def add_parsers(subparsers: Any) -> None:
                         "stall@inner-step:at=40:seconds=20 or raise@inner-step:at=3 (see p2p_diloco/faults.py)")
     p.add_argument("--linger", dest="linger_s", type=float, default=20.0, metavar="SECONDS",
                    help="after the final rounds, wait up to this long for the peers to agree (default: 20)")
+    p.add_argument("--final-wait", dest="final_wait_s", type=float, default=30.0, metavar="SECONDS",
+                   help="leaving, a fragment's final round waits up to this long for its boundary on the sync clock; "
+                        "one further off is skipped, its last progress unsynced (default: 30; only a slow link's "
+                        "longer sync period skips any)")

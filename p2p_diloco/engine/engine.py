@@ -231,13 +231,13 @@ class DiLoCo:
         if self.finished:
             return
         self.finished, self.training = True, False  # the clock is tended by learners that train
-        stop = self._stop
+        stop, final_by = self._stop, time.monotonic() + self.opts.final_wait_s
         self.joined.publisher.update(state="syncing")
         if stop.is_set():
             self.rounds.cancel()
         self.rounds.drain(self.inner_step)
         if not stop.is_set():
-            final_rounds(self.rounds, self.inner_step, stop)
+            final_rounds(self.rounds, self.inner_step, stop, final_by)
         self.joined.publisher.update(state="leaving")
         logger.info("lingering up to %.0f s until the live peers agree on the fragment versions %s",
                     self.opts.linger_s, [s.version for s in self.slots])

@@ -149,6 +149,10 @@ class SyncOptions:
     """While waiting for peers, log how many are live this often."""
     linger_s: float = 20.0
     """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
+    final_wait_s: float = 30.0
+    """Leaving, a fragment's final round goes only to a boundary of the sync clock at most this long after training
+    ended (the rounds still in flight are waited for first); one further off is skipped (its last round was less than
+    a period before it: that progress stays unsynced). Only long sync periods (a slow link's) skip any."""
     status_period_s: float = 1.0
     """How often the background thread wakes: it publishes our record when :func:`publish_due` and reads
     the swarm when :func:`view_due`."""
@@ -181,8 +185,8 @@ class SyncOptions:
         if not isinstance(self.blocking, bool):
             raise TypeError(f"SyncOptions.blocking must be a bool, got {type(self.blocking).__name__}")
         for name, positive in (("wait_peers_timeout_s", True), ("wait_peers_report_s", True), ("linger_s", False),
-                               ("status_period_s", True), ("view_period_s", True), ("serve_s", False),
-                               ("max_time_s", False), ("started_at", False)):
+                               ("final_wait_s", False), ("status_period_s", True), ("view_period_s", True),
+                               ("serve_s", False), ("max_time_s", False), ("started_at", False)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"SyncOptions.{name} must be a number of seconds, got {type(value).__name__}")

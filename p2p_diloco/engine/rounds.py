@@ -523,7 +523,7 @@ FINAL_WAIT_LOOK_S = 1.0
 """A final round's wait for its boundary looks at the clock again this often (the status thread adopts a retune)."""
 
 
-def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
+def final_rounds(rounds: Rounds, step: int, stop: threading.Event, wait_until: float = math.inf) -> None:
     """Leaving: every fragment with unsynced progress hands its last round off (one after another where together they
     would not fit the link, :meth:`Rounds.final_rounds_in_turn`), and they are waited for. With groups from the clock
     each waits for its fragment's next boundary first: its group is the one the clock names there, with the learners
@@ -531,7 +531,11 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
     does); a boundary just passed still takes it while its group is open (within the window), unless we were in that
     boundary's round already: at 0.25 Mbit/s a learner whose time ran out just after its round at a boundary handed
     its final round off to that boundary again, alone ("1 of 4 members showed"), and left before the others' final
-    round of the fragment at the next one (it ended a version behind them). Returns early on ``stop``."""
+    round of the fragment at the next one (it ended a version behind them). A fragment whose boundary comes after
+    ``wait_until`` (monotonic; :attr:`~p2p_diloco.engine.options.SyncOptions.final_wait_s` after training ended)
+    skips its final round: its last round was then less than a period before it, and waiting for it on a slow link's
+    long period held a learner a whole period past its time limit (at 0.25 Mbit/s, 46 s periods: its final line 71 s
+    after it). Returns early on ``stop``."""
     in_turn = rounds.final_rounds_in_turn()
 
     def wait_s(sync: FragmentSync) -> float:
@@ -546,8 +550,14 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event) -> None:
 
     for sync in sorted((s for s in rounds.syncs if s.slot.since_steps > 0), key=wait_s):
         while (left_s := wait_s(sync)) > 0:  # looked at again each second: the clock may be retuned meanwhile
+            if time.monotonic() + left_s > wait_until:
+                break
             if stop.wait(min(left_s, FINAL_WAIT_LOOK_S)):
                 return
+        if left_s > 0:
+            logger.info("final round of fragment %d skipped: its boundary is %.0f s away, past the wait for final "
+                        "rounds; its last %d steps stay unsynced", sync.slot.index, left_s, sync.slot.since_steps)
+            continue
         rounds.hand_off(sync, step, final=True)
         if in_turn:
             rounds.drain(step)

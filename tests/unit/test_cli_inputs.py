@@ -121,6 +121,7 @@ def test_max_time_and_steps(refused: Callable[..., str]) -> None:
     refused(_join("--steps", "0"), "--steps: must be >= 1, got 0")
     refused(_join("--steps", "-5"), "--steps: must be >= 1, got -5")
     refused(_join("--linger", "-1"), "--linger: must be >= 0, got -1")
+    refused(_join("--final-wait", "-1"), "--final-wait: must be >= 0, got -1")
 
 
 def test_status_watch_interval(refused: Callable[..., str]) -> None:

@@ -70,3 +70,42 @@ def test_a_final_round_does_not_go_to_the_boundary_whose_round_we_were_in() -> N
     handed: list[tuple[int, float]] = []
     final_rounds(_rounds(clock, handed, now, last_round_at=1000.0 - 0.05), 7, threading.Event())
     assert len(handed) == 1 and 1.9 - 0.1 <= handed[0][1] - 1000.0 < 1.9 + 2 * FINAL_WAIT_LOOK_S
+
+
+def test_a_final_round_whose_boundary_comes_after_the_wait_is_skipped() -> None:
+    """A slow link's long period: of two fragments, the one whose boundary comes within the wait for final rounds
+    (``SyncOptions.final_wait_s`` after training ended) goes there; the other, its boundary past the wait, is skipped,
+    and the leaving learner does not wait for it."""
+    t0 = time.monotonic()
+
+    def now() -> float:
+        return 1000.0 + time.monotonic() - t0
+
+    # 2 fragments on a 40 s period: fragment 1's boundary 1 s ahead, fragment 0's 21 s ahead
+    clock = SyncClock(period_s=40.0, origin=1000.0 + 1.0 - 20.0 - 40.0)
+    handed: list[tuple[int, float]] = []
+    rounds = _rounds(clock, handed, now)
+    rounds.syncs = [SimpleNamespace(slot=SimpleNamespace(index=i, since_steps=5, last_round_at=-math.inf))
+                    for i in range(2)]
+    final_rounds(rounds, 7, threading.Event(), wait_until=time.monotonic() + 10.0)
+    took_s = time.monotonic() - t0
+    assert [f for f, _ in handed] == [1], handed
+    assert 1.0 - 0.1 <= handed[0][1] - 1000.0 < 1.0 + 2 * FINAL_WAIT_LOOK_S
+    assert took_s < 10.0, f"waited {took_s:.1f} s for a boundary past the wait"
+
+
+def test_without_a_wait_for_them_every_final_round_waits_for_its_boundary() -> None:
+    """The same two fragments, the wait long enough for both: both go, each at its boundary."""
+    t0 = time.monotonic()
+
+    def now() -> float:
+        return 1000.0 + time.monotonic() - t0
+
+    clock = SyncClock(period_s=4.0, origin=1000.0 + 1.0 - 2.0 - 4.0)  # fragment 1's boundary 1 s ahead, fragment 0's 3 s
+    handed: list[tuple[int, float]] = []
+    rounds = _rounds(clock, handed, now)
+    rounds.syncs = [SimpleNamespace(slot=SimpleNamespace(index=i, since_steps=5, last_round_at=-math.inf))
+                    for i in range(2)]
+    final_rounds(rounds, 7, threading.Event(), wait_until=time.monotonic() + 10.0)
+    assert [f for f, _ in handed] == [1, 0], handed
+    assert 3.0 - 0.1 <= handed[1][1] - 1000.0 < 3.0 + 2 * FINAL_WAIT_LOOK_S
