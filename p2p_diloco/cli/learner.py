@@ -258,7 +258,7 @@ def add_parsers(subparsers: Any) -> None:
                         "stall@inner-step:at=40:seconds=20 or raise@inner-step:at=3 (see p2p_diloco/faults.py)")
     p.add_argument("--linger", dest="linger_s", type=float, default=20.0, metavar="SECONDS",
                    help="after the final rounds, wait up to this long for the peers to agree (default: 20)")
-    p.add_argument("--final-wait", dest="final_wait_s", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--final-wait", dest="final_wait_s", type=float, default=25.0, metavar="SECONDS",
                    help="leaving, a fragment's final round waits up to this long for its boundary on the sync clock; "
-                        "one further off is skipped, its last progress unsynced (default: 30; only a slow link's "
+                        "one further off is skipped, its last progress unsynced (default: 25; only a slow link's "
                         "longer sync period skips any)")

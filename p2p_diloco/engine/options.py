@@ -149,7 +149,7 @@ class SyncOptions:
     """While waiting for peers, log how many are live this often."""
     linger_s: float = 20.0
     """After the final rounds, wait at most this long for the live peers to agree on fragment versions."""
-    final_wait_s: float = 30.0
+    final_wait_s: float = 25.0
     """Leaving, a fragment's final round goes only to a boundary of the sync clock at most this long after training
     ended (the rounds still in flight are waited for first); one further off is skipped (its last round was less than
     a period before it: that progress stays unsynced). Only long sync periods (a slow link's) skip any."""

@@ -538,25 +538,27 @@ def final_rounds(rounds: Rounds, step: int, stop: threading.Event, wait_until: f
     after it). Returns early on ``stop``."""
     in_turn = rounds.final_rounds_in_turn()
 
-    def wait_s(sync: FragmentSync) -> float:
+    def boundary_in(sync: FragmentSync) -> float:
+        """Seconds from now to the boundary ``sync``'s final round goes to (a passed one whose group is open: <= 0;
+        without a clock, matchmaking finds the group at once: -inf)."""
         clock = rounds.view.clock if rounds.cfg.averaging.clock_groups else None  # as it is now: a retune moves it
         if clock is None:
-            return 0.0
+            return -math.inf
         now, f, fragments = rounds.dht_time(), sync.slot.index, len(rounds.syncs)
         passed = clock.boundary(now, f, fragments)
         if 0.0 <= now - passed <= rounds.window_s and sync.slot.last_round_at < passed:  # its group is still open
-            return 0.0
-        return max(0.0, clock.boundary(now + clock.period_s, f, fragments) - now)
+            return passed - now
+        return clock.boundary(now + clock.period_s, f, fragments) - now
 
-    for sync in sorted((s for s in rounds.syncs if s.slot.since_steps > 0), key=wait_s):
-        while (left_s := wait_s(sync)) > 0:  # looked at again each second: the clock may be retuned meanwhile
-            if time.monotonic() + left_s > wait_until:
-                break
+    for sync in sorted((s for s in rounds.syncs if s.slot.since_steps > 0), key=boundary_in):
+        # looked at again each second: the clock may be retuned meanwhile
+        while (left_s := boundary_in(sync)) > 0 and time.monotonic() + left_s <= wait_until:
             if stop.wait(min(left_s, FINAL_WAIT_LOOK_S)):
                 return
-        if left_s > 0:
-            logger.info("final round of fragment %d skipped: its boundary is %.0f s away, past the wait for final "
-                        "rounds; its last %d steps stay unsynced", sync.slot.index, left_s, sync.slot.since_steps)
+        if time.monotonic() + left_s > wait_until:  # the boundary comes (or, an earlier round in turn, came) too late
+            logger.info("final round of fragment %d skipped: its boundary is %.0f s past the wait for final rounds; "
+                        "its last %d steps stay unsynced", sync.slot.index, time.monotonic() + left_s - wait_until,
+                        sync.slot.since_steps)
             continue
         rounds.hand_off(sync, step, final=True)
         if in_turn:

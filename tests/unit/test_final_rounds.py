@@ -109,3 +109,25 @@ def test_without_a_wait_for_them_every_final_round_waits_for_its_boundary() -> N
     final_rounds(rounds, 7, threading.Event(), wait_until=time.monotonic() + 10.0)
     assert [f for f, _ in handed] == [1, 0], handed
     assert 3.0 - 0.1 <= handed[1][1] - 1000.0 < 3.0 + 2 * FINAL_WAIT_LOOK_S
+
+
+def test_a_boundary_that_passed_during_an_earlier_final_round_past_the_wait_is_skipped() -> None:
+    """Final rounds in turn (a slow link): fragment 1's round runs past fragment 0's boundary, which comes after the
+    wait for final rounds. Its group is still open when fragment 1's round ends, but the boundary is past the wait:
+    fragment 0 is skipped, not handed off late (at 0.25 Mbit/s such a last round held a learner 65 s past its limit)."""
+    t0 = time.monotonic()
+
+    def now() -> float:
+        return 1000.0 + time.monotonic() - t0
+
+    clock = SyncClock(period_s=4.0, origin=1000.0 + 0.5 - 2.0 - 4.0)  # fragment 1's boundary 0.5 s ahead, fragment 0's 2.5
+    handed: list[tuple[int, float]] = []
+    rounds = _rounds(clock, handed, now)
+    rounds.syncs = [SimpleNamespace(slot=SimpleNamespace(index=i, since_steps=5, last_round_at=-math.inf))
+                    for i in range(2)]
+    rounds.final_rounds_in_turn = lambda: True
+    rounds.window_s = 1.0
+    # fragment 1's round ends 2.8 s in: fragment 0's boundary passed 0.3 s before, its group open (a 1 s window)
+    rounds.drain = lambda step: time.sleep(max(0.0, 2.8 - (time.monotonic() - t0)))
+    final_rounds(rounds, 7, threading.Event(), wait_until=t0 + 2.0)
+    assert [f for f, _ in handed] == [1], handed
