@@ -14,6 +14,7 @@ from p2p_diloco.core import events
 from p2p_diloco.engine.options import CLOCK_LEADER_FRESH_S, CLOCK_READ_EVERY, CLOCK_REPUBLISH_S, CLOCK_START_MARGIN_S
 from p2p_diloco.net.clock import (
     SyncClock,
+    awaits_links,
     clock_in,
     clock_publisher,
     derive_period,
@@ -64,7 +65,9 @@ class ClockTender:
         self.known = 0
         """How many step times and link times the current period was derived from."""
         self.untimed = False
-        """We lead the clock and a training learner's step time is not known yet."""
+        """We lead the clock and a training learner's step time, or link time once ours is measured, is not known yet."""
+        self.own_link_at = math.inf
+        """When (monotonic) our own sync link time was first measured (:func:`awaits_links`)."""
         self.leading = False
         """We derive the clock (the smallest peer id among the training learners, at our last look)."""
         self.publisher: tuple[str, float] | None = None
@@ -94,21 +97,25 @@ class ClockTender:
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
         leading = self.leading = leads_clock(me.joined.peer_id, [r.peer_id for r in training], self.publisher,
                                              me.dht_time(), CLOCK_LEADER_FRESH_S)
+        now, wall = me.dht_time(), time.monotonic()
+        own_link, others_links = me.rounds.sync_link_s(), [r.sync_link_s for r in training]
+        if own_link > 0:
+            self.own_link_at = min(self.own_link_at, wall)
+        clock = self.clock
+        holding = awaits_links(clock, own_link, others_links, wall - self.own_link_at)
         # the leader reads the swarm every view period until it has every learner's step time (its first clock
-        # may come from a few learners' alone; a full read is 30 s or more away otherwise)
-        self.untimed = leading and any(r.step_time_s <= 0 for r in training)
+        # may come from a few learners' alone; a full read is 30 s or more away otherwise), and their link times
+        self.untimed = leading and (any(r.step_time_s <= 0 for r in training) or holding)
         times = [t for t in (own_step_time_s, *(r.step_time_s for r in training)) if t > 0]
         if not leading or not times:  # a slow leader need not wait for its own step time: the others' do
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
-        links = [me.rounds.sync_link_s(), *(r.sync_link_s for r in training)]
+        links = [own_link, *others_links]
         period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s, a.clock_groups),
                                sync_link_s=links)
-        now, wall = me.dht_time(), time.monotonic()
-        clock = self.clock
         known = len(times) + sum(1 for t in links if t > 0)
-        settled = period is not None and retune_allowed(clock, wall - self.retuned_at, known, self.known,
-                                                        longer=clock is not None and period > clock.period_s)
+        settled = period is not None and not holding and retune_allowed(
+            clock, wall - self.retuned_at, known, self.known, longer=clock is not None and period > clock.period_s)
         if period is not None and settled and needs_retune(clock, period):
             clock = retune(clock, period, now, CLOCK_START_MARGIN_S + CLOCK_READ_EVERY * me.opts.view_period_s,
                            len(me.slots))

@@ -221,6 +221,20 @@ def needs_retune(current: SyncClock | None, period_s: float, tolerance: float = 
     return current is None or abs(period_s / current.period_s - 1) > tolerance
 
 
+def awaits_links(current: SyncClock | None, own_link_s: float, others_link_s: Iterable[float],
+                 since_own_link_s: float) -> bool:
+    """Should the leader hold its retunes until the other training learners' link times (``others_link_s``, their
+    published ``sync_link_s``; 0: not measured yet) are in? Yes once ours (``own_link_s``) is measured and some are
+    not, for at most one ``current`` period after ours was (``since_own_link_s``): the first rounds measure every
+    member's link at once, but each publishes its own at its next heartbeat, and the slowest decides the period. A
+    leader that retuned on each as it came lengthened the period twice within seconds (0.25 Mbit/s: 18.9 -> 32.9 s
+    from its own link, 45.2 s from the slowest's 7 s later), and each retune cost the round at the boundary it
+    moved. Not without a clock (the first one is published at once)."""
+    if current is None or not own_link_s > 0:
+        return False
+    return any(not t > 0 for t in others_link_s) and since_own_link_s < current.period_s
+
+
 def retune_allowed(current: SyncClock | None, since_retune_s: float, known: int, known_at_retune: int,
                    longer: bool = False) -> bool:
     """May the leader retune now? Always without a clock, and as soon as more is ``known`` -- live learners' step

@@ -9,6 +9,7 @@ import pytest
 
 from p2p_diloco.net.clock import (
     SyncClock,
+    awaits_links,
     clock_leader,
     derive_period,
     min_period_s,
@@ -107,6 +108,17 @@ def test_leader_and_newest_clock_are_the_same_for_everyone() -> None:
     assert newest_clock([]) is None
     retuned = SyncClock(5.0, 50.0, epoch=1).to_wire()  # a retune can move the origin back: the epoch decides
     assert newest_clock([a, b, retuned]) == SyncClock(5.0, 50.0, 1)
+
+
+def test_the_leader_holds_its_retunes_until_every_link_time_is_in_for_at_most_a_period() -> None:
+    clock = SyncClock(18.9)
+    # our link measured 5 s ago, one learner's not yet published: hold (the slowest link decides the period)
+    assert awaits_links(clock, 26.0, [0.0, 30.0, 36.0], since_own_link_s=5.0)
+    assert not awaits_links(clock, 26.0, [31.0, 30.0, 36.0], since_own_link_s=5.0)  # every one in: go
+    assert not awaits_links(clock, 26.0, [0.0, 30.0], since_own_link_s=18.9)  # a period after ours: go with what is in
+    assert not awaits_links(clock, 0.0, [0.0, 30.0], since_own_link_s=0.0)  # ours not measured: the step times decide
+    assert not awaits_links(None, 26.0, [0.0], since_own_link_s=0.0)  # no clock yet: the first one goes at once
+    assert awaits_links(clock, 26.0, [float("nan")], since_own_link_s=0.0)  # a malformed one counts as not in
 
 
 def test_a_retune_starts_at_the_next_boundary_of_any_fragment() -> None:
