@@ -259,6 +259,6 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--linger", dest="linger_s", type=float, default=20.0, metavar="SECONDS",
                    help="after the final rounds, wait up to this long for the peers to agree (default: 20)")
     p.add_argument("--final-wait", dest="final_wait_s", type=float, default=25.0, metavar="SECONDS",
-                   help="leaving, a fragment's final round waits up to this long for its boundary on the sync clock; "
-                        "one further off is skipped, its last progress unsynced (default: 25; only a slow link's "
-                        "longer sync period skips any)")
+                   help="leaving, a fragment's final round goes only to a boundary on the sync clock within this "
+                        "long of the end of training; one further off is skipped, its last progress unsynced "
+                        "(default: 25; only a slow link's longer sync period skips any)")

@@ -95,9 +95,9 @@ class ClockTender:
 
         me = self.learner
         training = [r for r in others if r.state in ("joining", "training", "averaging")]
-        leading = self.leading = leads_clock(me.joined.peer_id, [r.peer_id for r in training], self.publisher,
-                                             me.dht_time(), CLOCK_LEADER_FRESH_S)
         now, wall = me.dht_time(), time.monotonic()
+        leading = self.leading = leads_clock(me.joined.peer_id, [r.peer_id for r in training], self.publisher, now,
+                                             CLOCK_LEADER_FRESH_S)
         own_link, others_links = me.rounds.sync_link_s(), [r.sync_link_s for r in training]
         if own_link > 0:
             self.own_link_at = min(self.own_link_at, wall)

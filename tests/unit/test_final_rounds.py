@@ -17,12 +17,12 @@ DEADLINE_S = 30.0
 
 
 def _rounds(clock: SyncClock, handed: list[tuple[int, float]], now: Any,
-            last_round_at: float = -math.inf) -> SimpleNamespace:
-    slot = SimpleNamespace(index=0, since_steps=5, last_round_at=last_round_at)
+            last_round_at: float = -math.inf, fragments: int = 1) -> SimpleNamespace:
+    slots = [SimpleNamespace(index=i, since_steps=5, last_round_at=last_round_at) for i in range(fragments)]
     return SimpleNamespace(
         final_rounds_in_turn=lambda: False, view=SimpleNamespace(clock=clock),
         cfg=SimpleNamespace(averaging=SimpleNamespace(clock_groups=True)), dht_time=now, window_s=0.5,
-        syncs=[SimpleNamespace(slot=slot)], drain=lambda step: None,
+        syncs=[SimpleNamespace(slot=slot) for slot in slots], drain=lambda step: None,
         hand_off=lambda sync, step, final=False: handed.append((sync.slot.index, now())))
 
 
@@ -84,9 +84,7 @@ def test_a_final_round_whose_boundary_comes_after_the_wait_is_skipped() -> None:
     # 2 fragments on a 40 s period: fragment 1's boundary 1 s ahead, fragment 0's 21 s ahead
     clock = SyncClock(period_s=40.0, origin=1000.0 + 1.0 - 20.0 - 40.0)
     handed: list[tuple[int, float]] = []
-    rounds = _rounds(clock, handed, now)
-    rounds.syncs = [SimpleNamespace(slot=SimpleNamespace(index=i, since_steps=5, last_round_at=-math.inf))
-                    for i in range(2)]
+    rounds = _rounds(clock, handed, now, fragments=2)
     final_rounds(rounds, 7, threading.Event(), wait_until=time.monotonic() + 10.0)
     took_s = time.monotonic() - t0
     assert [f for f, _ in handed] == [1], handed
@@ -103,9 +101,7 @@ def test_without_a_wait_for_them_every_final_round_waits_for_its_boundary() -> N
 
     clock = SyncClock(period_s=4.0, origin=1000.0 + 1.0 - 2.0 - 4.0)  # fragment 1's boundary 1 s ahead, fragment 0's 3 s
     handed: list[tuple[int, float]] = []
-    rounds = _rounds(clock, handed, now)
-    rounds.syncs = [SimpleNamespace(slot=SimpleNamespace(index=i, since_steps=5, last_round_at=-math.inf))
-                    for i in range(2)]
+    rounds = _rounds(clock, handed, now, fragments=2)
     final_rounds(rounds, 7, threading.Event(), wait_until=time.monotonic() + 10.0)
     assert [f for f, _ in handed] == [1, 0], handed
     assert 3.0 - 0.1 <= handed[1][1] - 1000.0 < 3.0 + 2 * FINAL_WAIT_LOOK_S
@@ -122,9 +118,7 @@ def test_a_boundary_that_passed_during_an_earlier_final_round_past_the_wait_is_s
 
     clock = SyncClock(period_s=4.0, origin=1000.0 + 0.5 - 2.0 - 4.0)  # fragment 1's boundary 0.5 s ahead, fragment 0's 2.5
     handed: list[tuple[int, float]] = []
-    rounds = _rounds(clock, handed, now)
-    rounds.syncs = [SimpleNamespace(slot=SimpleNamespace(index=i, since_steps=5, last_round_at=-math.inf))
-                    for i in range(2)]
+    rounds = _rounds(clock, handed, now, fragments=2)
     rounds.final_rounds_in_turn = lambda: True
     rounds.window_s = 1.0
     # fragment 1's round ends 2.8 s in: fragment 0's boundary passed 0.3 s before, its group open (a 1 s window)
