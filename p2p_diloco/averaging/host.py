@@ -86,8 +86,8 @@ class RoundPlan:
     due: float
     """DHT time at which the contribution was handed off (``RoundMeta.due``: the members' arrival spread)."""
     doomed: Callable[[], bool] | None = None
-    """Polled while the round is still matching: True abandons it (a live peer is already past our version,
-    so no group can form at it and waiting out the window only delays our catching up). Read on the round's
+    """Polled while the round is still matching: True abandons it (a live peer is already past our version: a
+    group there would fork or find nobody, and waiting out the window only delays our catching up). Read on the round's
     worker thread: a read-only look at the swarm's records, never the engine's state."""
     timeouts: RoundTimeouts | None = None
     """This round's hivemind timeouts, derived from the link (:func:`~p2p_diloco.averaging.linktime.round_timeouts`);

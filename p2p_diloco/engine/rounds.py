@@ -212,7 +212,8 @@ class Rounds:
 
     def hand_off(self, sync: FragmentSync, step: int, final: bool = False) -> None:
         """Start a background round with this fragment's pseudo-gradient (never waits for it), unless we have
-        not seen the swarm yet, no group can form at our version, or (but for ``final`` rounds) the link is taken."""
+        not seen the swarm yet, a live peer is ahead of us (round_is_doomed), or (but for ``final`` rounds) the link is
+        taken."""
         slot = sync.slot
         self.deferred.pop(slot.index, None)
         if self.view.swarm_reads == 0:  # a newcomer that has not seen the swarm yet may be behind: fetch first
@@ -231,9 +232,9 @@ class Rounds:
         if not self.grid and slot.inflight is None and round_is_doomed(slot.rank, self.peer_ranks(slot)):
             slot.behind_skips += 1  # catch_up downloads the fragment; our progress goes into its next round
             best = self._best_peer_rank(slot)
-            logger.info("fragment %d due at step %d but no live peer is at our v%d and one is at v%d (%s): no group "
-                        "can form; its progress waits for the next round", slot.index, step, slot.version,
-                        best[0], best[1])
+            logger.info("fragment %d due at step %d at v%d but a live peer is at v%d (%s): we catch up instead of a "
+                        "round that would fork or find nobody; its progress waits for the next round", slot.index,
+                        step, slot.version, best[0], best[1])
             return
         what = slot.inflight_kind
         handed = sync.hand_off(step)

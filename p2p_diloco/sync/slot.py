@@ -65,7 +65,7 @@ class FragmentSlot:
     local_drops: int = 0
     """Own pseudo-gradients the local check refused (the fragment was re-anchored)."""
     behind_skips: int = 0
-    """Due rounds not started because a live peer was ahead and none at our version (see round_is_doomed)."""
+    """Due rounds not started because a live peer was ahead (see round_is_doomed)."""
     restored: bool = False
     """Progress restored from a checkpoint and not yet in a round we committed: rounds that committed after
     the checkpoint (before the crash) may already hold part of it, so it is not rebased (see apply_fetched)."""

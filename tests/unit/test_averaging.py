@@ -233,7 +233,7 @@ def test_anchor_order_heals_forks_the_same_way_everywhere() -> None:
     assert math.isclose(relative_distance(y, x), 0.1, rel_tol=1e-6)
 
 
-def test_a_round_is_doomed_only_when_someone_is_ahead_and_nobody_is_where_we_are() -> None:
+def test_a_round_is_doomed_when_a_peer_is_at_a_newer_version_or_wins_a_fork_and_nobody_is_where_we_are() -> None:
     from p2p_diloco.averaging.decisions import round_is_doomed
 
     a, b = "0123456789abcdef", "fedcba9876543210"
@@ -242,7 +242,8 @@ def test_a_round_is_doomed_only_when_someone_is_ahead_and_nobody_is_where_we_are
     assert not round_is_doomed((5, a), [(4, a), (5, b)])  # peers behind or losing a fork: we are ahead
     assert round_is_doomed((5, a), [(6, b)])  # one peer moved on: nobody to meet at v5
     assert round_is_doomed((5, b), [(5, a), (5, a)])  # a fork we lost: the winners meet at their own key
-    assert not round_is_doomed((5, a), [(6, b), (5, a)])  # one peer moved on, one is still here: meet it
+    assert round_is_doomed((5, a), [(6, b), (5, a)])  # one peer moved on: v6 is taken, a second v6 would fork
+    assert round_is_doomed((5, a), [(6, a), (5, a), (5, a)])  # even with a majority still here
     assert not round_is_doomed((5, b), [(5, a), (5, b), (4, a)])
 
 
