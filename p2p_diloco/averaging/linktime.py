@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -79,6 +80,10 @@ PLANNING_QUANTILE = 0.5
 measured`): the typical round. With the deadlines' low quantile the period came out 2-3x one sync's link time on
 slow links (0.5 Mbit/s, 1 s queues: 45.7 s where a sync took about 16 s): the slowest committed rounds are those
 that shared the link with another round, and the period already leaves room for that (``LINK_PERIOD_SAFETY``)."""
+METER_SPACING_S = 0.25
+"""The link meter keeps a mark of our averagers' byte counters at most this often (:class:`LinkMeter`)."""
+METER_MARKS = 2400
+"""... and this many marks (10 minutes at that spacing: longer than any round's all-reduce)."""
 LATENCY_ROUND_TRIPS = 8.0
 """Round trips an all-reduce spends beyond its bytes: opening streams (connections, in a run's first round),
 TCP slow start, the first part's way to its reducer and the average's way back."""
@@ -307,10 +312,39 @@ def download_timeouts(state_bytes: float, link: LinkEstimate, cfg: AveragingConf
 
 
 @dataclass
+class LinkMeter:
+    """What our link carried, every fragment's rounds together: marks of the averagers' byte counters, taken as the
+    engine steps. A round's own throughput is its share of the link while other rounds of ours ran beside it; the
+    link's is what all of them moved meanwhile (:meth:`rate`)."""
+
+    marks: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=METER_MARKS))
+    """(monotonic seconds, bytes sent, bytes received), oldest first."""
+
+    def mark(self, t: float, sent: int, received: int) -> None:
+        """Note the counters at ``t`` (kept when :data:`METER_SPACING_S` passed since the last mark)."""
+        if not self.marks or t - self.marks[-1][0] >= METER_SPACING_S:
+            self.marks.append((t, sent, received))
+
+    def rate(self, start: float, end: float) -> float | None:
+        """Bytes per second our rounds moved (the larger direction) from the last mark at or before ``start`` to the
+        first at or after ``end`` -- an interval that holds ``[start, end]``; None where the marks do not cover it."""
+        before = [m for m in self.marks if m[0] <= start]
+        after = [m for m in self.marks if m[0] >= end]
+        if not before or not after:
+            return None
+        (t0, sent0, received0), (t1, sent1, received1) = before[-1], after[0]
+        return throughput_sample(max(sent1 - sent0, received1 - received0), t1 - t0)
+
+
+@dataclass
 class LinkHistory:
     """What a learner saw of its link, round after round (one per learner: every fragment shares the link)."""
 
     throughputs: list[float] = field(default_factory=list)
+    """Committed rounds' own throughputs: what a round got, which its deadlines are sized by."""
+    link_throughputs: list[float] = field(default_factory=list)
+    """... or, where more, what the link carried while each ran, every round of ours together (:class:`LinkMeter`):
+    what the plans -- the period, the window -- are sized by."""
     rtts: list[float] = field(default_factory=list)
     overheads: list[float] = field(default_factory=list)
     """Committed rounds' seconds beyond their all-reduce (:meth:`round_overhead_s`)."""
@@ -318,9 +352,10 @@ class LinkHistory:
     """Rounds in a row whose all-reduce ran but which did not commit (the back-off)."""
 
     def observe(self, *, committed: bool, bytes_moved: float, allreduce_s: float, rtt_s: float,
-                duration_s: float = math.nan) -> None:
+                duration_s: float = math.nan, link_Bps: float | None = None) -> None:
         """Learn from a round that ended (``allreduce_s``: NaN when no all-reduce ran; ``duration_s``: the whole
-        round's seconds, NaN if not known): its RTT sample if it has one; a committed round's throughput and overhead
+        round's seconds, NaN if not known; ``link_Bps``: what the link carried meanwhile, every round of ours
+        together, None if not known): its RTT sample if it has one; a committed round's throughput and overhead
         (and the back-off ends); a failed round whose all-reduce ran adds a back-off step (one that found no group
         says nothing about the link)."""
         if math.isfinite(rtt_s) and rtt_s > 0:
@@ -329,6 +364,8 @@ class LinkHistory:
             sample = throughput_sample(bytes_moved, allreduce_s)
             if sample is not None:
                 self.throughputs = [*self.throughputs, sample][-LINK_HISTORY_ROUNDS:]
+                link = max(sample, link_Bps) if link_Bps is not None and math.isfinite(link_Bps) else sample
+                self.link_throughputs = [*self.link_throughputs, link][-LINK_HISTORY_ROUNDS:]
                 if math.isfinite(duration_s):
                     self.overheads = [*self.overheads, max(0.0, duration_s - allreduce_s)][-LINK_HISTORY_ROUNDS:]
             self.failures = 0
@@ -341,10 +378,14 @@ class LinkHistory:
         return estimate_link(self.throughputs, self.rtts, self.failures, prior_Bps=DEADLINE_PRIOR_THROUGHPUT_BPS)
 
     def measured(self) -> LinkEstimate:
-        """The link for planning (the window, the period): the typical round's throughput (:data:`PLANNING_QUANTILE`),
-        the back-off only until a round committed -- a period or window stretched by lost rounds would stretch
-        further with every round they lose."""
-        return estimate_link(self.throughputs, self.rtts, 0 if self.throughputs else self.failures,
+        """The link for planning (the window, the period): the typical round's link throughput -- what the link
+        carried while it ran, our other rounds' bytes included (:data:`PLANNING_QUANTILE` of
+        :attr:`link_throughputs`) --, the back-off only until a round committed: a period or window stretched by lost
+        rounds would stretch further with every round they lose. Not a round's own share: at 0.25 Mbit/s rounds that
+        ran two at a time each measured half the link, the period derived from them doubled (41.8 to 84.8 s, 2.6x
+        what one sync's link time calls for), and a fragment whose boundary then came while the others' rounds ran
+        never synced."""
+        return estimate_link(self.link_throughputs, self.rtts, 0 if self.link_throughputs else self.failures,
                              quantile=PLANNING_QUANTILE)
 
     def round_overhead_s(self) -> float:

@@ -29,6 +29,7 @@ from p2p_diloco.averaging.decisions import (
 )
 from p2p_diloco.averaging.linktime import (
     LinkHistory,
+    LinkMeter,
     allreduce_bytes,
     expected_group_size,
     link_window_s,
@@ -150,6 +151,8 @@ class Rounds:
         """Fragments due whose round waits for the link (:func:`waits_for_link`) -> until when, DHT time."""
         self.link = LinkHistory()
         """Throughput and round trips seen in our rounds: every round's timeouts are derived from them."""
+        self.meter = LinkMeter()
+        """Our averagers' byte counters as we step: what the link carried while a round ran (:meth:`apply_round`)."""
         self.last_sync_time = 0.0
         """DHT time of our last committed round (0.0: none yet); published, ``status`` shows its age."""
         self.first_contribution_s: float | None = None
@@ -257,6 +260,7 @@ class Rounds:
 
     def collect(self, step: int, min_age_steps: int) -> None:
         """Apply finished rounds at least ``min_age_steps`` after they were sent, and finished downloads."""
+        self.meter.mark(time.monotonic(), *self.bytes_total())
         for sync in self.syncs:
             done = sync.finished(step, min_age_steps)
             if done is None:
@@ -311,11 +315,20 @@ class Rounds:
                 self.spreads.append(outcome.arrival_spread_s)
                 self.spread_window_s = adapt_window(self.spreads, self.cfg.averaging)
         self.link.observe(committed=outcome.committed, bytes_moved=max(outcome.bytes_sent, outcome.bytes_received),
-                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s)
+                          allreduce_s=outcome.allreduce_s, rtt_s=outcome.rtt_s, duration_s=outcome.duration_s,
+                          link_Bps=self._link_during(outcome))
         self.event(_round_event(outcome, slot, sent_tokens, sent_steps))
         logger.info("round f%d v%d %s: group %d, share %.2f, %d B out / %d B in, %.2f s; %s", outcome.fragment,
                     outcome.version, "committed" if outcome.committed else "discarded", outcome.group_size,
                     outcome.own_share, outcome.bytes_sent, outcome.bytes_received, outcome.duration_s, outcome.reason)
+
+    def _link_during(self, outcome: RoundOutcome) -> float | None:
+        """What the link carried while ``outcome``'s all-reduce ran, every round of ours together (None if not known):
+        it ended before the verdicts."""
+        if not (outcome.committed and math.isfinite(outcome.finished_at) and math.isfinite(outcome.allreduce_s)):
+            return None
+        end = outcome.finished_at - (outcome.verdicts_s if math.isfinite(outcome.verdicts_s) else 0.0)
+        return self.meter.rate(end - outcome.allreduce_s, end)
 
     # ------------------------------------------------------------ catching up
 

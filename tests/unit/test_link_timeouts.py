@@ -23,6 +23,7 @@ from p2p_diloco.averaging.linktime import (
     STATE_CHUNK_BYTES,
     LinkEstimate,
     LinkHistory,
+    LinkMeter,
     RoundTimeouts,
     allreduce_bytes,
     estimate_link,
@@ -246,6 +247,29 @@ def test_plans_take_the_typical_round_and_deadlines_a_slow_one() -> None:
     assert h.estimate().throughput_Bps == pytest.approx(1e5 / 8.0)  # the lower quartile's
 
 
+def test_plans_take_what_the_link_carried_while_a_round_ran_and_deadlines_the_rounds_own_share() -> None:
+    """Two rounds of ours that ran together each got half the link: the plans (the period, the window) take what the
+    link carried meanwhile, every round of ours together; the round's deadlines its own share. A link sample never
+    falls below the round's own."""
+    meter = LinkMeter()
+    for t in range(0, 21):  # every second: 2e4 bytes out, 1e4 in -- two rounds of 1e4 bytes a second each
+        meter.mark(float(t), 20_000 * t, 10_000 * t)
+    assert meter.rate(4.0, 12.0) == pytest.approx(2e4)  # the larger direction, over the marks that hold [4, 12]
+    assert meter.rate(4.5, 11.5) == pytest.approx(2e4)  # (from 4 to 12)
+    assert meter.rate(-1.0, 5.0) is None and meter.rate(5.0, 25.0) is None  # not covered: unknown
+    meter.mark(20.1, 0, 0)  # closer than the meter's spacing to the last mark: not kept
+    assert meter.marks[-1] == (20.0, 400_000, 200_000)
+    h = LinkHistory()
+    h.observe(committed=True, bytes_moved=8e4, allreduce_s=8.0, rtt_s=0.2, link_Bps=meter.rate(4.0, 12.0))
+    assert h.measured().throughput_Bps == pytest.approx(2e4)  # the link's
+    assert h.estimate().throughput_Bps == pytest.approx(1e4)  # the round's own
+    h.observe(committed=True, bytes_moved=8e4, allreduce_s=2.0, rtt_s=0.2, link_Bps=1e4)  # a coarse mark's window
+    h.observe(committed=True, bytes_moved=8e4, allreduce_s=2.0, rtt_s=0.2, link_Bps=None)  # not covered
+    assert h.link_throughputs == [2e4, 4e4, 4e4]  # never below the round's own sample
+    h.observe(committed=False, bytes_moved=8e4, allreduce_s=2.0, rtt_s=0.2, link_Bps=1e9)  # a failed round: no sample
+    assert len(h.link_throughputs) == 3
+
+
 def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_period() -> None:
     """The engine's rule (:func:`p2p_diloco.engine.rounds.link_busy`) on a stand-in for its rounds: a round starts
     beside another fragment's only once a round measured the link and the period leaves it the time for a sync's
@@ -292,6 +316,7 @@ def test_a_round_waits_while_another_fragment_holds_a_link_too_slow_for_the_peri
     assert "transfer is still on the link" in transfer_on_link(rounds(need_s * 10), slots[1])
     slots[0].inflight_kind, slots[0].inflight_since = "round", 0.0
     history.throughputs.clear()
+    history.link_throughputs.clear()
     history.overheads.clear()
     history.observe(committed=True, bytes_moved=rate_Bps * 1000, allreduce_s=1.0, rtt_s=5.0)
     assert link_busy(rounds(need_s / 2), slots[1]) == ""  # a fast link (a long round trip does not count)
