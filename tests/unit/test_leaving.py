@@ -173,6 +173,9 @@ class Hanging:
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
+    def bytes_total(self) -> tuple[int, int]:
+        return 0, 0  # nothing ever moves
+
 
 def test_leaving_the_block_on_ctrl_c_cancels_the_rounds_in_flight(caplog: pytest.LogCaptureFixture) -> None:
     import logging
