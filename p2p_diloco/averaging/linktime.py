@@ -57,7 +57,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from p2p_diloco.core.codecs import bits_per_element
 from p2p_diloco.core.config import AveragingConfig
@@ -320,10 +320,11 @@ class LinkMeter:
     marks: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=METER_MARKS))
     """(monotonic seconds, bytes sent, bytes received), oldest first."""
 
-    def mark(self, t: float, sent: int, received: int) -> None:
-        """Note the counters at ``t`` (kept when :data:`METER_SPACING_S` passed since the last mark)."""
+    def mark(self, t: float, counters: Callable[[], tuple[int, int]]) -> None:
+        """Note the ``counters`` -- (bytes sent, bytes received), read only for a mark that is kept -- at ``t`` (kept
+        when :data:`METER_SPACING_S` passed since the last mark: the engine marks every step)."""
         if not self.marks or t - self.marks[-1][0] >= METER_SPACING_S:
-            self.marks.append((t, sent, received))
+            self.marks.append((t, *counters()))
 
     def rate(self, start: float, end: float) -> float | None:
         """Bytes per second our rounds moved (the larger direction) from the last mark at or before ``start`` to the

@@ -261,7 +261,7 @@ class Rounds:
     def collect(self, step: int, min_age_steps: int) -> None:
         """Apply finished rounds at least ``min_age_steps`` after they were sent, and finished downloads (first marking
         our averagers' byte counters for the link meter: a round applied now ended before this mark)."""
-        self.meter.mark(time.monotonic(), *self.bytes_total())
+        self.meter.mark(time.monotonic(), self.bytes_total)
         for sync in self.syncs:
             done = sync.finished(step, min_age_steps)
             if done is None:

@@ -253,11 +253,11 @@ def test_plans_take_what_the_link_carried_while_a_round_ran_and_deadlines_the_ro
     falls below the round's own."""
     meter = LinkMeter()
     for t in range(0, 21):  # every second: 2e4 bytes out, 1e4 in -- two rounds of 1e4 bytes a second each
-        meter.mark(float(t), 20_000 * t, 10_000 * t)
+        meter.mark(float(t), lambda t=t: (20_000 * t, 10_000 * t))
     assert meter.rate(4.0, 12.0) == pytest.approx(2e4)  # the larger direction, over the marks that hold [4, 12]
     assert meter.rate(4.5, 11.5) == pytest.approx(2e4)  # (from 4 to 12)
     assert meter.rate(-1.0, 5.0) is None and meter.rate(5.0, 25.0) is None  # not covered: unknown
-    meter.mark(20.1, 0, 0)  # closer than the meter's spacing to the last mark: not kept
+    meter.mark(20.1, lambda: pytest.fail("counters read for a mark that is not kept"))  # too close to the last
     assert meter.marks[-1] == (20.0, 400_000, 200_000)
     h = LinkHistory()
     h.observe(committed=True, bytes_moved=8e4, allreduce_s=8.0, rtt_s=0.2, link_Bps=meter.rate(4.0, 12.0))
