@@ -108,9 +108,11 @@ def test_donor_killed_mid_download_newcomer_tries_the_next(tmp_path: Path) -> No
     spec = "kill@serving-state:fragment=0"
     with ProcGroup(tmp_path) as procs:
         peers = start_bootstrap(procs, tmp_path, "--config", TINY)
-        # the early pair trains, syncs, then stays to serve (versions final and equal: donor ranks tie)
+        # the early pair trains, syncs, then stays to serve (versions final and equal: donor ranks tie); 200 steps so
+        # that fragment 0's rounds commit even on a loaded machine (at 90 they once found no group, and the victim,
+        # a version behind, was never asked)
         early = {n: start_learner(procs, peers, n, tmp_path, "--identity", str(tmp_path / f"{n}.id"), "--shard", str(i),
-                                  "--num-shards", "3", "--profile", str(profile), "--wait-peers", "2", "--steps", "90", "--linger", "20",
+                                  "--num-shards", "3", "--profile", str(profile), "--wait-peers", "2", "--steps", "200", "--linger", "20",
                                   "--serve", "60", "-v",  # -v: the "serving" line is INFO
                                   *(("--fault", spec) if n == victim else ()))
                  for i, n in enumerate(("e0", "e1"))}
