@@ -24,6 +24,7 @@ from p2p_diloco.net.clock import (
     publish_clock,
     retune,
     retune_allowed,
+    unmeasured_period_s,
 )
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class ClockTender:
         """Who stored the newest clock we read, and when."""
         self.read = False
         """Did the last head probe read the sync clock (:data:`CLOCK_READ_EVERY`)?"""
+        self.unmeasured = False
+        """We published the current clock before any link time was in (:func:`unmeasured_period_s`)."""
 
     def adopt(self, published: SyncClock | None) -> None:
         """Adopt ``published`` (the newest clock a probe found) if it is newer than ours."""
@@ -111,18 +114,23 @@ class ClockTender:
             return
         a, h = me.cfg.averaging, me.cfg.outer.sync_every
         links = [own_link, *others_links]
-        period = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s, a.clock_groups),
-                               sync_link_s=links)
+        work = derive_period(times, h, min_period_s=min_period_s(a.window_max_s, a.commit_timeout_s, a.clock_groups),
+                             sync_link_s=links)
+        measured = any(t > 0 for t in links)
+        period = work if work is None or measured else unmeasured_period_s(work, len(me.slots))
         known = len(times) + sum(1 for t in links if t > 0)
         settled = period is not None and not holding and retune_allowed(
             clock, wall - self.retuned_at, known, self.known, longer=clock is not None and period > clock.period_s)
-        if period is not None and settled and needs_retune(clock, period):
+        # an unmeasured clock goes once a link time is in, even within the tolerance (its spacing is a whole period's)
+        off = clock is None or (self.unmeasured and measured and period != clock.period_s)
+        if work is not None and period is not None and settled and (off or needs_retune(clock, period)):
             clock = retune(clock, period, now, CLOCK_START_MARGIN_S + CLOCK_READ_EVERY * me.opts.view_period_s,
-                           len(me.slots))
-            self.retuned_at, self.known = wall, known
+                           len(me.slots), first_within_s=work)
+            self.retuned_at, self.known, self.unmeasured = wall, known, not measured
             logger.info("sync clock leader: period %.2f s (H %d x median step %.3f s of %d learners; a sync's link "
-                        "time at most %.1f s), from DHT time %.1f", period, h, statistics.median(times), len(times),
-                        max(links), clock.origin)
+                        "time at most %.1f s%s), from DHT time %.1f", period, h, statistics.median(times), len(times),
+                        max(links), "" if measured else f"; none measured yet: {len(me.slots)} x {work:.2f} s",
+                        clock.origin)
             me.log_event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))
         elif clock is None or wall - self.published_at < CLOCK_REPUBLISH_S:
             return

@@ -158,7 +158,8 @@ class SyncClock:
         return cls(float(value["period_s"]), float(value["origin"]), value["epoch"])
 
 
-def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: float, num_fragments: int) -> SyncClock:
+def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: float, num_fragments: int,
+           first_within_s: float = math.inf) -> SyncClock:
     """The clock that replaces ``current`` with ``period_s``. Its first boundary (fragment 0's; the others
     follow at the new spacing) is the old clock's next boundary of *any* fragment at least ``margin_s``
     ahead, by when everyone has read the new clock; the new clock has no boundary before it. So a retune
@@ -166,11 +167,27 @@ def retune(current: SyncClock | None, period_s: float, now_s: float, margin_s: f
     (Aligning on the old clock's next fragment-0 boundary instead paused every round for up to a whole
     old period: 40 s in a chaos run.) A first clock starts ``margin_s`` from now, its first boundary one
     period later; a retune never starts later than that either (a first clock derived from a slow leader's
-    own steps had its first boundary 18 s ahead, and the 5 s clock that replaced it kept that start)."""
+    own steps had its first boundary 18 s ahead, and the 5 s clock that replaced it kept that start). Nor later than
+    ``first_within_s`` after the margin: an :func:`unmeasured clock <unmeasured_period_s>`'s first boundary is one
+    work period away, not its whole (longer) period."""
+    ahead_s = margin_s + min(period_s, first_within_s)
     if current is None:
-        return SyncClock(period_s, now_s + margin_s, 0)
-    first = min(current.next_any_boundary(now_s + margin_s, num_fragments), now_s + margin_s + period_s)
+        return SyncClock(period_s, max(0.0, now_s + ahead_s - period_s), 0)
+    first = min(current.next_any_boundary(now_s + margin_s, num_fragments), now_s + ahead_s)
     return SyncClock(period_s, max(0.0, first - period_s), current.epoch + 1).after(current, now_s)
+
+
+def unmeasured_period_s(period_s: float, num_fragments: int) -> float:
+    """The period of a clock derived before any learner's link is measured: ``num_fragments`` x the work's
+    ``period_s``, so that its boundaries -- one fragment's every ``period_s`` -- are a whole work period apart and the
+    first rounds go one at a time whatever the link. With the work's period the fragments' first rounds came a
+    quarter period apart: at 0.25 Mbit/s, 1 s queues, a 13.2 s period and 8 s rounds, each learner declined the
+    boundaries its link was still busy at, and which it was busy at turned on tenths of a second: groups went on
+    without members, learners split across fragments and versions, and a run committed 57% of its rounds. The leader
+    replaces this clock as soon as a link time is in (:meth:`ClockTender.tend
+    <p2p_diloco.engine.clocktender.ClockTender.tend>`), at one of its boundaries (:func:`retune`): a loopback swarm's
+    fragments other than the first sync a work period later than they would have, once."""
+    return min(MAX_PERIOD_S, num_fragments * period_s)
 
 
 def min_period_s(window_max_s: float, commit_timeout_s: float, clock_groups: bool = False) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -195,7 +196,6 @@ def test_a_download_tries_the_live_learners_our_view_ranks_and_never_one_that_le
     (its tombstone) is none of them, as a record of another shape is not."""
     from concurrent.futures import Future
     from types import SimpleNamespace
-    from typing import Any
 
     from p2p_diloco.core.config import load_config
     from p2p_diloco.engine.rounds import FragmentLink
@@ -372,3 +372,49 @@ def test_a_learner_that_would_lead_by_its_view_leaves_a_living_leaders_clock_alo
     view.clocks.publisher = ("QmA", 1050.0 - CLOCK_LEADER_FRESH_S - 1.0)  # it stopped re-storing: gone
     view.clocks.tend(0.5, others)
     assert view.clocks.leading and len(published) == 1 and len(logged) == 1, (published, logged)
+
+
+def test_a_clock_derived_before_any_link_is_measured_spaces_its_rounds_a_work_period_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's first clock, with no link time in: F x H x the median step, its first boundary one work period
+    (H x the step) past the margin, so the fragments' first rounds come a work period apart. Once a link time is in, it
+    retunes to the work's period at once -- even where the link's period (here 3.6 F x the step's) lies within the
+    tolerance of the unmeasured one -- and later reads leave that clock alone."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.core.config import load_config
+    from p2p_diloco.engine import clocktender
+    from p2p_diloco.net import membership
+    from p2p_diloco.net.clock import LINK_PERIOD_SAFETY
+
+    now, link = [1000.0], [0.0]
+    cfg = load_config(None)
+    owner = SimpleNamespace(cfg=cfg, slots=[SimpleNamespace(index=f, version=0) for f in range(4)],
+                            local=SimpleNamespace(run_id="r"),
+                            joined=SimpleNamespace(peer_id="QmA", dht=None, private_key=None),
+                            dht_time=lambda: now[0], rounds=SimpleNamespace(sync_link_s=lambda: link[0]),
+                            log_event=lambda event: None, opts=SimpleNamespace(view_period_s=1.0))
+    view = SwarmView(owner)  # type: ignore[arg-type]
+    published: list[Any] = []
+    monkeypatch.setattr(clocktender, "publish_clock", lambda dht, run_id, clock, subkey, now: published.append(clock) or True)
+    monkeypatch.setattr(membership, "owner_subkey", lambda key: b"[owner]")
+    work = cfg.outer.sync_every * 0.5
+    others = [SimpleNamespace(peer_id=f"Qm{c}", state="training", step_time_s=0.5, sync_link_s=0.0) for c in "BCD"]
+    view.clocks.tend(0.5, others)
+    first = published[-1]
+    assert first.period_s == pytest.approx(4 * work) and view.clocks.unmeasured
+    assert first.start - now[0] == pytest.approx(view.clocks.learner.opts.view_period_s * 3 + 2.0 + work)
+    assert [round(first.next_any_boundary(first.start + k * work - 1e-6, 4) - first.start, 6) for k in range(4)] == [
+        round(k * work, 6) for k in range(4)]  # one fragment's boundary per work period
+    now[0] += work  # the first round measured every link: 0.9 x the unmeasured period needs a longer one
+    link[0] = 4 * 0.9 * work / LINK_PERIOD_SAFETY
+    for o in others:
+        o.sync_link_s = link[0]
+    view.clocks.tend(0.5, others)
+    second = published[-1]
+    assert second is not first and second.epoch == 1 and not view.clocks.unmeasured
+    assert second.period_s == pytest.approx(4 * 0.9 * work)
+    count = len(published)
+    now[0] += work
+    view.clocks.tend(0.5, others)
+    assert len(published) == count and view.clocks.clock is second  # measured: the usual rules hold
