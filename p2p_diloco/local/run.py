@@ -506,9 +506,10 @@ def render_report(r: dict[str, Any]) -> str:
             gap = r["eval_loss_end"] / ref["eval_loss"] - 1
             how = (f"computed for this run in {ref['computed_s'] / 60:.1f} min, cached in {ref['path']}"
                    if ref.get("computed_s") is not None else f"from {ref['path']}")
+            curve = (f"between the ends of curves of {ref['between'][0]:,} and {ref['between'][1]:,} tokens"
+                     if ref.get("between") else f"a curve of {ref['reference_tokens']:,} tokens")
             lines.append(f"data-parallel reference (fp32 gradients averaged every step, same model) at the same tokens: "
-                         f"{ref['eval_loss']:.4f} {unit}; ours {100 * gap:+.1f}% ({how}, a curve of "
-                         f"{ref['reference_tokens']:,} tokens)")
+                         f"{ref['eval_loss']:.4f} {unit}; ours {100 * gap:+.1f}% ({how}, {curve})")
         elif ref:
             lines.append(f"data-parallel reference: none at {ref['tokens']:,} tokens ({ref['why']}); make one with "
                          f"python scripts/bench_reference.py --config {r['config'] or 'FILE'} --tokens {ref['tokens']}")

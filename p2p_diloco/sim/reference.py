@@ -8,7 +8,8 @@ its tokens (:func:`compute_curve`). Its eval loss is recorded at points along th
 A curve depends on the model, data, inner optimizer, seed and K (:func:`reference_key`), not on the outer
 algorithm. Because its LR schedule ends at the curve's last point, a curve is only a fair reference near
 that end (:data:`SPAN`): far before it, its learning rate has not decayed yet and its loss is not that of a
-run of that length. So the curves of one key form a ladder of lengths, and :func:`plan` picks the one that
+run of that length; where two curves' ends bracket a run's tokens, the reference comes from those ends
+(:func:`between_ends`, :data:`MAX_END_GAP`). So the curves of one key form a ladder of lengths, and :func:`plan` picks the one that
 covers a run's tokens, or says that one must be computed. Curves are looked up in the cache
 (:func:`cache_dir`), where ``p2p-diloco swarm`` stores the curves it computes, then among the curves that ship
 with the configs (:func:`bundled_dir`: ``configs/reference``, package data). ``scripts/bench_reference.py``
@@ -39,6 +40,15 @@ SPAN = (0.75, 1.1)
 """A curve ending at E tokens is the reference at T tokens when ``SPAN[0] * E <= T <= SPAN[1] * E``: inside
 its last quarter (at 3/4 of the cosine the LR is 0.23 of its peak, at the end ``inner.min_lr_ratio`` = 0.1)
 or up to 10% past its end (its last point is taken: slightly pessimistic for data-parallel)."""
+MAX_END_GAP = 2.0
+"""Two curves whose ends bracket a run's tokens, at most this ratio apart, give its reference from their ends
+(:func:`between_ends`): each end is data-parallel training whose cosine ended there, as a time-budgeted run's own ends with its time
+(``inner.lr_by_time``). Reading one curve inside its last quarter (:data:`SPAN`) is not that: on the bundled demo
+curves a curve's end lies 2-5% above the longer curves at the same tokens (the LR's decay costs more than it gains this
+early in training), so the main job's reference at 4.09M tokens read 1.506 off the 4.8M curve at 85% of its cosine
+and, at 4.01M, 1.596 off the 3.7M curve's end 8% past it, where the ends bracketing either give 1.55: the
+same run was +12.3% or +6.0% against data-parallel by which curve it fell on. The stored ends' losses are
+close to linear in log tokens (a slope of 0.49-0.56 per e-fold from 2.0M to 4.8M)."""
 CURVE_NAME_RE = re.compile(r"^dp-([0-9a-f]{16})(?:-(\d+))?\.json$")
 """``dp-<reference key>.json`` (the first committed curve) or ``dp-<reference key>-<tokens>.json``."""
 
@@ -137,11 +147,41 @@ def reference_at(ref: dict[str, Any], tokens: int) -> dict[str, Any]:
             "reference_tokens": int(points[-1][0]), "reference_final_eval_loss": points[-1][1]}
 
 
+def bracketing(ends: Sequence[int], tokens: int) -> tuple[int, int] | None:
+    """The curves whose ends lie nearest below and above ``tokens`` (indexes into ``ends``; ends equal where a
+    curve ends exactly there), if at most :data:`MAX_END_GAP` apart; None otherwise."""
+    below = [(e, -i) for i, e in enumerate(ends) if 0 < e <= tokens]  # on a tie the first folder's (the cache)
+    above = [(e, i) for i, e in enumerate(ends) if e >= tokens]
+    if not below or not above:
+        return None
+    (lo, i), (hi, j) = max(below), min(above)
+    return (-i, j) if hi <= MAX_END_GAP * lo else None
+
+
+def between_ends(low: dict[str, Any], high: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """The reference at ``tokens`` from the final eval losses of two curves whose ends bracket it (:func:`bracketing`),
+    linear in log tokens between them: an estimate of the curve a run of exactly ``tokens`` would compute, as
+    :func:`reference_at` gives from one curve."""
+    (e0, l0), (e1, l1) = (max((float(p["tokens"]), float(p["eval_loss"])) for p in c["curve"]) for c in (low, high))
+    loss = l0 if e1 == e0 else l0 + (l1 - l0) * math.log(tokens / e0) / math.log(e1 / e0)
+    return {"path": f"{low['path']} and {high['path']}", "tokens": tokens, "eval_loss": loss, "command": high.get("command"),
+            "reference_tokens": tokens, "reference_final_eval_loss": loss, "between": [int(e0), int(e1)]}
+
+
 def lookup(key: str, tokens: int, folders: Sequence[Path]) -> tuple[dict[str, Any] | None, str]:
-    """The reference at ``tokens`` from the stored curves, or (None, why none covers it)."""
+    """The reference at ``tokens`` from the stored curves, or (None, why none covers it): where the curves' ends
+    bracket ``tokens`` (:func:`bracketing`), from their ends (:func:`between_ends`), else read off the curve
+    :func:`plan` picks."""
     curves = load_curves(key, folders)
-    i, why = plan([curve_end(c) for c in curves], tokens)
-    return (reference_at(curves[i], tokens) if i is not None else None), why
+    ends = [curve_end(c) for c in curves]
+    i, why = plan(ends, tokens)
+    if i is None:
+        return None, why
+    pair = bracketing(ends, tokens)
+    if pair is None or ends[pair[0]] == ends[pair[1]]:  # (or a curve ends at ``tokens``: its end)
+        return reference_at(curves[i], tokens), why
+    low, high = (curves[k] for k in pair)
+    return between_ends(low, high, tokens), f"the curves ending at {ends[pair[0]]:,} and {ends[pair[1]]:,} bracket {tokens:,}"
 
 
 def steps_for(cfg: Any, tokens: int) -> int:

@@ -5,6 +5,7 @@ be computed."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,24 @@ def test_reference_is_interpolated_at_the_swarms_tokens(tmp_path: Path) -> None:
     assert found is None and "no curve covers 1,000 tokens (curves end at 3,000" in why
 
 
+def test_curves_whose_ends_bracket_the_tokens_give_the_reference_from_their_ends(tmp_path: Path) -> None:
+    """A run whose LR ends with its time is compared with data-parallel whose cosine ends at the same tokens: between
+    two curves' ends (at most MAX_END_GAP apart), linear in log tokens; not a curve read inside its last quarter."""
+    from p2p_diloco.sim.reference import MAX_END_GAP, bracketing
+
+    write(tmp_path, KEY, name=f"dp-{KEY}-2000.json", curve=[{"tokens": 2000, "eval_loss": 2.0}])
+    write(tmp_path, KEY, name=f"dp-{KEY}-4000.json", curve=[{"tokens": 3000, "eval_loss": 1.2},
+                                                            {"tokens": 4000, "eval_loss": 1.5}])
+    found, why = lookup(KEY, 3000, [tmp_path])  # not the 4000 curve's 1.2 at 3000: its LR had not decayed
+    assert found is not None and found["eval_loss"] == pytest.approx(2.0 - 0.5 * math.log(1.5) / math.log(2)), found
+    assert found["between"] == [2000, 4000] and "bracket 3,000" in why
+    assert found["path"].endswith(f"dp-{KEY}-2000.json and {tmp_path}/dp-{KEY}-4000.json")
+    assert lookup(KEY, 4000, [tmp_path])[0]["eval_loss"] == 1.5  # a curve's own end
+    assert bracketing([2000, 4000], 4400) is None and bracketing([2000, 4000], 1999) is None  # no end on one side
+    assert bracketing([1000, 2000 * MAX_END_GAP], 1500) is None  # too far apart: read off one curve (plan)
+    assert bracketing([3000, 1000, 2000], 2500) == (2, 0) and bracketing([2000, 2000, 3000], 2000) == (0, 0)
+
+
 def test_curves_come_from_every_folder_and_a_mismatched_file_is_refused(tmp_path: Path) -> None:
     committed, cache = tmp_path / "results", tmp_path / "cache"
     write(committed, KEY)
@@ -136,6 +155,10 @@ def test_the_bundled_curves_cover_the_main_job_on_a_2_core_and_a_faster_machine(
         found, why = lookup(reference_key(cfg), tokens, [bundled_dir()])
         assert found is not None, why
         assert found["path"].startswith("configs/reference/dp-"), found["path"]  # as on every machine
+    # the main job of results/mainjob-rounds-b44731e: 4.09M tokens, between the 3.7M and 4.8M curves' ends
+    found, _ = lookup(reference_key(cfg), 4_085_760, [bundled_dir()])
+    assert found is not None and found["between"] == [3_702_784, 4_800_512]
+    assert found["eval_loss"] == pytest.approx(1.548, abs=0.002)
 
 
 def test_the_bundled_curves_are_the_committed_benchmark_outputs() -> None:
@@ -158,11 +181,11 @@ def test_stored_curves_come_from_the_cache_then_the_bundled_ones(tmp_path: Path,
     monkeypatch.setenv("P2P_DILOCO_CACHE", str(tmp_path))
     assert folders() == [tmp_path / "reference", bundled_dir()]
     cfg = load_config("demo", [])
-    found, _ = stored_reference(cfg, 2_000_000)
+    found, _ = stored_reference(cfg, 2_007_040)  # a curve's end
     assert found is not None and found["path"] == "configs/reference/dp-08e1f32363c36a1a-2007040.json"
     ours = json.loads((bundled_dir() / "dp-08e1f32363c36a1a-2007040.json").read_text())
     save_curve({**ours, "curve": [*ours["curve"][:-1], {**ours["curve"][-1], "eval_loss": 1.0}]}, tmp_path / "reference")
-    found, _ = stored_reference(cfg, 2_000_000)  # the same length cached here: the cached one
+    found, _ = stored_reference(cfg, 2_007_040)  # the same length cached here: the cached one
     assert found is not None and found["path"] == str(tmp_path / "reference" / "dp-08e1f32363c36a1a-2007040.json")
     assert found["reference_final_eval_loss"] == 1.0
 
