@@ -412,6 +412,40 @@ def quorum_problem(group_size: int, at_rank: int, target_group_size: int = 0) ->
             f"could commit it too)")
 
 
+NOT_FINITE = "averaged tensors are not finite"
+"""A member's verdict on a round whose averaged tensors hold a NaN or an infinity."""
+
+
+@dataclass(frozen=True)
+class VerdictRule:
+    """What a member's verdict on a round checks besides its averaged tensors: :func:`check_group`'s settings and
+    :func:`quorum_problem`'s ``at_rank``; with groups from the clock the averager process reads it to send our verdict
+    the moment the all-reduce ends (:meth:`~p2p_diloco.averaging.verdicts.GroupVerdicts.early_verdict`),
+    ``send_timeout_s`` each, and the host checks the same rule on the same data."""
+
+    radial_names: tuple[str, ...]
+    min_group_size: int
+    weighting: str
+    at_rank: int = 0
+    target_group_size: int = 0
+    grid: bool = False
+    send_timeout_s: float = 0.0
+
+
+def round_verdict(rule: VerdictRule, own: RoundMeta, metas: Sequence[RoundMeta], finite: bool) -> Decision:
+    """Our verdict on a round whose group gathered ``metas`` (ours: ``own``) and whose averaged tensors are ``finite``
+    or not: :func:`check_group`, then :func:`quorum_problem`, then the tensors. Pure: the averager process and the
+    host reach the same one."""
+    decision = check_group(own, metas, rule.radial_names, min_group_size=rule.min_group_size,
+                           weighting=rule.weighting, grid=rule.grid)
+    quorum = quorum_problem(len(metas), rule.at_rank, rule.target_group_size) if decision.ok else None
+    if quorum is not None:
+        return Decision(False, quorum)
+    if decision.ok and not finite:
+        return Decision(False, NOT_FINITE)
+    return decision
+
+
 def adapt_window(spreads_s: Sequence[float], cfg: AveragingConfig, history: int = 8) -> float:
     """Matchmaking window from the arrival spreads (last due - first due, s) of recent rounds.
 

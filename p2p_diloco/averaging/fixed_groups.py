@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from hivemind.averaging.control import StepControl
@@ -32,7 +31,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from p2p_diloco.averaging.decisions import MISSING, vetoed
+from p2p_diloco.averaging.decisions import MISSING, VerdictRule
 from p2p_diloco.core.groups import without_absent
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
@@ -47,8 +46,6 @@ that asks late still gets our offer; a request for a group we never meet is forg
 MAX_OFFER_WAITS = 64
 """Groups an averager holds offers or waits for at once (beyond: a request for another group is answered at once,
 not kept waiting: a member cannot make us hold unbounded state)."""
-MAX_VERDICT_CHARS = 300
-"""The longest verdict kept ("ok", or why not: cut to this)."""
 MAX_OFFER_BYTES = 1 << 20
 """The most bytes a member's offer (hivemind's gathered data: its bandwidth, mode and round metadata) may take."""
 
@@ -77,6 +74,10 @@ class FixedGroup:
     that group. The round's verdicts go under the planned id: it is the one every member's host knows."""
     boundary_ms: int = -1
     """The clock's boundary the group meets at, DHT ms (a member that skips it declines every group of it)."""
+    rule: VerdictRule | None = field(default=None, compare=False)
+    """What our verdict on the round checks (the host's, on the group it plans; None on the others): the averager
+    process sends that verdict the moment the all-reduce ends
+    (:meth:`~p2p_diloco.averaging.verdicts.GroupVerdicts.early_verdict`)."""
 
     @property
     def verdict_id(self) -> bytes:
@@ -121,8 +122,6 @@ class FixedGroupMeeting:
         self._declined: dict[int, float] = {}
         """(averager process) The boundaries we skip, DHT ms (:meth:`decline`) -> when we said so:
         :meth:`rpc_group_offer` answers CANCELLED at once for any group at them, and no step of ours meets one."""
-        self._verdicts: dict[bytes, tuple[dict[str, str], asyncio.Event, float]] = {}
-        """(averager process) Group id -> (peer id -> its latest verdict, set at each new one, when the first came)."""
 
     def set_next_group(self, group: FixedGroup) -> MPFuture:
         """(host) Meet ``group`` at the next step instead of matchmaking (sent on the control pipe before the step,
@@ -276,106 +275,6 @@ class FixedGroupMeeting:
         if context.remote_id.to_base58() not in group.peer_ids:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=group_id, gathered=[offer])
-
-    # -- verdicts inside the group: one message to each member, no DHT store or read
-    def exchange_verdicts(self, group_id: bytes, peers: tuple[str, ...], own: str, timeout_s: float) -> MPFuture:
-        """(host) Send our verdict on the round of group ``group_id`` to its other members (``peers``: every
-        member's base58 id) and wait until every member's is in, one is not "ok", or ``timeout_s`` passes. The
-        future's result is ``(peer id -> verdict, ours included; the fastest member's answer in seconds)``."""
-        future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_exchange_verdicts", [], dict(future=future, group_id=group_id, peers=peers, own=own,
-                                                                timeout_s=timeout_s)))
-        return future
-
-    async def _exchange_verdicts(self, future: MPFuture, group_id: bytes, peers: tuple[str, ...], own: str,
-                                 timeout_s: float) -> None:
-        try:
-            received, event = self._verdict_box(group_id)
-            received[self.peer_id.to_base58()] = own[:MAX_VERDICT_CHARS]
-            rtt_s = await self._send_verdict(group_id, peers, own, timeout_s)
-            deadline = time.monotonic() + timeout_s
-            while not (all(p in received for p in peers) or vetoed(received, peers)):
-                event.clear()
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), left_s)
-            future.set_result(({p: received[p] for p in peers if p in received}, rtt_s))
-        except BaseException as e:
-            future.set_exception(e)
-            if not isinstance(e, Exception):
-                raise
-
-    def send_verdict(self, group_id: bytes, peers: tuple[str, ...], verdict: str, timeout_s: float) -> MPFuture:
-        """(host) Send a later verdict (a withdrawn "ok") to the group's other members; it replaces the earlier one
-        where it arrives. The future's result is the fastest answer's seconds (inf: nobody answered)."""
-        future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_send_verdict_later", [], dict(future=future, group_id=group_id, peers=peers,
-                                                                 verdict=verdict, timeout_s=timeout_s)))
-        return future
-
-    async def _send_verdict_later(self, future: MPFuture, group_id: bytes, peers: tuple[str, ...], verdict: str,
-                                  timeout_s: float) -> None:
-        try:
-            self._verdict_box(group_id)[0][self.peer_id.to_base58()] = verdict[:MAX_VERDICT_CHARS]
-            future.set_result(await self._send_verdict(group_id, peers, verdict, timeout_s))
-        except BaseException as e:
-            future.set_exception(e)
-            if not isinstance(e, Exception):
-                raise
-
-    async def _send_verdict(self, group_id: bytes, peers: tuple[str, ...], verdict: str, timeout_s: float) -> float:
-        """Send ``verdict`` to every other member at once (each within ``timeout_s``); the fastest answer's seconds.
-        A member that does not take it is silent to us as we are to it: its own deadline decides."""
-        own = self.peer_id.to_base58()
-        request = averaging_pb2.JoinRequest(group_key=group_id.hex(), gather=verdict[:MAX_VERDICT_CHARS].encode())
-
-        async def send(peer: str) -> float:
-            t0 = time.monotonic()
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            reply = await stub.rpc_group_verdict(request, timeout=timeout_s)
-            if reply.code != averaging_pb2.ACCEPTED:
-                raise MatchmakingException(f"verdict refused: {averaging_pb2.MessageCode.Name(reply.code)}")
-            return time.monotonic() - t0
-
-        sent = await asyncio.gather(*(send(p) for p in peers if p != own), return_exceptions=True)
-        for peer, result in zip([p for p in peers if p != own], sent):
-            if isinstance(result, BaseException):
-                logger.debug("fragment %s: group %s: our verdict did not reach %s (%s: %s)", self.fragment,
-                             group_id.hex(), peer, type(result).__name__, result)
-        return min((r for r in sent if isinstance(r, float)), default=math.inf)
-
-    def _verdict_box(self, group_id: bytes) -> tuple[dict[str, str], asyncio.Event]:
-        """The verdicts received for ``group_id`` and the event set at each new one (older groups forgotten)."""
-        now = time.monotonic()
-        for old in [g for g, (_, _, since) in self._verdicts.items() if now - since > OFFER_KEEP_S]:
-            del self._verdicts[old]
-        if group_id not in self._verdicts:
-            if len(self._verdicts) >= MAX_OFFER_WAITS:  # make room: the oldest group's are the least likely read
-                del self._verdicts[next(iter(self._verdicts))]
-            self._verdicts[group_id] = ({}, asyncio.Event(), now)
-        received, event, _ = self._verdicts[group_id]
-        return received, event
-
-    async def rpc_group_verdict(self, request: averaging_pb2.JoinRequest,
-                                context: P2PContext) -> averaging_pb2.MessageFromLeader:
-        """A member's verdict on a group's round (a later one replaces the earlier: a withdrawn "ok")."""
-        if await self._refuse(context, "a verdict"):
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        try:
-            group_id = bytes.fromhex(request.group_key)
-            verdict = request.gather[:4 * MAX_VERDICT_CHARS].decode(errors="replace")[:MAX_VERDICT_CHARS]
-        except ValueError:  # not hex
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        kept = self._offers.get(group_id)
-        sender = context.remote_id.to_base58()
-        if kept is not None and sender not in kept[0].peer_ids:
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
-        received, event = self._verdict_box(group_id)
-        received[sender] = verdict
-        event.set()
-        return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=group_id)
 
     def fixed_group(self, group_id: bytes) -> FixedGroup | None:
         """(averager process) The group from the clock ``group_id`` if we met it as one, else None."""

@@ -26,13 +26,13 @@ from p2p_diloco.averaging.decisions import (
     Decision,
     decision_at_deadline,
     RoundMeta,
+    VerdictRule,
     averager_prefix,
-    check_group,
     commit_key,
     grid_version,
     parse_gathered,
-    quorum_problem,
     relative_distance,
+    round_verdict,
     version_group_bits,
     vouch_key,
 )
@@ -214,7 +214,7 @@ def set_fixed_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTi
     if len(plan.members) < max(2, host.cfg.averaging.min_group_size):
         return NO_GROUP
     group = FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s,
-                       boundary_ms=plan.boundary_ms)
+                       boundary_ms=plan.boundary_ms, rule=host.verdict_rule(plan, limits))
     try:
         host._wait(host.averager.set_next_group(group), SET_TIMEOUTS_DEADLINE_S)
     except Leaving:
@@ -412,17 +412,13 @@ class FragmentAveragerHost:
                                      arrival_spread_s=last - min(m.due for m in metas),
                                      waited_s=max(0.0, last - meta.due),
                                      absent=len(set(plan.members) - set(peers)))
-        decision = check_group(meta, metas, self.radial_names, min_group_size=a.min_group_size,
-                               weighting=self.cfg.outer.weighting, grid=self.grid)
-        quorum = quorum_problem(len(peers), plan.at_rank, a.target_group_size) if decision.ok else None
-        if quorum is not None:
-            decision = Decision(False, quorum)
+        rule = self.verdict_rule(plan, limits)
+        decision = round_verdict(rule, meta, metas, finite=True)  # the gathered data's checks first
         averaged: dict[str, torch.Tensor] = {}
         if decision.ok:
             with self.averager.get_tensors() as buffers:
                 averaged = {n: b.clone() for n, b in zip(self.wire_names, buffers)}
-            if not all(bool(torch.isfinite(t).all()) for t in averaged.values()):
-                decision = Decision(False, "averaged tensors are not finite")
+            decision = round_verdict(rule, meta, metas, all(bool(torch.isfinite(t).all()) for t in averaged.values()))
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         own = "ok" if decision.ok else decision.reason
         agreeing = time.monotonic()
@@ -453,6 +449,13 @@ class FragmentAveragerHost:
                             bytes_received=self.averager.bytes_received.value - received0,
                             allreduce_s=self.averager.last_allreduce_s.value,
                             part_bytes=self.averager.last_part_bytes.value, merged=merged, **extra)
+
+    def verdict_rule(self, plan: RoundPlan, limits: RoundTimeouts) -> VerdictRule:
+        """What our verdict on ``plan``'s round checks (:func:`round_verdict`), here and -- groups from the clock -- in
+        the averager process, which sends it as the all-reduce ends."""
+        a = self.cfg.averaging
+        return VerdictRule(self.radial_names, a.min_group_size, self.cfg.outer.weighting, plan.at_rank,
+                           a.target_group_size, self.grid, verdict_wait_s(a, limits))
 
     def _read_verdicts(self, key: str) -> tuple[Any, float]:
         """One read of a round's verdicts: (what the DHT holds under ``key``, the seconds the read took)."""

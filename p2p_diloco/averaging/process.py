@@ -29,6 +29,7 @@ from p2p_diloco.averaging.decisions import (
 )
 from p2p_diloco.averaging.linktime import RoundTimeouts
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
+from p2p_diloco.averaging.verdicts import GroupVerdicts
 from p2p_diloco.core import outer
 from p2p_diloco.core.logs import log_handled
 from p2p_diloco.core.replay import PackedRound
@@ -62,7 +63,7 @@ def throttled(read: Callable[..., Any], min_interval_s: float) -> Callable[..., 
     return call
 
 
-class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, DecentralizedAverager):
+class FragmentAveragerProcess(StateDownloads, GroupLeading, GroupVerdicts, FixedGroupMeeting, DecentralizedAverager):
     """One fragment's averager: exact all-reduce, completeness check, members-only handlers, state sharing.
 
     ``state_provider`` (host process) returns ``(metadata, tensors)`` for :meth:`get_current_state`:
@@ -82,6 +83,9 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         self.bytes_received = mp.Value(ctypes.c_longlong, 0)
         self.refused = mp.Value(ctypes.c_longlong, 0)
         """Requests our handlers refused (non-members), counted in the averager process."""
+        self.early_verdicts = mp.Value(ctypes.c_longlong, 0)
+        """Rounds whose verdict went out as the all-reduce ended and was the host's (:meth:`early_verdict`), counted
+        in the averager process."""
         self.last_part_bytes = mp.Value(ctypes.c_longlong, 0)
         """The part size (bytes) the last all-reduce was cut in (:func:`link_part_bytes`); the host sets 0 before a
         round and reads it after."""
@@ -97,6 +101,7 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         """The robust merge rule (:func:`outer.robust_rule`): our reducer bounds each sender's influence."""
         self._kept: list[PackedRound] = []  # the rounds we serve to peers that replay (StateDownloads.keep_round)
         self.init_fixed_groups()
+        self.init_group_verdicts()
         self.init_group_leading()
         super().__init__(*args, **kwargs)
 
@@ -144,6 +149,7 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, FixedGroupMeeting, D
         finally:
             self.last_allreduce_s.value = time.monotonic() - t0
         self.last_updated = get_dht_time()
+        self.early_verdict(group_info, metas, tensors)
 
     async def _step(self, *, step: StepControl, future_for_init: MPFuture) -> None:
         """hivemind's step, without the exception it re-raises once the step holds its outcome: nobody awaits

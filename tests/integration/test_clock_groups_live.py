@@ -179,6 +179,8 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
         time.sleep(BLIND_S)  # the blind spell ends
         again = round_of("verdicts-2")
         assert all(o.committed for o in again), [o.reason for o in again]
+        # each member's verdict went out from its averager process as the all-reduce ended, and was the host's
+        assert [h.averager.early_verdicts.value for h in hosts] == [2, 2], [h.averager.early_verdicts.value for h in hosts]
         a, b = round_of("offers-3")
         print(f"round 3: a {a.reason!r} in {a.duration_s:.1f} s, b {b.reason!r} in {b.duration_s:.1f} s")
         assert a.reason == b.reason == f"{MISSING}: 1 of 2 members showed", (a.reason, b.reason)  # one decision

@@ -15,7 +15,8 @@ import torch
 
 from p2p_diloco.averaging.decisions import (
     GRID_KEY_BITS, META_FIELDS, RoundMeta, adapt_window, anchor_hash, averager_prefix, check_group, completeness_problem,
-    grid_group_bits, grid_version, peers_at_rank, quorum_problem, version_group_bits,
+    grid_group_bits, grid_version, peers_at_rank, quorum_problem, version_group_bits, NOT_FINITE, VerdictRule,
+    round_verdict,
 )
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import parse_state, state_payload
@@ -49,6 +50,18 @@ def test_the_wire_metadata_is_derived_from_the_contribution() -> None:
 def decide(own: RoundMeta, members: list[RoundMeta], min_group_size: int = 2) -> tuple[bool, str]:
     d = check_group(own, members, RADIAL, min_group_size=min_group_size, weighting="tokens")
     return d.ok, d.reason
+
+
+def test_a_verdict_checks_the_group_then_the_quorum_then_the_tensors() -> None:
+    """What the averager process sends as the all-reduce ends and the host checks again: the same pure rule."""
+    members = [meta(), meta(tokens=768, steps=3, weight=768.0, due=100.4)]
+    rule = VerdictRule(RADIAL, min_group_size=2, weighting="tokens", at_rank=3)
+    assert round_verdict(rule, members[0], members, finite=True).ok  # 2 of the 3 at our rank: a majority
+    assert round_verdict(rule, members[0], members, finite=False).reason == NOT_FINITE
+    minority = VerdictRule(RADIAL, min_group_size=2, weighting="tokens", at_rank=4)  # 2 of 4: another pair could too
+    assert round_verdict(minority, members[0], members, finite=False).reason.startswith("a minority group")
+    wrong = [members[0], meta(version=2)]  # the gathered data first: a member at another version
+    assert round_verdict(rule, members[0], wrong, finite=False).reason.startswith("version mismatch")
 
 
 def test_a_consistent_group_is_accepted_by_every_member() -> None:

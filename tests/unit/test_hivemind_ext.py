@@ -32,6 +32,7 @@ GUARDED = (  # every module that overrides or reads hivemind private names, in i
     "p2p_diloco.averaging.downloads",
     "p2p_diloco.averaging.fixed_groups",
     "p2p_diloco.averaging.group_leader",
+    "p2p_diloco.averaging.verdicts",
     "p2p_diloco.averaging.process",
 )
 

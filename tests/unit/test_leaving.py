@@ -104,7 +104,7 @@ def test_a_round_reading_verdicts_from_a_stopped_dht_ends_when_the_learner_leave
     gathered: Future[Any] = Future()
     gathered.set_result({"peer-a": b"", "peer-b": b""})
     monkeypatch.setattr(host_module, "parse_gathered", lambda g: [meta(), meta()])
-    monkeypatch.setattr(host_module, "check_group", lambda *a, **kw: Decision(True, "ok"))
+    monkeypatch.setattr(host_module, "round_verdict", lambda *a, **kw: Decision(True, "ok"))
     posted: Future[Any] = Future()
     posted.set_result(True)
     reads: list[NeverResolved] = []
