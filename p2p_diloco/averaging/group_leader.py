@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping
+from typing import Collection, Mapping
 
 import msgpack
 from hivemind.averaging.matchmaking import MatchmakingException
@@ -43,7 +43,14 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging.decisions import MISSING, missing_reason
-from p2p_diloco.averaging.fixed_groups import MAX_OFFER_BYTES, MAX_OFFER_WAITS, OFFER_KEEP_S, Declined, FixedGroup
+from p2p_diloco.averaging.fixed_groups import (
+    MAX_OFFER_BYTES,
+    MAX_OFFER_WAITS,
+    OFFER_KEEP_S,
+    Declined,
+    FixedGroup,
+    FixedGroupMeeting,
+)
 from p2p_diloco.core.groups import group_leaders
 from p2p_diloco.core.rejects import PeerDataError, Reason
 from p2p_diloco.hivemind_ext import require_hivemind
@@ -172,21 +179,10 @@ def read_decision(reply: averaging_pb2.MessageFromLeader, planned: FixedGroup) -
     return Decision(group, tuple(bytes(offer) for offer in reply.gathered))
 
 
-class GroupLeading:
+class GroupLeading(FixedGroupMeeting):
     """The leader's side of groups from the clock, and a member's wait for the decision (mixed into the averager
-    process class beside :class:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting`, whose state it reads)."""
-
-    # what the averager and FixedGroupMeeting provide
-    _p2p: Any
-    peer_id: Any
-    prefix: str
-    fragment: int | None
-    get_stub: Callable[..., Any]
-    _refuse: Callable[..., Any]
-    _offers: dict[bytes, tuple[FixedGroup, bytes]]
-    _declined: dict[int, float]
-    _offer_wait: Callable[[bytes, int], asyncio.Event | None]
-    _ask_offer: Callable[..., Any]
+    process class; it reads the state of :class:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting`, whose
+    declarations of what the averager provides it shares)."""
 
     def init_group_leading(self) -> None:
         """(host, before the averager process starts) Empty state."""

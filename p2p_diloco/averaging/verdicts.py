@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
@@ -26,7 +26,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 
 from p2p_diloco.averaging.decisions import RoundMeta, round_verdict, vetoed
-from p2p_diloco.averaging.fixed_groups import MAX_OFFER_WAITS, OFFER_KEEP_S, FixedGroup
+from p2p_diloco.averaging.fixed_groups import MAX_OFFER_WAITS, OFFER_KEEP_S, FixedGroupMeeting
 from p2p_diloco.hivemind_ext import require_hivemind
 
 require_hivemind(__name__)  # a handler of hivemind's averager servicer
@@ -37,20 +37,12 @@ MAX_VERDICT_CHARS = 300
 """The longest verdict kept ("ok", or why not: cut to this)."""
 
 
-class GroupVerdicts:
-    """The averager's side of verdicts inside the group (mixed into the averager process class)."""
+class GroupVerdicts(FixedGroupMeeting):
+    """The averager's side of verdicts inside the group (mixed into the averager process class; it reads the groups
+    and offers of :class:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting`, whose declarations of what the averager
+    provides it shares)."""
 
-    # what the averager (hivemind's DecentralizedAverager, our subclass, FixedGroupMeeting) provides
-    _outer_pipe: Any
-    _p2p: Any
-    peer_id: Any
-    prefix: str
-    fragment: int | None
-    get_stub: Callable[..., Any]
-    _refuse: Callable[..., Any]
-    _offers: dict[bytes, tuple[FixedGroup, bytes]]
-    fixed_group: Callable[[bytes], FixedGroup | None]
-    early_verdicts: Any  # a shared counter (multiprocessing.Value) of the verdicts sent early and kept
+    early_verdicts: Any  # the averager's shared counter (multiprocessing.Value) of the verdicts sent early and kept
 
     def init_group_verdicts(self) -> None:
         """(host, before the averager process starts) Empty state."""
@@ -110,7 +102,7 @@ class GroupVerdicts:
         fixed = self.fixed_group(group_info.group_id)
         planned = self._offers.get(fixed.verdict_id) if fixed is not None else None
         rule = planned[0].rule if planned is not None else None
-        if fixed is None or rule is None or self.peer_id not in group_info.peer_ids:
+        if fixed is None or rule is None:
             return
         own = metas[group_info.peer_ids.index(self.peer_id)]
         decision = round_verdict(rule, own, metas, all(bool(torch.isfinite(t).all()) for t in averaged))
