@@ -214,7 +214,8 @@ class FixedGroupMeeting:
             raise MatchmakingException(decision.reason if decision.group is None else (
                 f"{MISSING}: the group went on without us ({len(decision.group.peer_ids)} of {len(group.peer_ids)} "
                 "members showed by its leader's deadline)"))
-        if decision.group is not group:
+        if decision.group.group_id != group.group_id:  # the same id is the same group; we keep ours, which carries
+            # our verdict rule (the leader's decision names the group a member's request brought, if that came first)
             logger.debug("fragment %s: group %s goes on as %s without %d member(s)", self.fragment,
                          group.group_id.hex(), decision.group.group_id.hex(),
                          len(group.peer_ids) - len(decision.group.peer_ids))

@@ -160,16 +160,20 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
             return next(f"{name}.{k}" for k in range(1000)
                         if leader_of(FixedGroup(f"{name}.{k}".encode(), members, 0.0, 1.0)) == a_id)
 
-        def round_of(name: str) -> list[Any]:
+        def round_of(name: str, a_late_s: float = 0.0) -> list[Any]:
+            """The round of group ``name`` on both; a's step meets it ``a_late_s`` after b's."""
             group_id = led_by_a(name)
             start = get_dht_time() + VERDICT_CFG.averaging.window_s
-            futures = [h.start_round(Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=100 * (i + 1),
-                                                  steps=10, weight=100.0 * (i + 1), norms={},
-                                                  tensors={n: torch.full(VERDICT_SHAPES[n], float(i)) for n in VERDICT_NAMES}),
-                                     RoundPlan(start, VERDICT_CFG.averaging.window_s, due=get_dht_time(),
-                                               group_id=group_id, members=members))
-                       for i, h in enumerate(hosts)]
-            return [f.result(timeout=60) for f in futures]
+            futures: dict[int, Any] = {}
+            for i in (1, 0):
+                time.sleep(a_late_s if i == 0 else 0.0)
+                futures[i] = hosts[i].start_round(
+                    Contribution(fragment=0, version=0, anchor_hash="0" * 16, tokens=100 * (i + 1), steps=10,
+                                 weight=100.0 * (i + 1), norms={},
+                                 tensors={n: torch.full(VERDICT_SHAPES[n], float(i)) for n in VERDICT_NAMES}),
+                    RoundPlan(start, VERDICT_CFG.averaging.window_s, due=get_dht_time(), group_id=group_id,
+                              members=members))
+            return [futures[i].result(timeout=60) for i in (0, 1)]
 
         a, b = round_of("verdicts-1")
         print(f"\nround 1: a {a.reason!r}, b {b.reason!r}")
@@ -177,9 +181,11 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
         assert not b.committed and "no verdict from 1 of 2 members within" in b.reason, b.reason
         assert b.pending is not None and all(torch.equal(b.pending[n], a.merged[n]) for n in VERDICT_NAMES)
         time.sleep(BLIND_S)  # the blind spell ends
-        again = round_of("verdicts-2")
+        # b's request for a's decision comes before a's own step meets the group (a races that way on a busy machine)
+        again = round_of("verdicts-2", a_late_s=0.5)
         assert all(o.committed for o in again), [o.reason for o in again]
-        # each member's verdict went out from its averager process as the all-reduce ended, and was the host's
+        # each member's verdict went out from its averager process as the all-reduce ended, and was the host's --
+        # the leader's too, whose decision was started by b's request (the group it names carries no verdict rule)
         assert [h.averager.early_verdicts.value for h in hosts] == [2, 2], [h.averager.early_verdicts.value for h in hosts]
         a, b = round_of("offers-3")
         print(f"round 3: a {a.reason!r} in {a.duration_s:.1f} s, b {b.reason!r} in {b.duration_s:.1f} s")
