@@ -103,6 +103,9 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
         "coordination_after_last": 1 - allreduce / after_last if after_last and allreduce is not None else None,
         "median_setup_s": median([e.setup_s for e in committed if e.setup_s is not None]),
         "median_verdicts_s": median([e.verdicts_s for e in committed if e.verdicts_s is not None]),
+        # meeting once the last member is in: our step's meeting less its wait for the others to arrive
+        "median_meet_s": median([max(0.0, e.meet_s - (e.waited_s or 0.0)) for e in committed if e.meet_s is not None]),
+        "median_handback_s": median([e.handback_s for e in committed if e.handback_s is not None]),
         "anchors_identical": report.get("anchors_identical"),
         "tokens": report.get("tokens"),
     }
@@ -126,12 +129,20 @@ def breakdown(payloads: list[dict[str, Any]]) -> str:
     for a in payloads:
         if a.get("median_setup_s") is None or a.get("median_after_last_s") is None:
             continue
-        known = a["median_setup_s"] + (a["median_allreduce_s"] or 0) + (a.get("median_verdicts_s") or 0)
+        parts = ("median_setup_s", "median_meet_s", "median_allreduce_s", "median_handback_s", "median_verdicts_s")
+        known = sum(a.get(k) or 0 for k in parts)
+        measured = a.get("median_meet_s") is not None  # runs before the meeting and the hand-back were timed
         lines.append(f"- {a['arm']}: of {fmt(a['median_after_last_s'], '.3f')} s from the last hand-off, setup "
-                     f"{fmt(a['median_setup_s'], '.3f')} s (timeouts, group, tensors into the averager), all-reduce "
-                     f"{fmt(a['median_allreduce_s'], '.3f')} s, verdicts {fmt(a.get('median_verdicts_s'), '.3f')} s, "
-                     f"the rest {fmt(max(0.0, a['median_after_last_s'] - known), '.3f')} s (offers or matchmaking, "
-                     "the averager's hops, checks and the merge)")
+                     f"{fmt(a['median_setup_s'], '.3f')} s (timeouts, group, tensors into the averager), "
+                     + (f"meeting {fmt(a['median_meet_s'], '.3f')} s (offers and the leader's decision, or "
+                        "matchmaking, once the last member is in), " if measured else "")
+                     + f"all-reduce {fmt(a['median_allreduce_s'], '.3f')} s, "
+                     + (f"hand-back {fmt(a.get('median_handback_s'), '.3f')} s (the result back to the learner, its "
+                        "checks), " if measured else "")
+                     + f"verdicts {fmt(a.get('median_verdicts_s'), '.3f')} s, "
+                     f"the rest {fmt(max(0.0, a['median_after_last_s'] - known), '.3f')} s ("
+                     + ("the step's way into the averager, the merge" if measured else
+                        "offers or matchmaking, the averager's hops, checks and the merge") + ")")
     return ("\n\nA committed round's parts (medians of each, so they need not add up):\n\n" + "\n".join(lines)
             if lines else "")
 

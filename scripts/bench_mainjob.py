@@ -15,6 +15,7 @@ reads); and whether the learners ended with identical anchors.
 
     python scripts/bench_mainjob.py                   # both arms, the main job's own defaults
     python scripts/bench_mainjob.py --quick           # 1 minute an arm: checks the pipeline
+    python scripts/bench_mainjob.py --arms clock      # groups from the clock alone (half the time)
     python scripts/bench_mainjob.py --render-only     # rewrite the page from mainjob-rounds.json
 """
 
@@ -85,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     p = _bench.parser(__doc__, BENCH, quick="1 minute an arm: checks the pipeline, not the figures")
     p.add_argument("--minutes", type=float, default=MAIN_JOB_MINUTES,
                    help=f"training time of each arm (default: the main job's {MAIN_JOB_MINUTES:g})")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
+                   help="the arms to run, in this order (default: both, for the side-by-side comparison)")
     args = p.parse_args(argv)
     if _bench.rerender(args, BENCH, table, plot):
         return 0
     minutes = 1.0 if args.quick else args.minutes
     code = _bench.code_identity(None, 10.0)
-    arms = [measure_main_job(arm, run_arm(arm, args.out, minutes)) for arm in ARMS]
+    arms = [measure_main_job(arm, run_arm(arm, args.out, minutes)) for arm in args.arms]
     _bench.publish(BENCH, args.out, {"minutes": minutes, "code": code, "arms": arms}, table, plot)
     return 0
 

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from bench_overhead_page import TARGET, markdown, plot
 
-from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
+from p2p_diloco.averaging.plans import RoundOutcome, RoundPlan
 from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.core import data, outer
 from p2p_diloco.core.config import Config, load_config

@@ -47,7 +47,7 @@ def run_round(peers: Sequence[Any], tensors: Sequence[Mapping[str, torch.Tensor]
     :class:`RoundOutcome`."""
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.sync.fragment import Contribution
 
     start = get_dht_time() + cfg.averaging.window_s

@@ -103,6 +103,7 @@ class FixedGroupMeeting:
     _matchmaking: Any
     _p2p: Any
     _pending_groups_registered: asyncio.Event
+    last_meet_s: Any  # a multiprocessing.Value: how long the last step took to meet its group
     peer_id: Any
     prefix: str
     fragment: int | None
@@ -173,9 +174,10 @@ class FixedGroupMeeting:
 
         async def look(step: StepControl) -> GroupInfo | None:
             group, self._next_group = self._next_group, None
-            if group is None:
-                return await look_for_group(step)
-            return await self._meet(group, step)
+            t0 = time.monotonic()
+            found = await look_for_group(step) if group is None else await self._meet(group, step)
+            self.last_meet_s.value = time.monotonic() - t0
+            return found
 
         look.fixed_groups = True  # type: ignore[attr-defined]
         return look

@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -46,6 +46,7 @@ from p2p_diloco.averaging.linktime import (
     verdict_wait_s,
 )
 from p2p_diloco.averaging.fixed_groups import FixedGroup
+from p2p_diloco.averaging.plans import RoundOutcome, RoundPlan
 from p2p_diloco.averaging.process import FragmentAveragerProcess
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.averaging.transfer import FetchedState
@@ -73,109 +74,6 @@ LEAVING = "cancelled: this peer is leaving"
 
 class Leaving(Exception):
     """A wait of the averaging worker ended because the learner is leaving (:meth:`FragmentAveragerHost.cancel`)."""
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """How the transport runs one round of a :class:`~p2p_diloco.sync.fragment.Contribution`: its schedule, its
-    timeouts and its group (planned beside the contribution, which it does not copy)."""
-
-    scheduled_time: float
-    """DHT time at which the group should start its all-reduce."""
-    window_s: float
-    due: float
-    """DHT time at which the contribution was handed off (``RoundMeta.due``: the members' arrival spread)."""
-    doomed: Callable[[], bool] | None = None
-    """Polled while the round is still matching: True abandons it (a live peer is already past our version: a
-    group there would fork or find nobody, and waiting out the window only delays our catching up). Read on the round's
-    worker thread: a read-only look at the swarm's records, never the engine's state."""
-    timeouts: RoundTimeouts | None = None
-    """This round's hivemind timeouts, derived from the link (:func:`~p2p_diloco.averaging.linktime.round_timeouts`);
-    None: the config's fixed values (:func:`~p2p_diloco.averaging.linktime.floor_timeouts`)."""
-    group_bits: str = ""
-    """Grid groups: the group key (:func:`~p2p_diloco.averaging.decisions.grid_group_bits`); empty: the version's."""
-    at_rank: int = 0
-    """The live learners, us included, at our (version, anchor hash) of the fragment when the round started (0:
-    not checked): a group of at most half of them does not commit (:func:`~p2p_diloco.averaging.decisions.quorum_problem`)."""
-    group_id: str = ""
-    """Groups from the clock (``averaging.matchmaking = "clock"``): the group's id
-    (:func:`~p2p_diloco.core.groups.clock_group`); empty: matchmaking finds the group."""
-    members: tuple[str, ...] = ()
-    """Groups from the clock: the group's members, us included, in their order; the round starts once all of them
-    are in and fails for all alike if one is not by ``scheduled_time``."""
-    boundary_ms: int = -1
-    """Groups from the clock: the clock's boundary the group meets at, in DHT milliseconds (a member that skips it
-    says so: :meth:`~p2p_diloco.transport.network.Host.decline`); -1: none."""
-    link_Bps: float = 0.0
-    """Our link's measured throughput (bytes per second; 0.0: none measured yet), in our round metadata: the group
-    sizes its all-reduce parts for its slowest member (:func:`~p2p_diloco.hivemind_ext.compression.link_part_bytes`)."""
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """How a round ended. ``merged`` is set only when ``committed``."""
-
-    fragment: int
-    version: int
-    committed: bool
-    reason: str
-    group_size: int = 0
-    peers: tuple[str, ...] = ()
-    absent: int = 0
-    """Groups from the clock: the members the group named that did not show; the round went on without them."""
-    own_share: float = 0.0
-    weights: tuple[float, ...] = ()
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    duration_s: float = 0.0
-    finished_at: float = float("nan")
-    """When the round ended (committed or not), on this process's ``time.monotonic()`` clock."""
-    arrival_spread_s: float = float("nan")
-    waited_s: float = float("nan")
-    """Seconds from our hand-off to the group's last member's (their DHT times): the part of ``duration_s`` spent
-    waiting for the others to arrive; NaN: no group formed."""
-    window_s: float = 0.0
-    setup_s: float = float("nan")
-    """Seconds from the round's start to its step in the averager (timeouts and group set, tensors copied in)."""
-    verdicts_s: float = float("nan")
-    """Seconds the members' verdicts took to agree, after the all-reduce; NaN: none exchanged."""
-    allreduce_s: float = float("nan")
-    """Seconds the all-reduce itself ran (timed in the averager process); NaN: no group formed."""
-    part_bytes: int = 0
-    """The size of the parts the all-reduce was cut in (the same on every member: :func:`~p2p_diloco.hivemind_ext.
-    compression.link_part_bytes`); 0: no all-reduce ran."""
-    rtt_s: float = float("nan")
-    """The fastest DHT read of the members' verdicts (a round trip to the group); NaN: none was read."""
-    timeouts: RoundTimeouts | None = None
-    """The timeouts the round ran with."""
-    merged: dict[str, torch.Tensor] | None = None
-    mixed_anchor: dict[str, torch.Tensor] | None = None
-    """Grid groups, committed: the members' averaged anchor and outer momentum, and the version the group commits
-    (:func:`~p2p_diloco.averaging.decisions.grid_version`): the outer step starts from them."""
-    mixed_momentum: dict[str, torch.Tensor] | None = None
-    version_after: int = -1
-    group_distance: float = float("nan")
-    """Grid groups, committed: ``||our anchor - the group's averaged anchor|| / ||averaged||`` (consensus distance)."""
-    pending: dict[str, torch.Tensor] | None = None
-    """Discarded for want of verdicts only (our all-reduce was complete and every verdict we read was "ok"): the
-    merged pseudo-gradient we would have applied. A member that read every "ok" just before we withdrew ours may
-    have committed it; the learner keeps it and adopts it if a peer turns out to hold exactly its result
-    (:meth:`~p2p_diloco.sync.fragment.FragmentSync.adopt_pending`), with no download and no third peer."""
-
-    def event(self) -> dict[str, Any]:
-        """The JSONL record of this round (no tensors)."""
-        # not asdict(): it deep-copied the merged tensors (a whole fragment) on the training thread only to drop
-        # them; finished_at is on this process's clock only
-        d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in ("merged", "mixed_anchor", "mixed_momentum", "pending", "finished_at")}
-        d["peers"] = list(self.peers)
-        d["weights"] = list(self.weights)
-        d["outcome"] = "committed" if self.committed else "discarded"
-        for key in ("arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "allreduce_s", "rtt_s", "group_distance"):
-            if not math.isfinite(d[key]):
-                d[key] = None
-        d["timeouts"] = self.timeouts.event() if self.timeouts is not None else None
-        return d
 
 
 @dataclass(frozen=True)
@@ -207,21 +105,26 @@ def step_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[-1] if text else 'the averager cancelled the step'}"[:300]
 
 
-def set_fixed_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTimeouts) -> str:
-    """Groups from the clock: hand ``plan``'s group to ``host``'s averager for its next step. Returns why the round
-    cannot run (nobody else at our rank, an averager that did not take it), empty if it can; raises
+def took_settings(host: FragmentAveragerHost, settings: Sequence[tuple[str, Any]]) -> str:
+    """Why the averager did not take a round's ``settings`` (what, its future), empty if it took them all; raises
     :class:`Leaving` when we leave meanwhile."""
-    if len(plan.members) < max(2, host.cfg.averaging.min_group_size):
-        return NO_GROUP
-    group = FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s,
-                       boundary_ms=plan.boundary_ms, rule=host.verdict_rule(plan, limits))
-    try:
-        host._wait(host.averager.set_next_group(group), SET_TIMEOUTS_DEADLINE_S)
-    except Leaving:
-        raise
-    except Exception as e:
-        return f"the averager did not take the round's group: {type(e).__name__}: {e}"[:300]
+    for what, future in settings:
+        try:
+            host._wait(future, SET_TIMEOUTS_DEADLINE_S)
+        except Leaving:
+            raise
+        except Exception as e:
+            return f"the averager did not take {what}: {type(e).__name__}: {e}"[:300]
     return ""
+
+
+def planned_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTimeouts) -> FixedGroup | None:
+    """Groups from the clock: ``plan``'s group, which ``host``'s averager meets at its next step, carrying our verdict
+    rule; None when nobody else is at our rank (the round cannot run: :data:`NO_GROUP`)."""
+    if len(plan.members) < max(2, host.cfg.averaging.min_group_size):
+        return None
+    return FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s,
+                      boundary_ms=plan.boundary_ms, rule=host.verdict_rule(plan, limits))
 
 
 def decline_round(host: FragmentAveragerHost, boundary_ms: int) -> None:
@@ -343,6 +246,7 @@ class FragmentAveragerHost:
         sent0, received0 = self.averager.bytes_sent.value, self.averager.bytes_received.value
         self.averager.last_allreduce_s.value = math.nan  # the averager process times this round's all-reduce
         self.averager.last_part_bytes.value = 0  # and says how it cut it
+        self.averager.last_meet_s.value = self.averager.last_allreduce_end.value = math.nan
 
         def failed(reason: str, **extra: Any) -> RoundOutcome:
             now = time.monotonic()
@@ -357,19 +261,16 @@ class FragmentAveragerHost:
         if self._cancelled.is_set():
             return failed(LEAVING)
         logger.debug("fragment %d v%d: round timeouts %s", self.fragment, c.version, limits.event())
-        try:
-            self._wait(self.averager.set_round_timeouts(limits), SET_TIMEOUTS_DEADLINE_S)
-        except Leaving:
-            return failed(LEAVING)
-        except Exception as e:  # the averager process is gone or stuck: this round cannot run; say why
-            return failed(f"the averager did not take the round's timeouts: {type(e).__name__}: {e}"[:300])
-        try:  # a group from the clock: its members meet directly, no matchmaking
-            problem = set_fixed_group(self, plan, limits) if plan.members else ""
-        except Leaving:
-            return failed(LEAVING)
-        if problem:
-            return failed(problem)
-        self.averager.set_group_bits(plan.group_bits or version_group_bits(c.version, c.anchor_hash))
+        group = planned_group(self, plan, limits) if plan.members else None
+        if plan.members and group is None:
+            return failed(NO_GROUP)
+        # the round's settings go down the averager's control pipe before its step, so they apply before it; their
+        # answers are read once the step is in (each was a round trip to a process on a loaded machine before)
+        settings = [("the round's timeouts", self.averager.set_round_timeouts(limits)),
+                    ("the round's group bits", self.averager.set_group_bits(
+                        plan.group_bits or version_group_bits(c.version, c.anchor_hash), wait=False))]
+        if group is not None:  # a group from the clock: its members meet directly, no matchmaking
+            settings.append(("the round's group", self.averager.set_next_group(group)))
         with self.averager.get_tensors() as buffers:
             for buf, name in zip(buffers, self.wire_names):
                 buf.copy_(c.tensors[name])
@@ -379,6 +280,14 @@ class FragmentAveragerHost:
         base["setup_s"] = time.monotonic() - t0
         control = self.averager.step(gather=meta.to_wire(), weight=meta.weight, scheduled_time=plan.scheduled_time,
                                      timeout=matchmaking_timeout_s, allow_retries=False, wait=False)
+        try:
+            problem = took_settings(self, settings)
+        except Leaving:
+            control.cancel()
+            return failed(LEAVING)
+        if problem:  # the averager process is gone or stuck: this round cannot run
+            control.cancel()
+            return failed(problem)
         give_up_at = time.monotonic() + matchmaking_timeout_s + limits.allreduce_timeout_s + limits.request_timeout_s
         while True:
             try:
@@ -412,6 +321,7 @@ class FragmentAveragerHost:
                                      arrival_spread_s=last - min(m.due for m in metas),
                                      waited_s=max(0.0, last - meta.due),
                                      absent=len(set(plan.members) - set(peers)))
+        extra["meet_s"] = self.averager.last_meet_s.value
         rule = self.verdict_rule(plan, limits)
         decision = round_verdict(rule, meta, metas, finite=True)  # the gathered data's checks first
         averaged: dict[str, torch.Tensor] = {}
@@ -422,6 +332,7 @@ class FragmentAveragerHost:
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         own = "ok" if decision.ok else decision.reason
         agreeing = time.monotonic()
+        extra["handback_s"] = agreeing - self.averager.last_allreduce_end.value
         try:  # a group from the clock: the verdicts go to its members directly; else through the DHT
             verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own, limits) if plan.members else
                                          agree_in_dht(self, commit_key(self.prefix, dict(zip(peers, metas))), peers, own))

@@ -92,6 +92,11 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, GroupVerdicts, Fixed
         self.last_allreduce_s = mp.Value(ctypes.c_double, math.nan)
         """Seconds the last all-reduce ran (group formed to done or failed), timed in the averager process: the
         host sets NaN before a round and reads it after (the link's throughput, :mod:`linktime`)."""
+        self.last_allreduce_end = mp.Value(ctypes.c_double, math.nan)
+        """When the last all-reduce that ended well ended (``time.monotonic()``, the same clock in every process of
+        this machine): the host times its result's way back from it."""
+        self.last_meet_s = mp.Value(ctypes.c_double, math.nan)
+        """Seconds the last step took to find or meet its group, timed in the averager process (NaN: none found)."""
         self.membership = membership
         self.state_provider = state_provider
         self.fragment = fragment
@@ -149,6 +154,7 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, GroupVerdicts, Fixed
         finally:
             self.last_allreduce_s.value = time.monotonic() - t0
         self.last_updated = get_dht_time()
+        self.last_allreduce_end.value = time.monotonic()
         self.early_verdict(group_info, metas, tensors)
 
     async def _step(self, *, step: StepControl, future_for_init: MPFuture) -> None:

@@ -102,7 +102,7 @@ class Event:
 class RoundEvent(Event):
     """A round of one fragment ended: committed (the outer step applied) or discarded (nothing changed).
 
-    The averaging fields are :class:`~p2p_diloco.averaging.host.RoundOutcome`'s; the record also carries
+    The averaging fields are :class:`~p2p_diloco.averaging.plans.RoundOutcome`'s; the record also carries
     ``committed`` (``outcome == "committed"``).
     """
 
@@ -143,6 +143,12 @@ class RoundEvent(Event):
     not measured."""
     verdicts_s: float | None = None
     """Seconds the members' verdicts took to agree after the all-reduce; None: none exchanged or not measured."""
+    meet_s: float | None = None
+    """Seconds our step took to meet its group (offers and the leader's decision, or matchmaking); None: no group
+    formed or not measured."""
+    handback_s: float | None = None
+    """Seconds from the all-reduce's end to our verdicts' start (its result's way back to the learner, our checks);
+    None: not measured."""
     allreduce_s: float | None
     """Seconds the all-reduce itself ran; None: no group formed."""
     part_bytes: int = 0

@@ -47,7 +47,8 @@ from p2p_diloco.sync.slot import FragmentSlot
 from p2p_diloco.transport.network import RoundContext, fragment_peers, fragment_ranks
 
 if TYPE_CHECKING:
-    from p2p_diloco.averaging.host import Download, RoundOutcome
+    from p2p_diloco.averaging.host import Download
+    from p2p_diloco.averaging.plans import RoundOutcome
     from p2p_diloco.transport.network import Host, View
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ def _round_event(outcome: RoundOutcome, slot: FragmentSlot, tokens_sent: int, st
         absent=o.absent,
         own_share=o.own_share, weights=tuple(o.weights), bytes_sent=o.bytes_sent, bytes_received=o.bytes_received,
         duration_s=o.duration_s, arrival_spread_s=finite(o.arrival_spread_s),
-        waited_s=finite(o.waited_s), setup_s=finite(o.setup_s), verdicts_s=finite(o.verdicts_s), window_s=o.window_s,
+        waited_s=finite(o.waited_s), setup_s=finite(o.setup_s), verdicts_s=finite(o.verdicts_s),
+        meet_s=finite(o.meet_s), handback_s=finite(o.handback_s), window_s=o.window_s,
         allreduce_s=finite(o.allreduce_s), part_bytes=o.part_bytes, rtt_s=finite(o.rtt_s),
         timeouts=o.timeouts.event() if o.timeouts is not None else None, version_after=slot.version,
         group_distance=finite(o.group_distance), outcome="committed" if o.committed else "discarded",

@@ -60,7 +60,7 @@ class Contribution:
     """One fragment's contribution to a round, as the state machine hands it to its transport: what the members
     gather of each other (the fragment, the version and anchor hash it starts from, the progress and its weight, the
     radial norms) and the tensors. Every transport takes this one form; the hivemind one derives its wire metadata
-    from it (``averaging.decisions.RoundMeta.of``) and plans the round beside it (``averaging.host.RoundPlan``)."""
+    from it (``averaging.decisions.RoundMeta.of``) and plans the round beside it (``averaging.plans.RoundPlan``)."""
 
     fragment: int
     version: int
@@ -87,7 +87,7 @@ class HandOff:
 
 
 class Outcome(Protocol):
-    """A round's end as the transport reports it (``averaging.host.RoundOutcome`` is one)."""
+    """A round's end as the transport reports it (``averaging.plans.RoundOutcome`` is one)."""
 
     @property
     def committed(self) -> bool: ...
@@ -98,7 +98,7 @@ class Outcome(Protocol):
 
 class GridOutcome(Outcome, Protocol):
     """A committed round of grid groups (``averaging.groups = "grid"``): the members' anchors and momenta were
-    averaged too, and the group commits ``version_after`` (``averaging.host.RoundOutcome`` is one)."""
+    averaged too, and the group commits ``version_after`` (``averaging.plans.RoundOutcome`` is one)."""
 
     @property
     def mixed_anchor(self) -> Mapping[str, torch.Tensor] | None: ...

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from p2p_diloco.averaging.decisions import ANCHOR_TENSOR, MOMENTUM_TENSOR
-from p2p_diloco.averaging.host import Download, FragmentAveragerHost, RoundOutcome, decline_round
+from p2p_diloco.averaging.host import Download, FragmentAveragerHost, decline_round
+from p2p_diloco.averaging.plans import RoundOutcome
 from p2p_diloco.averaging.linktime import LinkEstimate
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import Config

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2p_diloco.averaging.decisions import NO_GROUP, missing_reason, quorum_problem
-from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
+from p2p_diloco.averaging.plans import RoundOutcome, RoundPlan
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.groups import without_absent

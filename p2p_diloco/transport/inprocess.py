@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2p_diloco.averaging.decisions import RoundMeta, anchor_order, is_ahead
-from p2p_diloco.averaging.host import Download, RoundOutcome, RoundPlan
+from p2p_diloco.averaging.host import Download
+from p2p_diloco.averaging.plans import RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import payload_bytes
 from p2p_diloco.averaging.transfer import parse_state, state_payload
 from p2p_diloco.core import outer

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from p2p_diloco.averaging.host import Download, RoundOutcome
+    from p2p_diloco.averaging.host import Download
+    from p2p_diloco.averaging.plans import RoundOutcome
     from p2p_diloco.averaging.linktime import LinkEstimate
     from p2p_diloco.core.config import Config
     from p2p_diloco.core.replay import KeptRound

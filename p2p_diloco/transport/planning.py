@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from p2p_diloco.averaging.decisions import grid_group_bits, peers_at_rank, round_is_doomed
-from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
+from p2p_diloco.averaging.plans import RoundOutcome, RoundPlan
 from p2p_diloco.averaging.linktime import allreduce_bytes, expected_group_size, payload_bytes, round_timeouts
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.groups import clock_group, group_of

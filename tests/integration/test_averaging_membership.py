@@ -17,7 +17,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
+from p2p_diloco.averaging.host import FragmentAveragerHost
+from p2p_diloco.averaging.plans import RoundPlan
 from p2p_diloco.averaging.decisions import anchor_hash
 from p2p_diloco.averaging.transfer import state_payload
 from p2p_diloco.core.config import load_config

@@ -134,7 +134,8 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
     from p2p_diloco.averaging.faulty import FaultyAveragerHost
     from p2p_diloco.averaging.fixed_groups import FixedGroup
     from p2p_diloco.averaging.group_leader import leader_of
-    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan, decline_round
+    from p2p_diloco.averaging.host import FragmentAveragerHost, decline_round
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.core import faults
     from p2p_diloco.net.addresses import parse_initial_peers
     from p2p_diloco.net.keys import load_or_create_identity

@@ -21,7 +21,7 @@ import pytest
 import torch
 from averagers import averaging_swarm, run_round
 
-from p2p_diloco.averaging.host import RoundPlan
+from p2p_diloco.averaging.plans import RoundPlan
 from p2p_diloco.sync.fragment import Contribution
 from p2p_diloco.averaging.runner import ExactAllReduceRunner
 from p2p_diloco.hivemind_ext.compression import error_bound

@@ -144,7 +144,7 @@ def test_cancel_ends_a_waiting_round_at_once(tmp_path: Path) -> None:
     """In process: a round waiting for its group ends within a poll period of cancel(), as 'cancelled'."""
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.averaging.runner import ExactAllReduceRunner
     from p2p_diloco.sync.fragment import Contribution
     from test_learner_faults import CFG, NAMES, SHAPES, swarm

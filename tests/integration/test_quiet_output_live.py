@@ -26,7 +26,7 @@ def test_a_round_cancelled_mid_allreduce_leaves_no_unretrieved_exception(tmp_pat
     from hivemind.utils import get_dht_time
     from test_learner_faults import CFG, NAMES, SHAPES, swarm
 
-    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.sync.fragment import Contribution
 
     log = tmp_path / "averagers.log"

@@ -345,7 +345,8 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
 
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
+    from p2p_diloco.averaging.host import FragmentAveragerHost
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.core.config import load_config
 
     steps: list[dict[str, Any]] = []
@@ -366,9 +367,10 @@ def test_a_step_that_hivemind_cancels_itself_discards_the_round() -> None:
     def shared(value: float) -> SimpleNamespace:
         return SimpleNamespace(value=value)
 
-    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0),
+    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_meet_s=shared(0.0), last_allreduce_end=shared(0.0), last_part_bytes=shared(0),
                                set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
-                               set_group_bits=lambda bits: None, get_tensors=lambda: contextlib.nullcontext([]),
+                               set_group_bits=lambda bits, wait: SimpleNamespace(result=lambda timeout: None),
+                               get_tensors=lambda: contextlib.nullcontext([]),
                                step=step)
     host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic
     host.cfg, host.fragment, host.averager, host.names, host.wire_names, host._cancelled = (
@@ -439,7 +441,8 @@ def test_any_exception_a_round_raises_discards_it_with_its_reason(caplog: pytest
 
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import FragmentAveragerHost, RoundPlan
+    from p2p_diloco.averaging.host import FragmentAveragerHost
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.core.config import load_config
 
     raised: list[str] = []
@@ -451,10 +454,11 @@ def test_any_exception_a_round_raises_discards_it_with_its_reason(caplog: pytest
     def shared(value: float) -> SimpleNamespace:
         return SimpleNamespace(value=value)
 
-    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0),
+    averager = SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_meet_s=shared(0.0), last_allreduce_end=shared(0.0),
                                last_part_bytes=shared(0),
                                set_round_timeouts=lambda limits: SimpleNamespace(result=lambda timeout: {}),
-                               set_group_bits=lambda bits: None, get_tensors=tensors_gone)
+                               set_group_bits=lambda bits, wait: SimpleNamespace(result=lambda timeout: None),
+                               get_tensors=tensors_gone)
     host = FragmentAveragerHost.__new__(FragmentAveragerHost)  # no averager process: only the round's logic
     host.cfg, host.fragment, host.averager, host.names, host.wire_names, host._cancelled = (
         load_config(None, []), 3, averager, (), (), threading.Event())

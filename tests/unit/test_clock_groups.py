@@ -18,7 +18,8 @@ from test_inprocess import RUN_DEADLINE_S, STEP_S, Loop, wait_for
 from p2p_diloco.core.config import Config, ConfigError, load_config
 from p2p_diloco.core.groups import clock_group, without_absent
 from p2p_diloco.core.identity import config_hash
-from p2p_diloco.averaging.host import RoundOutcome, step_failure
+from p2p_diloco.averaging.host import step_failure
+from p2p_diloco.averaging.plans import RoundOutcome
 from p2p_diloco.averaging.linktime import estimate_link
 from p2p_diloco.averaging.decisions import MISSING
 from p2p_diloco.averaging.decisions import NO_GROUP

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from p2p_diloco import DiLoCo, SyncOptions, Swarm, build_model, events, load_config, training_batches
-from p2p_diloco.averaging.host import RoundOutcome, RoundPlan
+from p2p_diloco.averaging.plans import RoundOutcome, RoundPlan
 from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from p2p_diloco.averaging.decisions import CANCEL_POLL_S, RoundMeta
-from p2p_diloco.averaging.host import LEAVING, FragmentAveragerHost, Leaving, RoundPlan
+from p2p_diloco.averaging.host import LEAVING, FragmentAveragerHost, Leaving
+from p2p_diloco.averaging.plans import RoundPlan
 from p2p_diloco.core.config import load_config
 from p2p_diloco.sync.fragment import Contribution
 
@@ -50,8 +51,8 @@ def host_of(averager: Any, dht: Any = None) -> FragmentAveragerHost:
 def averager(step: Any, download: Any = None) -> SimpleNamespace:
     done: Future[Any] = Future()
     done.set_result({})
-    return SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_part_bytes=shared(0),
-                           set_round_timeouts=lambda limits: done, set_group_bits=lambda bits: None,
+    return SimpleNamespace(bytes_sent=shared(0), bytes_received=shared(0), last_allreduce_s=shared(0.0), last_meet_s=shared(0.0), last_allreduce_end=shared(0.0), last_part_bytes=shared(0),
+                           set_round_timeouts=lambda limits: done, set_group_bits=lambda bits, wait: done,
                            get_tensors=lambda: contextlib.nullcontext([]), step=step, download_state=download,
                            is_alive=lambda: False)  # stopped: procguard.stop_process has nothing to do
 
@@ -163,7 +164,7 @@ class Hanging:
         return self.pending[-1][0]
 
     def cancel(self) -> None:
-        from p2p_diloco.averaging.host import RoundOutcome
+        from p2p_diloco.averaging.plans import RoundOutcome
 
         self.calls.append("cancel")
         for future, version in self.pending:

@@ -189,7 +189,7 @@ ROUND_DEADLINE_S = 60.0
 def _run_round(peers: list[Any], encoded: list[tuple[dict[str, torch.Tensor], dict[str, float]]], cfg: Any) -> list[Any]:
     from hivemind.utils import get_dht_time
 
-    from p2p_diloco.averaging.host import RoundPlan
+    from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.sync.fragment import Contribution
 
     start = get_dht_time() + cfg.averaging.window_s

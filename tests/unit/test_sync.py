@@ -205,7 +205,7 @@ def test_a_discarded_round_changes_nothing_and_is_collected_at_once() -> None:
 
 @dataclass(frozen=True)
 class Kept:
-    """A round discarded for want of verdicts, its merged result kept (``averaging.host.RoundOutcome`` has it)."""
+    """A round discarded for want of verdicts, its merged result kept (``averaging.plans.RoundOutcome`` has it)."""
 
     committed: bool
     merged: dict[str, torch.Tensor] | None
