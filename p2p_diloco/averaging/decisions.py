@@ -55,10 +55,11 @@ entries are stored at the moment the donor's own commit lands, and can reach the
 VOUCH_POLL_S = 0.25
 
 
-def missing_reason(showed: int, named: int, declined: int = 0) -> str:
+def missing_reason(showed: int, named: int, declined: int = 0, left: int = 0) -> str:
     """Why a group from the clock failed for all: ``showed`` of the ``named`` members were in (``declined`` of the
-    others said they skip the boundary), too few to go on without the rest."""
-    return f"{MISSING}: {showed} of {named} members showed" + (f" ({declined} declined)" if declined else "")
+    others said they skip the boundary, ``left`` that they are done), too few to go on without the rest."""
+    said = ", ".join(f"{n} {what}" for n, what in ((declined, "declined"), (left, "left")) if n)
+    return f"{MISSING}: {showed} of {named} members showed" + (f" ({said})" if said else "")
 
 
 def anchor_hash(tensors: Mapping[str, torch.Tensor]) -> str:

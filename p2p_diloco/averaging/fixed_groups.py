@@ -55,6 +55,11 @@ class Declined(MatchmakingException):
     did not show when the others decide whether to go on without it (:func:`~p2p_diloco.core.groups.without_absent`)."""
 
 
+class Left(MatchmakingException):
+    """A member said it is done (it trains no more and meets no group again): the group goes on without it, and the
+    majority counts the members that stay (:func:`~p2p_diloco.core.groups.without_absent`)."""
+
+
 @dataclass(frozen=True)
 class FixedGroup:
     """A round's group known before it starts (groups from the clock, :func:`~p2p_diloco.core.groups.clock_group`):
@@ -84,11 +89,12 @@ class FixedGroup:
         """The id the round's verdicts are exchanged under (the planned group's)."""
         return self.planned_id or self.group_id
 
-    def without(self, absent: Collection[str], declined: Collection[str] = ()) -> FixedGroup | None:
-        """The group that goes on without ``absent`` and ``declined`` members (:func:`~p2p_diloco.core.groups.
+    def without(self, absent: Collection[str], declined: Collection[str] = (),
+                left: Collection[str] = ()) -> FixedGroup | None:
+        """The group that goes on without ``absent``, ``declined`` and ``left`` members (:func:`~p2p_diloco.core.groups.
         without_absent`), as the leader decides it and every member checks it; None when the round must fail
         instead."""
-        group_id, showed = without_absent(self.group_id.hex(), self.peer_ids, absent, declined)
+        group_id, showed = without_absent(self.group_id.hex(), self.peer_ids, absent, declined, left)
         if not showed:
             return None
         return FixedGroup(group_id.encode(), showed, self.show_by + self.request_timeout_s, self.request_timeout_s,
@@ -120,6 +126,8 @@ class FixedGroupMeeting:
         self._offer_waits: dict[bytes, tuple[asyncio.Event, float, int]] = {}
         """(averager process) Group id -> (set once our offer is in or we decline its round, when the first wait or
         offer came, the boundary it meets at in DHT ms)."""
+        self._left = False
+        """(averager process) We are done (:meth:`leave`): every request for an offer hears so at once."""
         self._declined: dict[int, float] = {}
         """(averager process) The boundaries we skip, DHT ms (:meth:`decline`) -> when we said so:
         :meth:`rpc_group_offer` answers CANCELLED at once for any group at them, and no step of ours meets one."""
@@ -169,6 +177,20 @@ class FixedGroupMeeting:
             if not isinstance(e, Exception):
                 raise
 
+
+    def leave(self) -> MPFuture:
+        """(host) We are done with rounds for good (the learner's final rounds are over: it lingers, then exits):
+        every request for our offer to a group from the clock -- waiting or to come -- hears so at once, and the group
+        goes on without us, its majority counted without us (:class:`Left`)."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_leave", [], dict(future=future)))
+        return future
+
+    async def _leave(self, future: MPFuture) -> None:
+        self._left = True
+        for event, _, _ in self._offer_waits.values():  # requests that came before: answered now
+            event.set()
+        future.set_result(None)
     def _fixed_or_matched(self, look_for_group: Callable[[StepControl], Any]) -> Callable[[StepControl], Any]:
         """hivemind's matchmaking for a step, unless a group was set for it (:meth:`set_next_group`)."""
 
@@ -205,6 +227,8 @@ class FixedGroupMeeting:
             raise MatchmakingException(f"we are not a member of group {group.group_id.hex()}")
         if group.boundary_ms in self._declined:
             raise MatchmakingException(f"we declined the round at {group.boundary_ms} ms: its groups go on without us")
+        if self._left:
+            raise MatchmakingException("we left: no more rounds")
         offer = step.data_for_gather
         self._post_offer(group, offer)
         decision = await self._decision(group)
@@ -245,6 +269,8 @@ class FixedGroupMeeting:
         reply = await stub.rpc_group_offer(request, timeout=timeout_s)
         if reply.code == averaging_pb2.CANCELLED and reply.group_id == group.group_id:
             raise Declined(f"{peer} declined group {group.group_id.hex()}")
+        if reply.code == averaging_pb2.GROUP_DISBANDED and reply.group_id == group.group_id:
+            raise Left(f"{peer} left")
         if reply.code != averaging_pb2.ACCEPTED or reply.group_id != group.group_id or len(reply.gathered) != 1:
             raise MatchmakingException(f"no offer: {averaging_pb2.MessageCode.Name(reply.code)}")
         if len(reply.gathered[0]) > MAX_OFFER_BYTES:
@@ -262,7 +288,7 @@ class FixedGroupMeeting:
             group_id, boundary_ms = bytes.fromhex(key), int(at)
         except ValueError:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-        if group_id not in self._offers and boundary_ms not in self._declined:
+        if group_id not in self._offers and boundary_ms not in self._declined and not self._left:
             event = self._offer_wait(group_id, boundary_ms)
             if event is None:
                 return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
@@ -271,6 +297,8 @@ class FixedGroupMeeting:
                 await asyncio.wait_for(event.wait(), wait_s)
         if boundary_ms in self._declined and group_id not in self._offers:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.CANCELLED, group_id=group_id)
+        if self._left and group_id not in self._offers:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_DISBANDED, group_id=group_id)
         kept = self._offers.get(group_id)
         if kept is None:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)

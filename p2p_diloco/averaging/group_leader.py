@@ -50,6 +50,7 @@ from p2p_diloco.averaging.fixed_groups import (
     Declined,
     FixedGroup,
     FixedGroupMeeting,
+    Left,
 )
 from p2p_diloco.core.groups import group_leaders
 from p2p_diloco.core.rejects import PeerDataError, Reason
@@ -89,20 +90,25 @@ class Decision:
     """The offers of ``group``'s members, in its order."""
     reason: str = ""
     """Why the round fails (``group`` None)."""
+    left: frozenset[str] = frozenset()
+    """The planned group's members that said they left for good (``group`` goes on without them, its majority
+    counted without them)."""
 
 
-def decide(group: FixedGroup, offers: Mapping[str, bytes], declined: Collection[str]) -> Decision:
-    """The leader's decision on ``group``, given the ``offers`` in by its deadline (peer id -> offer) and the members
-    that ``declined`` the boundary: the whole group, the group without the others if more than half of it showed, or
-    failure (:func:`~p2p_diloco.core.groups.without_absent`)."""
+def decide(group: FixedGroup, offers: Mapping[str, bytes], declined: Collection[str],
+           left: Collection[str] = ()) -> Decision:
+    """The leader's decision on ``group``, given the ``offers`` in by its deadline (peer id -> offer), the members
+    that ``declined`` the boundary and those that ``left`` for good: the whole group, the group without the others if
+    more than half of the members that stay showed, or failure (:func:`~p2p_diloco.core.groups.without_absent`)."""
     if all(p in offers for p in group.peer_ids):
         return Decision(group, tuple(offers[p] for p in group.peer_ids))
-    declined = set(declined) - set(offers)
-    rest = group.without(set(group.peer_ids) - set(offers) - declined, declined)
+    left = set(left) - set(offers)
+    declined = set(declined) - set(offers) - left
+    rest = group.without(set(group.peer_ids) - set(offers) - declined - left, declined, left)
     if rest is None:
         return Decision(None, reason=missing_reason(sum(p in offers for p in group.peer_ids), len(group.peer_ids),
-                                                    len(declined)))
-    return Decision(rest, tuple(offers[p] for p in rest.peer_ids))
+                                                    len(declined), len(left)))
+    return Decision(rest, tuple(offers[p] for p in rest.peer_ids), left=frozenset(left))
 
 
 def decision_request(group: FixedGroup, index: int) -> averaging_pb2.JoinRequest:
@@ -149,7 +155,11 @@ def decision_reply(decision: Decision, planned: FixedGroup) -> averaging_pb2.Mes
     return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=decision.group.group_id,
                                            ordered_peer_ids=[planned.peer_ids.index(p).to_bytes(MEMBER_INDEX_BYTES, "big")
                                                              for p in decision.group.peer_ids],
-                                           gathered=list(decision.offers))
+                                           gathered=list(decision.offers),
+                                           # the members that left, by index too: the majority is counted without them
+                                           suggested_leader=b"".join(
+                                               planned.peer_ids.index(p).to_bytes(MEMBER_INDEX_BYTES, "big")
+                                               for p in sorted(decision.left, key=planned.peer_ids.index)))
 
 
 def read_decision(reply: averaging_pb2.MessageFromLeader, planned: FixedGroup) -> Decision:
@@ -168,7 +178,14 @@ def read_decision(reply: averaging_pb2.MessageFromLeader, planned: FixedGroup) -
         raise PeerDataError(Reason.MALFORMED, f"a decision on group {planned.group_id.hex()} naming its members by "
                                               "indices that are not increasing indices into it")
     peers = tuple(planned.peer_ids[i] for i in indices)
-    group = planned if peers == planned.peer_ids else planned.without(set(planned.peer_ids) - set(peers))
+    gone = bytes(reply.suggested_leader)
+    left_at = [int.from_bytes(gone[k:k + MEMBER_INDEX_BYTES], "big") for k in range(0, len(gone), MEMBER_INDEX_BYTES)]
+    if len(gone) % MEMBER_INDEX_BYTES or any(i >= len(planned.peer_ids) for i in left_at):
+        raise PeerDataError(Reason.MALFORMED, f"a decision on group {planned.group_id.hex()} naming members that left "
+                                              "by bad indices")
+    left = {planned.peer_ids[i] for i in left_at}
+    group = planned if peers == planned.peer_ids else planned.without(set(planned.peer_ids) - set(peers) - left,
+                                                                      left=left)
     if group is None or group.peer_ids != peers or group.group_id != reply.group_id:
         raise PeerDataError(Reason.MALFORMED, f"a decision on group {planned.group_id.hex()} naming {len(peers)} "
                                               "members that is not that group, nor more than half of it")
@@ -176,7 +193,7 @@ def read_decision(reply: averaging_pb2.MessageFromLeader, planned: FixedGroup) -
         raise PeerDataError(Reason.MALFORMED, f"{len(reply.gathered)} offers for {len(peers)} members")
     if any(len(offer) > MAX_OFFER_BYTES for offer in reply.gathered):
         raise PeerDataError(Reason.OVERSIZE, f"an offer over {MAX_OFFER_BYTES} bytes")
-    return Decision(group, tuple(bytes(offer) for offer in reply.gathered))
+    return Decision(group, tuple(bytes(offer) for offer in reply.gathered), left=frozenset(left))
 
 
 class GroupLeading(FixedGroupMeeting):
@@ -250,8 +267,8 @@ class GroupLeading(FixedGroupMeeting):
 
     async def _make_decision(self, group: FixedGroup, future: asyncio.Future[Decision]) -> None:
         try:
-            offers, declined = await self._gather_offers(group)
-            decision = decide(group, offers, declined)
+            offers, declined, left = await self._gather_offers(group)
+            decision = decide(group, offers, declined, left)
         except Exception as e:  # a bug of ours: every member fails the round, with its reason
             logger.warning("fragment %s: group %s: no decision (%s: %s)", self.fragment, group.group_id.hex(),
                            type(e).__name__, e)
@@ -264,15 +281,15 @@ class GroupLeading(FixedGroupMeeting):
             logger.debug("fragment %s: group %s goes on as %s of %d members", self.fragment, group.group_id.hex(),
                          decision.group.group_id.hex(), len(decision.group.peer_ids))
 
-    async def _gather_offers(self, group: FixedGroup) -> tuple[dict[str, bytes], set[str]]:
+    async def _gather_offers(self, group: FixedGroup) -> tuple[dict[str, bytes], set[str], set[str]]:
         """Every member's offer to ``group`` in by its ``show_by`` plus a round trip (ours: posted by our own step),
-        and the members that declined its boundary."""
+        the members that declined its boundary and those that left (we may be one: :meth:`leave`)."""
         own = self.peer_id.to_base58()
         timeout_s = max(0.0, group.show_by - get_dht_time()) + group.request_timeout_s
         others = [p for p in group.peer_ids if p != own]
 
         async def our_offer() -> bytes | None:
-            event = self._offer_wait(group.group_id, group.boundary_ms)
+            event = None if self._left else self._offer_wait(group.group_id, group.boundary_ms)
             if event is not None and group.group_id not in self._offers:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout_s)
@@ -283,19 +300,24 @@ class GroupLeading(FixedGroupMeeting):
                                               return_exceptions=True)
         offers: dict[str, bytes] = {}
         declined: set[str] = set()
+        left: set[str] = set()
         if isinstance(ours, bytes):
             offers[own] = ours
+        elif self._left:
+            left.add(own)
         elif group.boundary_ms in self._declined:
             declined.add(own)
         for p, answer in zip(others, answers):
             if isinstance(answer, bytes):
                 offers[p] = answer
+            elif isinstance(answer, Left):
+                left.add(p)
             elif isinstance(answer, Declined):
                 declined.add(p)
             else:
                 logger.debug("fragment %s: group %s: no offer from %s (%s: %s)", self.fragment, group.group_id.hex(),
                              p, type(answer).__name__, answer)
-        return offers, declined
+        return offers, declined, left
 
     async def rpc_group_decision(self, request: averaging_pb2.JoinRequest,
                                  context: P2PContext) -> averaging_pb2.MessageFromLeader:

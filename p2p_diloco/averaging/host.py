@@ -141,6 +141,18 @@ def decline_round(host: FragmentAveragerHost, boundary_ms: int) -> None:
     host.averager.decline(boundary_ms).add_done_callback(taken)
 
 
+def leave_rounds(host: FragmentAveragerHost) -> None:
+    """Groups from the clock: tell ``host``'s averager we are done with rounds for good, so that every group that
+    still counts on us goes on without us (:meth:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting.leave`). Never
+    waits: an averager that did not take it leaves the others to wait out our offer (logged)."""
+
+    def taken(done: Any) -> None:
+        if done.exception() is not None:
+            logger.warning("fragment %d: the averager did not take our leaving: %s", host.fragment, done.exception())
+
+    host.averager.leave().add_done_callback(taken)
+
+
 class FragmentAveragerHost:
     """Owns one fragment's averager and runs its rounds and state downloads in a background thread.
 

@@ -215,7 +215,7 @@ def clock_group(run_id: str, fragment: int, rank: tuple[int, str], round_index: 
 
 
 def without_absent(group_id: str, members: Sequence[str], absent: Collection[str],
-                   declined: Collection[str] = ()) -> tuple[str, tuple[str, ...]]:
+                   declined: Collection[str] = (), left: Collection[str] = ()) -> tuple[str, tuple[str, ...]]:
     """Groups from the clock: the group that goes on when ``absent`` members of group ``group_id`` did not show by its
     deadline and ``declined`` ones said they will not (a member that skips the boundary: its link still carries
     another round, or its last round of the fragment is still in flight). Returns ``(id, members that showed)``, or
@@ -226,10 +226,18 @@ def without_absent(group_id: str, members: Sequence[str], absent: Collection[str
     a member whose round is still in flight declines a group that competes with its own; only a part holding more
     than half of the whole group keeps every other part -- at this boundary or another -- a minority.) The id hashes
     the group's and the members that showed, so members that saw different members missing derive different groups
-    and fail alike, never half-applied; a member that sees nobody missing never asks for it."""
+    and fail alike, never half-applied; a member that sees nobody missing never asks for it.
+
+    Members that ``left`` -- done training, they said so when asked for their offer, and no round of theirs follows --
+    leave the group itself: the majority counts the members that stay. A learner that ends its run a few seconds
+    before the others stays in the records that name it until their next full read (half a minute), and the group
+    of the two that trained on failed as "2 of 4 members showed". A member that left belongs to no group at this
+    boundary or any later one, so the rest keeps every other part a minority as before; a decider that heard of a
+    departure as silence only counts the member in, which fails the round, never forks it."""
     gone = set(absent) | set(declined)
-    showed = tuple(m for m in members if m not in gone)
-    if len(showed) < 2 or 2 * len(showed) <= len(members) or len(showed) == len(members):
+    staying = tuple(m for m in members if m not in set(left))
+    showed = tuple(m for m in staying if m not in gone)
+    if len(showed) < 2 or 2 * len(showed) <= len(staying) or len(showed) == len(members):
         return "", ()
     blob = "\n".join((group_id, "without", *showed))
     return hashlib.sha256(blob.encode()).hexdigest()[:16], showed

@@ -238,6 +238,8 @@ class DiLoCo:
         self.rounds.drain(self.inner_step)
         if not stop.is_set():
             final_rounds(self.rounds, self.inner_step, stop, final_by)
+        for link in self.rounds.links:  # no round of ours follows: groups that still name us go on without us
+            link.leave()
         self.joined.publisher.update(state="leaving")
         logger.info("lingering up to %.0f s until the live peers agree on the fragment versions %s",
                     self.opts.linger_s, [s.version for s in self.slots])

@@ -49,6 +49,9 @@ class FaultyHost:
     def decline(self, context: RoundContext) -> None:
         self.host.decline(context)
 
+    def leave(self) -> None:
+        self.host.leave()
+
     def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
                     replay: bool = True) -> Future[Download]:
         return self.host.fetch_state(ours, donors, link, replay)

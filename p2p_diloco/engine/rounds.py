@@ -100,6 +100,11 @@ class FragmentLink:
         """We skip ``fragment``'s round due now: its group hears so (:meth:`~p2p_diloco.transport.network.Host.decline`)."""
         self.host.decline(self.context(fragment))
 
+    def leave(self) -> None:
+        """We are done with the fragment's rounds for good: the groups that still count on us hear so
+        (:meth:`~p2p_diloco.transport.network.Host.leave`)."""
+        self.host.leave()
+
     def fetch_state(self, ours: tuple[int, str]) -> Future[Any]:
         """Download a state ahead of ``ours`` from the other live learners our view holds, ranked by what it saw them
         hold (the download tries the best first and checks what it gets)."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.averaging.decisions import ANCHOR_TENSOR, MOMENTUM_TENSOR
-from p2p_diloco.averaging.host import Download, FragmentAveragerHost, decline_round
+from p2p_diloco.averaging.host import Download, FragmentAveragerHost, decline_round, leave_rounds
 from p2p_diloco.averaging.plans import RoundOutcome
 from p2p_diloco.averaging.linktime import LinkEstimate
 from p2p_diloco.averaging.transfer import state_payload
@@ -58,6 +58,10 @@ class AveragerLink:
         boundary_ms = clock_boundary_ms(self.slot.index, context, self.cfg)
         if boundary_ms >= 0:
             decline_round(self.averager, boundary_ms)
+
+    def leave(self) -> None:
+        if self.cfg.averaging.clock_groups:
+            leave_rounds(self.averager)
 
     def _with_state(self, contribution: Contribution) -> Contribution:
         """Grid groups: ``contribution`` with copies of the anchor and momentum (zeros where there is none yet), under

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, AbstractSet, Any
 
 import torch
 
@@ -92,6 +92,8 @@ class RoundRecord:
     """Groups from the clock: the members its id names that were not in by the scheduled time (declined included)."""
     declined: int = 0
     """Groups from the clock: the members its id names that declined its boundary (:meth:`~p2p_diloco.transport.inprocess.Hub.decline`)."""
+    left: int = 0
+    """Groups from the clock: the members its id names that had left its fragment's rounds (:meth:`~p2p_diloco.transport.inprocess.Hub.leave`)."""
 
 
 def absent_members(offers: Sequence[Offer]) -> set[str]:
@@ -100,16 +102,18 @@ def absent_members(offers: Sequence[Offer]) -> set[str]:
     return set(offers[0].plan.members) - {o.member.peer_id for o in offers}
 
 
-def refusal(cfg: Config, offers: Sequence[Offer], declined: set[str]) -> str:
+def refusal(cfg: Config, offers: Sequence[Offer], declined: set[str], left: AbstractSet[str] = frozenset()) -> str:
     """Why a group of ``offers`` cannot commit, before reducing (empty: it may); ``declined``: the members its id names
-    that declined its boundary. (Over hivemind one of the group's leaders decides this for all; a leader that died is
-    passed over: :func:`~p2p_diloco.core.groups.group_leaders`.)"""
+    that declined its boundary, ``left``: those done with rounds for good. (Over hivemind one of the group's leaders
+    decides this for all; a leader that died is passed over: :func:`~p2p_diloco.core.groups.group_leaders`.)"""
     a = cfg.averaging
     members = offers[0].plan.members
     if members:  # groups from the clock: without whoever the id names and did not show, if most did; else all fail
         missing = absent_members(offers)
-        if missing and not without_absent(offers[0].plan.group_id, members, missing - declined, declined)[1]:
-            return missing_reason(len(members) - len(missing), len(members), len(declined & missing))
+        gone, declined = missing & left, declined - left
+        if missing and not without_absent(offers[0].plan.group_id, members, missing - declined - gone, declined,
+                                          gone)[1]:
+            return missing_reason(len(members) - len(missing), len(members), len(declined & missing), len(gone))
     if len(offers) < max(2, a.min_group_size):
         return NO_GROUP
     for o in offers:
@@ -117,6 +121,17 @@ def refusal(cfg: Config, offers: Sequence[Offer], declined: set[str]) -> str:
         if problem is not None:
             return problem
     return ""
+
+
+def round_record(group: OpenGroup, offers: Sequence[Offer], outcomes: Sequence[RoundOutcome], declined: set[str],
+                 left: set[str]) -> RoundRecord:
+    """What the hub records of a round it ran (``declined``, ``left``: the members its id names that said so)."""
+    committed = any(o.committed for o in outcomes)  # a member whose verdicts were lost discards what others commit
+    absent = absent_members(offers)
+    return RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,
+                       "committed" if committed else outcomes[0].reason, tuple(o.contribution.weight for o in offers),
+                       sum(o.contribution.tokens for o in offers), group.complete, len(absent), len(declined & absent),
+                       len(left & absent))
 
 
 def failed_outcomes(group: OpenGroup, offers: Sequence[Offer], reason: str) -> list[RoundOutcome]:

@@ -55,7 +55,7 @@ from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.replay import KeptRound, PackedRound, chain, keep, parse_rounds, rounds_payload
 from p2p_diloco.transport.hubgroups import (Member, Offer, OpenGroup, RoundRecord, absent_members, average,
-                                             failed_outcomes, refusal)
+                                             failed_outcomes, refusal, round_record)
 from p2p_diloco.transport.planning import LastGroup, clock_boundary_ms, plan_round
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ class Hub:
         self._delays: dict[str, float] = {}  # name -> seconds its next round's outcome comes late
         self._declines: dict[tuple[int, int], tuple[set[str], float]] = {}
         """Groups from the clock: (fragment, boundary in DHT ms) -> (the members that skip it, when the first said so)."""
+        self._left: set[tuple[int, str]] = set()  # (fragment, peer id): done with its rounds for good (leave)
 
     # ------------------------------------------------------------ members
 
@@ -236,13 +237,28 @@ class Hub:
         for group in ready:
             self._close(group)
 
+    def leave(self, member: Member, fragment: int) -> None:
+        """``member`` is done with ``fragment``'s rounds for good: its groups go on without it, their majority counted
+        without it (:func:`~p2p_diloco.core.groups.without_absent`), as over hivemind."""
+        with self._lock:
+            self._left.add((fragment, member.peer_id))
+            for group in self._open.values():
+                group.complete = group.complete or self._all_in(group)
+            ready = [g for g in self._open.values() if g.complete and g.key[0] == fragment]
+        for group in ready:
+            self._close(group)
+
+    def _gone(self, group: OpenGroup) -> set[str]:  # the members it names that left (under the lock)
+        return {p for p in group.members if (group.key[0], p) in self._left}
+
     def _declined(self, group: OpenGroup) -> set[str]:
         """The members ``group`` names that declined its boundary (under the lock)."""
         return self._declines.get((group.key[0], group.boundary_ms), (set(), 0.0))[0] & set(group.members)
 
     def _all_in(self, group: OpenGroup) -> bool:
         """Groups from the clock: every member the group's id names is in or declined (under the lock)."""
-        return bool(group.members) and set(group.members) <= {o.member.peer_id for o in group.offers} | self._declined(group)
+        said = self._declined(group) | self._gone(group)
+        return bool(group.members) and set(group.members) <= {o.member.peer_id for o in group.offers} | said
 
     def close_open(self) -> int:
         """Close every open group now, in key order (a manual hub's driver calls it once all members that are due
@@ -271,17 +287,12 @@ class Hub:
             group.closed = True
             if self._open.get(group.key) is group:
                 del self._open[group.key]
-            offers, declined = list(group.offers), self._declined(group)
+            offers, declined, left = list(group.offers), self._declined(group), self._gone(group)
         if not offers:
             return
-        reason = failure or refusal(self.cfg, offers, declined)
+        reason = failure or refusal(self.cfg, offers, declined, left)
         outcomes = failed_outcomes(group, offers, reason) if reason else self._reduced(group, offers)
-        committed = any(o.committed for o in outcomes)  # a member whose verdicts were lost discards what others commit
-        self.rounds.append(RoundRecord(group.key[0], group.key[1], tuple(o.member.name for o in offers), committed,
-                                       "committed" if committed else outcomes[0].reason,
-                                       tuple(o.contribution.weight for o in offers),
-                                       sum(o.contribution.tokens for o in offers), group.complete,
-                                       len(absent_members(offers)), len(declined & absent_members(offers))))
+        self.rounds.append(round_record(group, offers, outcomes, declined, left))
         for o, outcome in zip(offers, outcomes):
             with self._lock:
                 late_s = self._delays.pop(o.member.name, 0.0)
@@ -433,6 +444,10 @@ class InProcessHost:
         boundary_ms = clock_boundary_ms(self.fragment, context, self.hub.cfg)
         if boundary_ms >= 0:
             self.hub.decline(self.member, self.fragment, boundary_ms)
+
+    def leave(self) -> None:
+        if self.hub.cfg.averaging.clock_groups:
+            self.hub.leave(self.member, self.fragment)
 
     def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
                     replay: bool = True) -> Future[Download]:

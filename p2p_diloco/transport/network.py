@@ -99,6 +99,12 @@ class Host(Protocol):
         whatever rank it counts us at (a round of ours in flight moves it); otherwise nothing. Never waits."""
         ...
 
+    def leave(self) -> None:
+        """We are done with rounds for good (our final rounds are over): with groups from the clock, every group that
+        still counts on us goes on without us, its majority counted without us (:func:`~p2p_diloco.core.groups.
+        without_absent`); otherwise nothing. Never waits."""
+        ...
+
     def fetch_state(self, ours: Rank, donors: Mapping[str, Rank], link: LinkEstimate | None = None,
                     replay: bool = True) -> Future[Download]:
         """Download a state ahead of ``ours`` from ``donors`` (peer id -> the rank our view holds for it); with

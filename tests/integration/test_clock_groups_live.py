@@ -134,7 +134,7 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
     from p2p_diloco.averaging.faulty import FaultyAveragerHost
     from p2p_diloco.averaging.fixed_groups import FixedGroup
     from p2p_diloco.averaging.group_leader import leader_of
-    from p2p_diloco.averaging.host import FragmentAveragerHost, decline_round
+    from p2p_diloco.averaging.host import FragmentAveragerHost, decline_round, leave_rounds
     from p2p_diloco.averaging.plans import RoundPlan
     from p2p_diloco.core import faults
     from p2p_diloco.net.addresses import parse_initial_peers
@@ -207,6 +207,17 @@ def test_a_member_whose_verdicts_or_offer_do_not_arrive(tmp_path: Path, capfd: p
         print(f"round 5: a {a.reason!r} in {a.duration_s:.1f} s")
         assert a.reason == f"{MISSING}: 1 of 2 members showed (1 declined)", a.reason
         assert all(o.committed for o in round_of("offers-6")), "the round after the declined one did not commit"
+        # b is done for good (its final rounds are over): a hears so at once, and b leaves the majority too -- of a
+        # pair, a alone stays, too few to go on (tests/unit/test_group_leader.py has a pair that goes on)
+        leave_rounds(hosts[1])
+        start = get_dht_time() + VERDICT_CFG.averaging.window_s
+        gone = hosts[0].start_round(c, RoundPlan(start, VERDICT_CFG.averaging.window_s, due=get_dht_time(),
+                                                 group_id=led_by_a("left-7"), members=members,
+                                                 boundary_ms=round((get_dht_time() + 1.0) * 1000)))
+        a = gone.result(timeout=60)
+        print(f"round 7: a {a.reason!r} in {a.duration_s:.1f} s")
+        assert a.reason == f"{MISSING}: 1 of 2 members showed (1 left)", a.reason
+        assert a.duration_s < SENDER_TIMEOUT_S / 2, a.duration_s  # told, not timed out
     finally:
         faults.arm([])
         for h in hosts:

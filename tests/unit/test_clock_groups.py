@@ -102,6 +102,21 @@ def test_members_that_declined_count_as_members_that_did_not_show() -> None:
         assert not all(parts), parts
 
 
+def test_members_that_left_leave_the_group_and_its_majority() -> None:
+    """A member done with rounds for good (its final rounds are over) says so, and the group goes on without it, its
+    majority counted among the members that stay: the two that train on go on when the other two have left, though
+    two of four that did not show (or declined) fail; a member that left meets no group again, so no other part of the
+    group can commit beside them."""
+    group_id, members = clock_group("run/f0", 0, A, 7, "p1", {"p2": A, "p3": A, "p4": A})
+    two_id, two = without_absent(group_id, members, (), (), {"p3", "p4"})
+    assert two == ("p1", "p2") and two_id not in ("", group_id)
+    assert (two_id, two) == without_absent(group_id, members, {"p3", "p4"}, (), {"p3", "p4"})  # however worded
+    assert without_absent(group_id, members, {"p4"}, (), {"p3"})[1] == ("p1", "p2")  # two of the three that stay
+    assert without_absent(group_id, members, {"p2", "p4"}, (), {"p3"}) == ("", ())  # one of three: fails
+    assert without_absent(group_id, members, (), (), {"p2", "p3", "p4"}) == ("", ())  # alone: no group
+    assert without_absent(group_id, members, (), {"p4"}, {"p3"})[1] == ("p1", "p2")  # one left, one declined
+
+
 def test_a_retuned_clocks_rounds_never_name_a_group_of_the_old_one(cfg: Config) -> None:
     """A retuned clock counts its rounds from its new origin: a fragment that stayed at its version through the retune
     would plan a group of the same id as a round before it, were the id made from the round's index (its leader then
@@ -175,9 +190,10 @@ def test_the_switch_is_checked_and_leaves_earlier_hashes_alone() -> None:
 # ------------------------------------------------------------------ engines on the in-process network
 
 
-def start(hub: Hub, cfg: Config, names: str, steps: int = 160) -> dict[str, Loop]:
+def start(hub: Hub, cfg: Config, names: str, steps: int = 160, fewer: dict[str, int] | None = None) -> dict[str, Loop]:
+    """A loop per name, started (``fewer``: name -> its steps, where not ``steps``)."""
     torch.set_num_threads(1)
-    loops = {n: Loop(hub, cfg, n, seed, steps=steps, pace_s=STEP_S, wait_peers=len(names))
+    loops = {n: Loop(hub, cfg, n, seed, steps=(fewer or {}).get(n, steps), pace_s=STEP_S, wait_peers=len(names))
              for seed, n in enumerate(names, start=1)}
     for loop in loops.values():
         loop.thread.start()
@@ -230,13 +246,14 @@ def test_a_member_that_does_not_show_is_left_out_and_the_others_commit(cfg: Conf
 def test_half_of_a_group_does_not_go_on_without_the_other_half(cfg: Config) -> None:
     hub = Hub(cfg)
     loops = start(hub, cfg, "abcd")
-    for name in "cd":  # both miss the same boundaries: a and b are two of four, not more than half
-        loops[name].pauses[60] = 2.0
+    for name in "cd":  # both miss the same boundaries: a and b are two of four, not more than half (twice: the two
+        loops[name].pauses.update({60: 2.0, 110: 2.0})  # may come apart at the first, their steps being no lockstep)
     finish(loops)
     print([(r.fragment, r.version, r.members, r.reason, r.absent) for r in hub.rounds])
     # two of a group of four in, the other two silent (once they thaw they may skip a boundary and say so: the same
     # failure, named "(2 declined)", test_members_whose_round_is_still_in_flight_decline_and_the_round_fails_at_once)
-    halves = [r for r in hub.rounds if r.absent == 2 and len(r.members) == 2]
+    # (two that trained on after the other two had left go on: test_the_learners_that_train_on_go_on_as_a_pair_once_...)
+    halves = [r for r in hub.rounds if r.absent == 2 and len(r.members) == 2 and not r.left]
     assert [r for r in halves if not r.declined], "no round missed two members (the fault did not fire)"
     assert all(not r.committed and r.reason.startswith(f"{MISSING}: 2 of 4 members showed") for r in halves), halves
     assert_no_fork(hub)
@@ -263,6 +280,22 @@ def test_members_whose_round_is_still_in_flight_decline_and_the_round_fails_at_o
     assert pairs, declined
     assert all(not r.committed and r.complete and r.reason == f"{MISSING}: 2 of 4 members showed (2 declined)"
                for r in pairs), pairs  # failed, and at once: nobody waited for them
+    assert_no_fork(hub)
+
+
+def test_the_learners_that_train_on_go_on_as_a_pair_once_the_others_have_left(cfg: Config) -> None:
+    """c and d end their runs early and linger (their records still name them live at their rank, so the groups of a
+    and b still count them): once their final rounds are over they leave every group, and a and b's rounds go on as a
+    pair -- in the main job two learners that finished a few seconds early failed the others' last round ("2 of 4
+    members showed"). The four end on one model (c and d catch up while they linger)."""
+    hub = Hub(cfg)
+    loops = start(hub, cfg, "abcd", fewer={"c": 90, "d": 90})
+    finish(loops)
+    print([(r.fragment, r.version, r.members, r.reason, r.absent, r.left) for r in hub.rounds])
+    after = [r for r in hub.rounds if r.left]
+    assert after, "no round named a member that had left (the fault did not fire)"
+    assert any(r.committed and set(r.members) == {"a", "b"} and r.left == 2 for r in after), after
+    assert not [r for r in hub.rounds if not r.committed and r.reason.startswith(f"{MISSING}: 2 of 4")], hub.rounds
     assert_no_fork(hub)
 
 

@@ -64,6 +64,30 @@ def test_the_leader_decides_the_whole_group_the_group_without_the_absent_or_fail
     assert decide(g, offers(*MEMBERS), declined=("peerB",)).group is g
 
 
+def test_members_that_left_leave_the_decision_and_its_majority() -> None:
+    """Two of four members left for good (they answered the leader so): the other two go on as a pair, and a member
+    takes that decision -- its reply names who left, by index, so that the member derives the same pair; a reply that
+    names no such member, or a bad index, is refused."""
+    g = group()
+    pair = decide(g, offers("peerA", "peerB"), (), left=("peerC", "peerD"))
+    assert pair.group is not None and pair.group.peer_ids == ("peerA", "peerB") and pair.left == {"peerC", "peerD"}
+    reply = decision_reply(pair, g)
+    assert bytes(reply.suggested_leader) == b"\x00\x02\x00\x03"
+    assert read_decision(reply, g) == pair
+    unsaid = decision_reply(pair, g)
+    unsaid.suggested_leader = b""  # the same pair with nobody said to have left: not more than half of four
+    with pytest.raises(PeerDataError):
+        read_decision(unsaid, g)
+    for bad in (b"\x00", b"\x00\x09"):
+        reply.suggested_leader = bad
+        with pytest.raises(PeerDataError):
+            read_decision(reply, g)
+    # one left, one silent: two of the three that stay; everyone left but us: no group
+    assert decide(g, offers("peerA", "peerB"), (), left=("peerC",)).group is not None
+    alone = decide(g, offers("peerA"), ("peerB",), left=("peerC", "peerD"))
+    assert alone.group is None and alone.reason == f"{MISSING}: 1 of 4 members showed (1 declined, 2 left)"
+
+
 def test_a_request_names_the_group_and_a_bad_one_is_refused() -> None:
     g = group()
     assert read_decision_request(decision_request(g, 2)) == (g, 2)
