@@ -86,6 +86,7 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
                                                                                        "rtt_s"))
     # the round once its last member handed off: a member's duration less its wait for the others to arrive
     after_last = median([e.duration_s - e.waited_s for e in committed if e.waited_s is not None])
+    group_allreduce = median(group_allreduce_s(committed))
     reasons = Counter(_bench.normalise_reason(e.reason, REASON_CHARS) for e in every if not e.committed)
     bound = 2 * (allreduce + 2 * rtt) if allreduce is not None and rtt is not None else None
     return {
@@ -101,6 +102,9 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
         "median_waited_s": median([e.waited_s for e in committed if e.waited_s is not None]),
         "median_after_last_s": after_last,
         "coordination_after_last": 1 - allreduce / after_last if after_last and allreduce is not None else None,
+        "median_group_allreduce_s": group_allreduce,
+        "coordination_after_last_group": (1 - group_allreduce / after_last if after_last and group_allreduce is not None
+                                          else None),
         "median_setup_s": median([e.setup_s for e in committed if e.setup_s is not None]),
         "median_verdicts_s": median([e.verdicts_s for e in committed if e.verdicts_s is not None]),
         # meeting once the last member is in: our step's meeting less its wait for the others to arrive
@@ -111,16 +115,31 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
     }
 
 
+def group_allreduce_s(committed: list[Any]) -> list[float]:
+    """Each committed round's all-reduce as its group ran it: a member's own, extended to the group's last member's
+    end (the members' verdicts wait for that one; members of one round found by fragment, version and members)."""
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for e in committed:
+        if e.allreduce_end is not None and e.allreduce_s is not None:
+            groups.setdefault((e.fragment, e.version, tuple(sorted(e.peers))), []).append(e)
+    out = []
+    for members in groups.values():
+        last = max(e.allreduce_end for e in members)
+        out += [e.allreduce_s + last - e.allreduce_end for e in members]
+    return out
+
+
 def fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
 def after_last(arm: dict[str, Any]) -> str:
     """A committed round's median time from its last member's hand-off, and the coordination share of it."""
-    share = arm.get("coordination_after_last")
+    share, group = arm.get("coordination_after_last"), arm.get("coordination_after_last_group")
     if arm.get("median_after_last_s") is None:
         return "-"
-    return f"{fmt(arm['median_after_last_s'])} s ({fmt(None if share is None else 100 * share, '.0f')}%)"
+    past_group = "" if group is None else f"; {100 * group:.0f}% past the group's all-reduce"
+    return f"{fmt(arm['median_after_last_s'])} s ({fmt(None if share is None else 100 * share, '.0f')}%{past_group})"
 
 
 def breakdown(payloads: list[dict[str, Any]]) -> str:

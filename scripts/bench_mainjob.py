@@ -7,7 +7,9 @@ one arm after the other on the same machine.
 Per arm, from the learners' events and the swarm's report: a committed round's median time against its all-reduce's
 (the coordination share is the rest; issue 48 asks for at most 30%), and the same from the group's last member's
 hand-off (a member's round less its wait for the others to arrive: learners of different speeds hand off up to a
-step apart, a wait their loops never see); the rounds committed (every learner lives the
+step apart, a wait their loops never see), and that share once more past the group's all-reduce -- a member's own
+extended to the group's last member's end, which every member's verdicts wait for: bytes still moving, not
+coordination (runs before round events carried the all-reduce's end show none); the rounds committed (every learner lives the
 whole run, so every discard is a round lost with every member alive) and the commonest reasons of the others; the
 realized period (the median time between two rounds of a fragment on a learner) against H x the median step; the
 held-out eval loss at the end against data-parallel training at the same tokens (the stored curve the report

@@ -345,6 +345,7 @@ class FragmentAveragerHost:
         own = "ok" if decision.ok else decision.reason
         agreeing = time.monotonic()
         extra["handback_s"] = agreeing - self.averager.last_allreduce_end.value
+        extra["allreduce_end"] = get_dht_time() - extra["handback_s"]
         try:  # a group from the clock: the verdicts go to its members directly; else through the DHT
             verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own, limits) if plan.members else
                                          agree_in_dht(self, commit_key(self.prefix, dict(zip(peers, metas))), peers, own))

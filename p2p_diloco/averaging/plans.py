@@ -83,6 +83,9 @@ class RoundOutcome:
     handback_s: float = float("nan")
     """Seconds from the all-reduce's end to our verdicts' start: its result's way to this process and our checks;
     NaN: not measured."""
+    allreduce_end: float = float("nan")
+    """DHT time our all-reduce ended (NaN: none ended well): the group's last member's end is the group's all-reduce's,
+    which the others' verdicts wait for."""
     allreduce_s: float = float("nan")
     """Seconds the all-reduce itself ran (timed in the averager process); NaN: no group formed."""
     part_bytes: int = 0
@@ -115,7 +118,7 @@ class RoundOutcome:
         d["peers"] = list(self.peers)
         d["weights"] = list(self.weights)
         d["outcome"] = "committed" if self.committed else "discarded"
-        for key in ("arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "meet_s", "handback_s", "allreduce_s",
+        for key in ("arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "meet_s", "handback_s", "allreduce_end", "allreduce_s",
                     "rtt_s", "group_distance"):
             if not math.isfinite(d[key]):
                 d[key] = None

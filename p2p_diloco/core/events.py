@@ -149,6 +149,8 @@ class RoundEvent(Event):
     handback_s: float | None = None
     """Seconds from the all-reduce's end to our verdicts' start (its result's way back to the learner, our checks);
     None: not measured."""
+    allreduce_end: float | None = None
+    """DHT time our all-reduce ended (the group's last member's end is the group's all-reduce's); None: not measured."""
     allreduce_s: float | None
     """Seconds the all-reduce itself ran; None: no group formed."""
     part_bytes: int = 0

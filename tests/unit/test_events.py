@@ -39,7 +39,7 @@ from p2p_diloco.engine.rounds import _round_event
 ENVELOPE = {"name", "step", "tokens", "time", "loss", "event"}
 ROUND_KEYS = ENVELOPE | {
     "fragment", "version", "committed", "reason", "group_size", "peers", "absent", "own_share", "weights", "bytes_sent",
-    "bytes_received", "duration_s", "arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "meet_s", "handback_s", "window_s", "allreduce_s", "part_bytes", "rtt_s", "timeouts",
+    "bytes_received", "duration_s", "arrival_spread_s", "waited_s", "setup_s", "verdicts_s", "meet_s", "handback_s", "allreduce_end", "window_s", "allreduce_s", "part_bytes", "rtt_s", "timeouts",
     "version_after", "group_distance", "outcome", "anchor_hash", "tokens_sent", "steps_sent"}
 DOWNLOAD = {"donors_tried", "donor_failures", "duration_s"}
 APPLIED = ENVELOPE | {"fragment", "outcome", "version", "version_after", "anchor_hash_before", "anchor_hash"} | DOWNLOAD
