@@ -63,7 +63,7 @@ def main() -> None:
         i = cfg.inner
         targs = TrainingArguments(output_dir=out, max_steps=args.max_steps, per_device_train_batch_size=i.batch_size,
                                   learning_rate=i.lr, weight_decay=i.weight_decay, adam_beta1=i.beta1,
-                                  adam_beta2=i.beta2, warmup_steps=i.warmup_steps, logging_steps=10,
+                                  adam_beta2=i.beta2, warmup_steps=i.warmup_steps, logging_steps=5,
                                   save_strategy="no", report_to=[], use_cpu=True, seed=args.seed,
                                   dataloader_num_workers=0)
         callback = DiLoCoCallback(swarm, SyncOptions(wait_peers=args.wait_peers, linger_s=30.0))
