@@ -177,7 +177,6 @@ class FixedGroupMeeting:
             if not isinstance(e, Exception):
                 raise
 
-
     def leave(self) -> MPFuture:
         """(host) We are done with rounds for good (the learner's final rounds are over: it lingers, then exits):
         every request for our offer to a group from the clock -- waiting or to come -- hears so at once, and the group
@@ -191,6 +190,7 @@ class FixedGroupMeeting:
         for event, _, _ in self._offer_waits.values():  # requests that came before: answered now
             event.set()
         future.set_result(None)
+
     def _fixed_or_matched(self, look_for_group: Callable[[StepControl], Any]) -> Callable[[StepControl], Any]:
         """hivemind's matchmaking for a step, unless a group was set for it (:meth:`set_next_group`)."""
 

@@ -118,39 +118,38 @@ def took_settings(host: FragmentAveragerHost, settings: Sequence[tuple[str, Any]
     return ""
 
 
-def planned_group(host: FragmentAveragerHost, plan: RoundPlan, limits: RoundTimeouts) -> FixedGroup | None:
-    """Groups from the clock: ``plan``'s group, which ``host``'s averager meets at its next step, carrying our verdict
-    rule; None when nobody else is at our rank (the round cannot run: :data:`NO_GROUP`)."""
-    if len(plan.members) < max(2, host.cfg.averaging.min_group_size):
+def fixed_group_of(plan: RoundPlan, limits: RoundTimeouts, rule: VerdictRule, min_group_size: int) -> FixedGroup | None:
+    """Groups from the clock: ``plan``'s group, which our averager meets at its next step, carrying our verdict
+    ``rule``; None when nobody else is at our rank (the round cannot run: :data:`NO_GROUP`)."""
+    if len(plan.members) < max(2, min_group_size):
         return None
     return FixedGroup(plan.group_id.encode(), plan.members, plan.scheduled_time, limits.request_timeout_s,
-                      boundary_ms=plan.boundary_ms, rule=host.verdict_rule(plan, limits))
+                      boundary_ms=plan.boundary_ms, rule=rule)
+
+
+def told(host: FragmentAveragerHost, future: Any, what: str) -> None:
+    """Log, once ``future`` (a message to ``host``'s averager that nobody waits for) ends, if the averager did not
+    take ``what``: the others then wait out our offer, as before."""
+
+    def taken(done: Any) -> None:
+        if done.exception() is not None:
+            logger.warning("fragment %d: the averager did not take %s: %s", host.fragment, what, done.exception())
+
+    future.add_done_callback(taken)
 
 
 def decline_round(host: FragmentAveragerHost, boundary_ms: int) -> None:
     """Groups from the clock: tell ``host``'s averager we skip its fragment's boundary ``boundary_ms``, so
     that the members of any group that counts on us there hear so at once
-    (:meth:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting.decline`). Never waits: an averager that did not take
-    it leaves the others to wait out our offer, as before (logged)."""
-
-    def taken(done: Any) -> None:
-        if done.exception() is not None:
-            logger.warning("fragment %d: the averager did not take our decline of the round at %d ms: %s",
-                           host.fragment, boundary_ms, done.exception())
-
-    host.averager.decline(boundary_ms).add_done_callback(taken)
+    (:meth:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting.decline`). Never waits (:func:`told`)."""
+    told(host, host.averager.decline(boundary_ms), f"our decline of the round at {boundary_ms} ms")
 
 
 def leave_rounds(host: FragmentAveragerHost) -> None:
     """Groups from the clock: tell ``host``'s averager we are done with rounds for good, so that every group that
     still counts on us goes on without us (:meth:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting.leave`). Never
-    waits: an averager that did not take it leaves the others to wait out our offer (logged)."""
-
-    def taken(done: Any) -> None:
-        if done.exception() is not None:
-            logger.warning("fragment %d: the averager did not take our leaving: %s", host.fragment, done.exception())
-
-    host.averager.leave().add_done_callback(taken)
+    waits (:func:`told`)."""
+    told(host, host.averager.leave(), "our leaving")
 
 
 class FragmentAveragerHost:
@@ -273,7 +272,8 @@ class FragmentAveragerHost:
         if self._cancelled.is_set():
             return failed(LEAVING)
         logger.debug("fragment %d v%d: round timeouts %s", self.fragment, c.version, limits.event())
-        group = planned_group(self, plan, limits) if plan.members else None
+        group = (fixed_group_of(plan, limits, self.verdict_rule(plan, limits), a.min_group_size) if plan.members
+                 else None)
         if plan.members and group is None:
             return failed(NO_GROUP)
         # the round's settings go down the averager's control pipe before its step, so they apply before it; their

@@ -231,9 +231,7 @@ class Hub:
             for old in [k for k, (_, since) in self._declines.items() if now - since > DECLINE_KEEP_S]:
                 del self._declines[old]
             self._declines.setdefault((fragment, boundary_ms), (set(), now))[0].add(member.peer_id)
-            for group in self._open.values():
-                group.complete = group.complete or self._all_in(group)
-            ready = [g for g in self._open.values() if g.complete and g.key[0] == fragment and g.boundary_ms == boundary_ms]
+            ready = self._now_complete(fragment, boundary_ms)
         for group in ready:
             self._close(group)
 
@@ -242,11 +240,16 @@ class Hub:
         without it (:func:`~p2p_diloco.core.groups.without_absent`), as over hivemind."""
         with self._lock:
             self._left.add((fragment, member.peer_id))
-            for group in self._open.values():
-                group.complete = group.complete or self._all_in(group)
-            ready = [g for g in self._open.values() if g.complete and g.key[0] == fragment]
+            ready = self._now_complete(fragment)
         for group in ready:
             self._close(group)
+
+    def _now_complete(self, fragment: int, boundary_ms: int | None = None) -> list[OpenGroup]:
+        """``fragment``'s open groups (at ``boundary_ms``; None: any) everyone named is in or out of (under the lock)."""
+        for group in self._open.values():
+            group.complete = group.complete or self._all_in(group)
+        return [g for g in self._open.values() if g.complete and g.key[0] == fragment
+                and boundary_ms in (None, g.boundary_ms)]
 
     def _gone(self, group: OpenGroup) -> set[str]:  # the members it names that left (under the lock)
         return {p for p in group.members if (group.key[0], p) in self._left}
