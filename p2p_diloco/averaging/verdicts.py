@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -37,6 +38,16 @@ MAX_VERDICT_CHARS = 300
 """The longest verdict kept ("ok", or why not: cut to this)."""
 
 
+@dataclass(frozen=True)
+class Sending:
+    """Our verdict on its way to a group's other members (:meth:`GroupVerdicts._start_sending`)."""
+
+    done: asyncio.Task[float]
+    """Ends once every send ended: the fastest answer's seconds (inf: nobody answered)."""
+    fastest: asyncio.Future[float]
+    """Set once the first member took it: the seconds its answer took (never, if nobody did)."""
+
+
 class GroupVerdicts(FixedGroupMeeting):
     """The averager's side of verdicts inside the group (mixed into the averager process class; it reads the groups
     and offers of :class:`~p2p_diloco.averaging.fixed_groups.FixedGroupMeeting`, whose declarations of what the averager
@@ -48,14 +59,18 @@ class GroupVerdicts(FixedGroupMeeting):
         """(host, before the averager process starts) Empty state."""
         self._verdicts: dict[bytes, tuple[dict[str, str], asyncio.Event, float]] = {}
         """(averager process) Group id -> (peer id -> its latest verdict, set at each new one, when the first came)."""
-        self._early_verdicts: dict[bytes, tuple[str, asyncio.Task[float]]] = {}
-        """(averager process) Verdict id -> (our verdict sent as the all-reduce ended, its sending: the fastest answer's
-        seconds), until the host's exchange takes it (:meth:`early_verdict`)."""
+        self._early_verdicts: dict[bytes, tuple[str, Sending]] = {}
+        """(averager process) Verdict id -> (our verdict sent as the all-reduce ended, its sending), until the host's
+        exchange takes it (:meth:`early_verdict`)."""
+        self._sendings: set[asyncio.Task[float]] = set()
+        """(averager process) Our verdicts' sends still on their way (held: the event loop keeps only weak references
+        to its tasks)."""
 
     def exchange_verdicts(self, group_id: bytes, peers: tuple[str, ...], own: str, timeout_s: float) -> MPFuture:
         """(host) Send our verdict on the round of group ``group_id`` to its other members (``peers``: every
         member's base58 id) and wait until every member's is in, one is not "ok", or ``timeout_s`` passes. The
-        future's result is ``(peer id -> verdict, ours included; the fastest member's answer in seconds)``."""
+        future's result is ``(peer id -> verdict, ours included; the fastest member's answer to ours in seconds, NaN
+        if none came by then)``."""
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_exchange_verdicts", [], dict(future=future, group_id=group_id, peers=peers, own=own,
                                                                 timeout_s=timeout_s)))
@@ -69,14 +84,14 @@ class GroupVerdicts(FixedGroupMeeting):
             received[self.peer_id.to_base58()] = own
             early = self._early_verdicts.pop(group_id, None)
             if early is not None and early[0] == own:  # sent as the all-reduce ended: only the others' to wait for
-                rtt_s = await early[1]
+                sending = early[1]
                 with self.early_verdicts.get_lock():
                     self.early_verdicts.value += 1
             else:
                 if early is not None:  # the same rule on the same data: never expected; ours now replaces it
                     logger.warning("fragment %s: group %s: the host's verdict %r is not the one sent as the all-reduce "
                                    "ended (%r): sent in its place", self.fragment, group_id.hex(), own, early[0])
-                rtt_s = await self._send_verdict(group_id, peers, own, timeout_s)
+                sending = self._start_sending(group_id, peers, own, timeout_s)
             deadline = time.monotonic() + timeout_s
             while not (all(p in received for p in peers) or vetoed(received, peers)):
                 event.clear()
@@ -85,6 +100,11 @@ class GroupVerdicts(FixedGroupMeeting):
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), left_s)
+            if not all(p in received for p in peers):  # the host may withdraw our "ok" next: its message must not
+                await sending.done  # overtake our verdict on the way to a member, which would then keep the "ok"
+            # else our sends go on (the last member to end its all-reduce waited a round trip for answers it
+            # needs no more); the round trip is the fastest member's answer if one came by now
+            rtt_s = sending.fastest.result() if sending.fastest.done() else math.nan
             future.set_result(({p: received[p] for p in peers if p in received}, rtt_s))
         except BaseException as e:
             future.set_exception(e)
@@ -111,8 +131,8 @@ class GroupVerdicts(FixedGroupMeeting):
         while len(self._early_verdicts) >= MAX_OFFER_WAITS:  # a host that never asked (it gave up on the round)
             del self._early_verdicts[next(iter(self._early_verdicts))]
         peers = tuple(p.to_base58() for p in group_info.peer_ids)
-        self._early_verdicts[fixed.verdict_id] = (verdict, asyncio.create_task(
-            self._send_verdict(fixed.verdict_id, peers, verdict, rule.send_timeout_s)))
+        self._early_verdicts[fixed.verdict_id] = (verdict, self._start_sending(fixed.verdict_id, peers, verdict,
+                                                                                rule.send_timeout_s))
 
     def send_verdict(self, group_id: bytes, peers: tuple[str, ...], verdict: str, timeout_s: float) -> MPFuture:
         """(host) Send a later verdict (a withdrawn "ok") to the group's other members; it replaces the earlier one
@@ -132,9 +152,19 @@ class GroupVerdicts(FixedGroupMeeting):
             if not isinstance(e, Exception):
                 raise
 
-    async def _send_verdict(self, group_id: bytes, peers: tuple[str, ...], verdict: str, timeout_s: float) -> float:
-        """Send ``verdict`` to every other member at once (each within ``timeout_s``); the fastest answer's seconds.
-        A member that does not take it is silent to us as we are to it: its own deadline decides."""
+    def _start_sending(self, group_id: bytes, peers: tuple[str, ...], verdict: str, timeout_s: float) -> Sending:
+        """:meth:`_send_verdict` in the background."""
+        fastest: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        done = asyncio.create_task(self._send_verdict(group_id, peers, verdict, timeout_s, fastest))
+        self._sendings.add(done)
+        done.add_done_callback(self._sendings.discard)
+        return Sending(done, fastest)
+
+    async def _send_verdict(self, group_id: bytes, peers: tuple[str, ...], verdict: str, timeout_s: float,
+                            fastest: asyncio.Future[float] | None = None) -> float:
+        """Send ``verdict`` to every other member at once (each within ``timeout_s``); the fastest answer's seconds,
+        also set on ``fastest`` as it comes. A member that does not take it is silent to us as we are to it: its own
+        deadline decides."""
         own = self.peer_id.to_base58()
         request = averaging_pb2.JoinRequest(group_key=group_id.hex(), gather=verdict[:MAX_VERDICT_CHARS].encode())
 
@@ -144,7 +174,10 @@ class GroupVerdicts(FixedGroupMeeting):
             reply = await stub.rpc_group_verdict(request, timeout=timeout_s)
             if reply.code != averaging_pb2.ACCEPTED:
                 raise MatchmakingException(f"verdict refused: {averaging_pb2.MessageCode.Name(reply.code)}")
-            return time.monotonic() - t0
+            took_s = time.monotonic() - t0
+            if fastest is not None and not fastest.done():
+                fastest.set_result(took_s)
+            return took_s
 
         sent = await asyncio.gather(*(send(p) for p in peers if p != own), return_exceptions=True)
         for peer, result in zip([p for p in peers if p != own], sent):
