@@ -132,7 +132,7 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, GroupVerdicts, Fixed
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
             user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes)))
             download = [b if AveragingMode(m) != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, mode_ids)]
-            if any(b for b in download):
+            if any(download):  # a stated bandwidth (None: not stated)
                 fractions = await loop.run_in_executor(None, load_balance_peers, self.total_size, download,
                                                        min_vector_size)
             else:
