@@ -107,6 +107,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             check_writable_dir(spec.path, f"--metrics {spec.kind}:")
         elif spec.kind == "jsonl":
             check_writable_file(spec.path, f"--metrics {spec.kind}:")
+    if args.lr_tokens is not None and args.lr_tokens < 1:
+        raise ValueError(f"--lr-tokens: must be >= 1 tokens, got {args.lr_tokens} (leave it out for none)")
     if args.lr_schedule == "time" and not args.max_time_s:
         raise ValueError("--lr-schedule time: needs --max-time SECONDS")
     if args.checkpoint_every_s and checkpoint_dir is None:
@@ -145,6 +147,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             name=swarm.name, shard=args.shard, num_shards=num_shards, max_steps=args.steps or cfg.inner.total_steps,
             sync=sync, incarnation=incarnation,
             lr_by_time=args.lr_schedule == "time" or (args.lr_schedule is None and bool(args.max_time_s)),
+            lr_tokens=args.lr_tokens or 0,
             checkpoint_dir=checkpoint_dir, checkpoint_every_s=args.checkpoint_every_s or 0.0,
             eval_every_s=args.eval_every_s, eval_batches=args.eval_batches, train_nice=args.train_nice,
             device=str(device),
@@ -215,6 +218,10 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--lr-schedule", dest="lr_schedule", choices=("steps", "time"),
                    help="what the inner LR's warm-up + cosine runs over: steps (inner.total_steps) or time (the cosine "
                         "ends with --max-time if that comes first); default: time with --max-time, else steps")
+    p.add_argument("--lr-tokens", dest="lr_tokens", type=int, metavar="N",
+                   help="also end the inner LR's cosine once the swarm has trained N tokens, if that comes first "
+                        "(every live learner's published count; p2p-diloco swarm sets it to its token budget, so a "
+                        "swarm stopped there anneals as data-parallel training of those tokens does); default: none")
     p.add_argument("--blocking", action="store_true",
                    help="wait for each round before the next inner step (synchronous DiLoCo, a baseline for "
                         "benchmarks; the default never waits)")

@@ -116,6 +116,8 @@ def cmd_swarm(args: argparse.Namespace) -> int:
                         "--events", str(out_dir / "logs" / f"{name}.jsonl"), "--eval-every", f"{EVAL_EVERY_S:g}"]
                 if max_time_s is not None:
                     argv += ["--max-time", f"{max_time_s:.1f}"]
+                if stop_tokens:  # stopped at the token budget: its LR has annealed by then, as the reference's has
+                    argv += ["--lr-tokens", str(stop_tokens)]
                 return swarm.start(name, argv)
 
             learners = [start_learner(i, wait=args.peers, max_time_s=seconds) for i in range(args.peers)]

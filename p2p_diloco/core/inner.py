@@ -31,18 +31,25 @@ def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def schedule_step(step: int, total: int, warmup: int, elapsed_s: float, budget_s: float) -> int:
-    """The step at which to read the schedule of a run bounded by time as well as by steps.
+def schedule_step(step: int, total: int, warmup: int, spent: float) -> int:
+    """The step at which to read the schedule of a run bounded by more than its steps.
 
-    Without a time budget (``budget_s <= 0``) it is ``step``. With one, the cosine runs on whichever
-    budget is used up faster: after the warm-up (always counted in steps), the schedule is at
-    ``max(step, warmup + (total - warmup) * elapsed_s / budget_s)``, so a learner that will run out of
-    time before its steps still ends its decay at the end of its time, whatever its speed.
+    ``spent`` is the share of the tightest other budget used up so far (the time of ``--max-time``, the swarm's
+    tokens of ``--lr-tokens``; 0 with none). After the warm-up (always counted in steps) the schedule is at
+    ``max(step, warmup + (total - warmup) * spent)``, so a learner that will run out of another budget before its
+    steps still ends its decay when that budget ends, whatever its speed.
     """
-    if budget_s <= 0 or step < warmup:
+    if spent <= 0 or step < warmup:
         return step
-    by_time = warmup + int((total - warmup) * min(1.0, max(0.0, elapsed_s) / budget_s))
-    return max(step, by_time)
+    by_budget = warmup + int((total - warmup) * min(1.0, spent))
+    return max(step, by_budget)
+
+
+def swarm_tokens(own: int, others: Iterable[tuple[int, float, float]], now: float, horizon_s: float) -> int:
+    """The tokens a swarm has trained: ours and each other learner's last published count (``others``: tokens,
+    the time it was published, its tokens/s), extrapolated at its rate to ``now`` for at most ``horizon_s`` (a record
+    that stopped being refreshed is not counted on forever)."""
+    return own + int(sum(t + rate * min(horizon_s, max(0.0, now - at)) for t, at, rate in others))
 
 
 class AdamW:

@@ -214,6 +214,9 @@ class LearnerOptions:
     lr_by_time: bool = False
     """With ``sync.max_time_s``: the LR's cosine ends when the time does, if that comes before its steps
     (:func:`p2p_diloco.core.inner.schedule_step`)."""
+    lr_tokens: int = 0
+    """The swarm's tokens at which the LR's cosine ends, if that comes first (``--lr-tokens``: a swarm stopped at a
+    token budget anneals by then, as data-parallel training of those tokens does); 0: none."""
     checkpoint_dir: Path | None = None
     """Save checkpoints here (:mod:`p2p_diloco.learner.checkpoint`): every ``checkpoint_every_s`` and when leaving."""
     checkpoint_every_s: float = 0.0

@@ -180,6 +180,8 @@ class SwarmView:
         self.peer_states: list[str] = []
         self.peer_steps: list[tuple[int, float, float]] = []
         """(inner step, DHT time published, step time) of the other live learners that train."""
+        self.peer_tokens: list[tuple[int, float, float]] = []
+        """(tokens, DHT time published, tokens/s while training) of the other live learners."""
         self.swarm_reads = 0  # successful reads of the swarm by the status thread (0: we may be behind, unknown)
         self.live_learners = 1
         self.clocks = ClockTender(learner)
@@ -236,6 +238,8 @@ class SwarmView:
         self._merge()
         self.peer_states = [r.state for r in others]
         self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in ("training", "averaging")]
+        self.peer_tokens = [(r.tokens, r.time, r.tokens_per_s if r.state in ("training", "averaging") else 0.0)
+                            for r in others]
         self.live_learners = 1 + len(others)
         self._others = others
         self.swarm_reads += 1

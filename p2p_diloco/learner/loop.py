@@ -16,7 +16,7 @@ import torch
 
 from p2p_diloco.core import data, events
 from p2p_diloco.core.config import Config
-from p2p_diloco.core.inner import build_optimizer, schedule_step, train_step
+from p2p_diloco.core.inner import build_optimizer, schedule_step, swarm_tokens, train_step
 from p2p_diloco.core.model import build_model
 from p2p_diloco.engine.engine import DiLoCo
 from p2p_diloco.engine.options import LearnerOptions, Profile, load_splits
@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EVAL_JOIN_TIMEOUT_S = 60.0
+SWARM_TOKENS_HORIZON_S = 60.0
+"""How long another learner's published tokens are carried forward at its rate (``--lr-tokens``): a training learner
+reads the records every 30 s (up to 40 learners) and each is refreshed every 10 s, so what it holds is up to 40 s old;
+a record of a learner that left is read again within a TTL (30 s) and a read period."""
 """Seconds :meth:`Learner.close` waits for an evaluation in progress (it ends within seconds)."""
 
 
@@ -62,6 +66,7 @@ class Learner:
         self._eval_thread = threading.Thread(target=self._eval_loop, name="learner-eval", daemon=True)
         self._priority = priority.SessionPriority(opts.train_nice)  # lowered once we have joined
         self.resumed_from_step: int | None = None
+        self._spent = 0.0  # the LR's other budgets: the share used up (_lr_spent)
         self._checkpointer = Checkpointer(self) if opts.checkpoint_dir is not None else None
         now = time.monotonic()
         logger.info("learner ready %.1f s after start: data and model %.1f s, engine (%d averagers) %.1f s",
@@ -88,14 +93,14 @@ class Learner:
         if self._checkpointer is not None:
             self._checkpointer.save(final=True)
         return final_summary(d, self.evaluate(start_anchors), self.evaluate(d.anchors()), train_s, self.stepping_s,
-                             self.resumed_from_step)
+                             self.resumed_from_step, float(self.opt.param_groups[0]["lr"]))
 
     def train_once(self) -> None:
         """One turn of the loop (``scripts/bench_overhead.py`` times exactly this against a plain PyTorch loop)."""
         t0 = time.monotonic()
         x, y = next(self.batches)
         i = self.cfg.inner
-        at = schedule_step(self.step, i.total_steps, i.warmup_steps, t0 - self.diloco.t_start, self._lr_budget_s())
+        at = schedule_step(self.step, i.total_steps, i.warmup_steps, self._lr_spent(t0))
         loss = train_step(self.model, self.opt, (x, y), at, i.total_steps, i, self.device)
         self.profile.pad(time.monotonic() - t0)  # a slower machine, emulated
         self.stepping_s += time.monotonic() - t0
@@ -174,10 +179,18 @@ class Learner:
             d.log_event(events.EvalEvent(eval_loss=loss, train_s=round(time.monotonic() - d.t_start, 3),
                                          versions=tuple(s.version for s in self.slots), batches=len(quick)))
 
-    def _lr_budget_s(self) -> float:
-        """With ``lr_by_time``, the time the cosine ends in: the training share of ``--max-time`` (0: by steps)."""
-        s = self.opts.sync
-        return max(1e-3, s.max_time_s - (self.diloco.t_start - s.started_at)) if self.opts.lr_by_time else 0.0
+    def _lr_spent(self, now: float) -> float:
+        """The share of the LR's other budgets used up, the tightest (:func:`schedule_step`): the training share of
+        ``--max-time`` with ``lr_by_time``, the swarm's tokens of ``--lr-tokens``. It never goes back: a learner
+        that leaves takes its tokens out of the swarm's count, not out of our schedule."""
+        s, d = self.opts.sync, self.diloco
+        if self.opts.lr_by_time:
+            budget_s = max(1e-3, s.max_time_s - (d.t_start - s.started_at))
+            self._spent = max(self._spent, (now - d.t_start) / budget_s)
+        if self.opts.lr_tokens > 0:
+            trained = swarm_tokens(d.tokens, d.view.peer_tokens, d.dht_time(), SWARM_TOKENS_HORIZON_S)
+            self._spent = max(self._spent, trained / self.opts.lr_tokens)
+        return self._spent
 
     def _data_seed(self, step: int) -> int:
         """Seed of our batches from ``step`` on: our own stream of the whole training split (distinct per

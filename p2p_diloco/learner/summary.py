@@ -33,9 +33,10 @@ def final_consensus(rounds: Rounds) -> list[float | None]:
 
 
 def final_summary(d: DiLoCo, eval_start: float, eval_end: float, train_s: float, stepping_s: float,
-                  resumed_from_step: int | None) -> dict[str, Any]:
+                  resumed_from_step: int | None, lr: float) -> dict[str, Any]:
     """The ``final`` line: where we ended (versions, anchor hashes), the anchors' eval loss before and after,
-    rounds and downloads per fragment, and how long the inner loop waited (stepping: the inner steps)."""
+    rounds and downloads per fragment, how long the inner loop waited (stepping: the inner steps) and the inner
+    learning rate of the last step (``lr``: where the schedule ended)."""
     sent, received = d.rounds.bytes_total()
     slots, r = d.slots, d.rounds
     return {
@@ -58,7 +59,7 @@ def final_summary(d: DiLoCo, eval_start: float, eval_end: float, train_s: float,
         "schedule": d.cfg.averaging.schedule, "sync_period_s": d.clock.period_s if d.clock else None,
         "first_contribution_s": None if r.first_contribution_s is None else round(r.first_contribution_s, 3),
         "last_sync_time": r.last_sync_time,
-        "resumed_from_step": resumed_from_step,
+        "resumed_from_step": resumed_from_step, "lr": lr,
     }
 
 

@@ -513,6 +513,11 @@ class InProcessView:
                 out.append((e.inner_step, time.time(), (time.monotonic() - e.t_start) / steps))
         return out
 
+    @property
+    def peer_tokens(self) -> list[tuple[int, float, float]]:
+        """(tokens, now, 0 tokens/s: the count is current) of the other live members."""
+        return [(m.engine.tokens, time.time(), 0.0) for m in self.hub.seen_by(self.member)]
+
     def start(self) -> None:
         self.swarm_reads += 1
 

@@ -13,6 +13,7 @@ import pytest
 
 from procs import HEAVY, ProcGroup
 
+from p2p_diloco.core.config import load_config
 from p2p_diloco.core.waiting import poll_until
 from p2p_diloco.local.launcher import read_jsonl
 
@@ -102,6 +103,28 @@ def test_swarm_runs_to_the_end_and_reports(tmp_path: Path) -> None:
         assert (out / png).stat().st_size > 1000
     assert "held-out eval loss of the global model" in (out / "summary.md").read_text()
     assert any(line.startswith("[") and "live" in line for _, line in proc.stdout), proc.output()  # plain view
+
+
+def test_a_swarm_stopped_at_its_token_budget_ends_its_lr_schedule_there(tmp_path: Path) -> None:
+    """--max-tokens stops every learner long before --minutes: their inner LR's cosine ends at the swarm's token
+    budget (each learner reads the others' published counts, --lr-tokens), not with the time, so they stop at the
+    schedule's floor as data-parallel training of those tokens does. By the time alone the LR would still be near
+    its peak: the learners of the main job once stopped at 8.4M tokens 60% into their cosine."""
+    out, budget = tmp_path / "run", 500_000  # over a minute: the learners read each other's records every 30 s
+    with ProcGroup(tmp_path) as procs:
+        procs.env["P2P_DILOCO_CACHE"] = str(tmp_path / "cache")
+        rc, proc, wall_s = procs.run("swarm", "--peers", "2", "--config", TINY, "--minutes", "5", "--max-tokens",
+                                     str(budget), "--no-reference", "--profiles", profiles(tmp_path), "--out", str(out),
+                                     "--plain", timeout_s=480)
+        assert rc == 0, proc.output()
+    report = json.loads((out / "summary.json").read_text())
+    inner = load_config(TINY).inner
+    lrs = {n: (f["lr"], f["train_s"], f["tokens"]) for n, f in report["learners"].items()}
+    print(f"\ntoken budget {budget:,}: {report['tokens']:,} tokens in {wall_s:.0f} s; (lr, train_s, tokens) {lrs}")
+    assert report["tokens"] >= 0.9 * budget and len(lrs) == 2, lrs
+    for lr, train_s, _ in lrs.values():
+        assert train_s < 0.6 * 5 * 60, lrs  # the tokens ended the run, not the time
+        assert lr <= inner.lr * (inner.min_lr_ratio + 0.1), lrs  # annealed: 80% of the cosine or more
 
 
 def test_ctrl_c_stops_every_process_and_still_reports(tmp_path: Path) -> None:

@@ -122,6 +122,7 @@ def test_max_time_and_steps(refused: Callable[..., str]) -> None:
     refused(_join("--steps", "-5"), "--steps: must be >= 1, got -5")
     refused(_join("--linger", "-1"), "--linger: must be >= 0, got -1")
     refused(_join("--final-wait", "-1"), "--final-wait: must be >= 0, got -1")
+    refused(_join("--lr-tokens", "0"), "--lr-tokens: must be >= 1 tokens, got 0")
 
 
 def test_status_watch_interval(refused: Callable[..., str]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco.core.inner import lr_at, schedule_step
+from p2p_diloco.core.inner import lr_at, schedule_step, swarm_tokens
 
 
 def test_lr_warmup_then_cosine_golden() -> None:
@@ -20,30 +20,41 @@ def test_lr_warmup_then_cosine_golden() -> None:
     assert lr_at(500, 100, 10, 1.0, 0.1) == pytest.approx(0.1)  # past the end: stays at the floor
 
 
-def test_schedule_step_without_time_budget_is_the_step() -> None:
+def test_schedule_step_without_another_budget_is_the_step() -> None:
     for step in (0, 5, 50, 5000):
-        assert schedule_step(step, 1000, 50, elapsed_s=999.0, budget_s=0.0) == step
+        assert schedule_step(step, 1000, 50, spent=0.0) == step
 
 
 def test_schedule_step_follows_whichever_budget_runs_out_first() -> None:
-    # warm-up is always counted in steps, however much time has passed
-    assert schedule_step(10, 1000, 50, elapsed_s=300.0, budget_s=400.0) == 10
+    # warm-up is always counted in steps, however much of the other budget is gone
+    assert schedule_step(10, 1000, 50, spent=0.75) == 10
     # a slow learner: half its time gone, few steps done -> the schedule is halfway through the decay
-    assert schedule_step(100, 1050, 50, elapsed_s=200.0, budget_s=400.0) == 550
-    # at the end of its time the decay is complete, whatever its speed
-    assert schedule_step(120, 1050, 50, elapsed_s=400.0, budget_s=400.0) == 1050
-    assert schedule_step(120, 1050, 50, elapsed_s=900.0, budget_s=400.0) == 1050
+    assert schedule_step(100, 1050, 50, spent=0.5) == 550
+    # at the end of its budget the decay is complete, whatever its speed; past it, it stays complete
+    assert schedule_step(120, 1050, 50, spent=1.0) == 1050
+    assert schedule_step(120, 1050, 50, spent=2.25) == 1050
     # a fast learner that runs out of steps first keeps the step-based schedule
-    assert schedule_step(900, 1050, 50, elapsed_s=100.0, budget_s=400.0) == 900
+    assert schedule_step(900, 1050, 50, spent=0.25) == 900
 
 
-def test_schedule_step_is_monotone_in_time_and_steps() -> None:
+def test_schedule_step_is_monotone_in_the_budget_and_steps() -> None:
     prev = -1
     for k in range(0, 41):
-        at = schedule_step(60, 1000, 50, elapsed_s=10.0 * k, budget_s=400.0)
+        at = schedule_step(60, 1000, 50, spent=k / 40)
         assert at >= prev
         prev = at
     assert prev == 1000
+
+
+def test_swarm_tokens_extrapolates_each_record_for_a_while() -> None:
+    others = [(1000, 10.0, 50.0), (400, 12.0, 0.0)]  # (tokens, published at, tokens/s)
+    assert swarm_tokens(300, [], 20.0, horizon_s=30.0) == 300  # alone: our own
+    # 4 s after the first was published it has trained 200 more; the second is idle
+    assert swarm_tokens(300, others, 14.0, horizon_s=30.0) == 300 + 1200 + 400
+    # a record that was not refreshed counts its rate for the horizon only
+    assert swarm_tokens(300, others, 100.0, horizon_s=30.0) == 300 + 1000 + 1500 + 400
+    # a record from our future (clocks apart) is not taken back
+    assert swarm_tokens(0, others, 5.0, horizon_s=30.0) == 1400
 
 
 def _tiny_model() -> Any:
