@@ -393,6 +393,8 @@ def test_verdicts_are_awaited_longer_on_a_slow_measured_link() -> None:
 
     assert verdict_wait_s(CFG, floor_timeouts(CFG)) == CFG.commit_timeout_s  # nothing measured: the config's
     half_mbit = LinkEstimate(throughput_Bps=31_000.0, rtt_s=0.3)
-    wait = verdict_wait_s(CFG, round_timeouts(1e5, half_mbit, CFG))
-    assert wait == pytest.approx(CFG.commit_timeout_s + JOIN_ROUND_TRIPS * 0.3 + STATE_CHUNK_BYTES / 31_000.0)
+    wait = verdict_wait_s(CFG, round_timeouts(1e5, half_mbit, CFG))  # a concurrent round's 100 kB queued ahead
+    assert wait == pytest.approx(CFG.commit_timeout_s + JOIN_ROUND_TRIPS * 0.3 + 1e5 / 31_000.0)
+    small = verdict_wait_s(CFG, round_timeouts(1e4, half_mbit, CFG))  # small rounds: one streamed chunk still
+    assert small == pytest.approx(CFG.commit_timeout_s + JOIN_ROUND_TRIPS * 0.3 + STATE_CHUNK_BYTES / 31_000.0)
     assert verdict_wait_s(CFG, round_timeouts(1e5, FAST, CFG)) < CFG.commit_timeout_s + 0.01  # loopback: as before
