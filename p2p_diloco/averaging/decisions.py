@@ -513,20 +513,6 @@ def vetoed(reports: Mapping[str, str], peers: Sequence[str]) -> bool:
     return any(reports.get(pid, "ok") != "ok" for pid in peers)
 
 
-class Gathered(dict[Any, Any]):
-    """A group's step result over hivemind: each member's gathered data by peer id (hivemind's result), and -- for a
-    group from the clock whose members' verdicts were all "ok" by the end of its all-reduce in the averager process --
-    those ``verdicts`` (peer id -> "ok", ours included), the seconds the averager waited for them (``waited_s``) and
-    our verdict's fastest answer (``rtt_s``; NaN: none yet). The host then commits without asking the averager process
-    for the verdicts: on the main job's loaded machine that round trip was most of a round's verdicts."""
-
-    def __init__(self, gathered: Mapping[Any, Any], verdicts: Mapping[str, str] | None = None, waited_s: float = 0.0,
-                 rtt_s: float = math.nan) -> None:
-        super().__init__(gathered)
-        self.verdicts = dict(verdicts) if verdicts is not None else None
-        self.waited_s, self.rtt_s = waited_s, rtt_s
-
-
 def decision_at_deadline(reports: Mapping[str, str], peers: Sequence[str], timeout_s: float) -> tuple[Decision, bool]:
     """What the verdicts read so far decide if no more are waited for: :func:`commit_decision`, and whether silence
     alone stands in the way (no veto) -- then the reason says within how long, and a member that said "ok" withdraws

@@ -24,7 +24,6 @@ from p2p_diloco.averaging.decisions import (
     VOUCH_TTL_S,
     VOUCH_WAIT_S,
     Decision,
-    Gathered,
     decision_at_deadline,
     RoundMeta,
     VerdictRule,
@@ -345,16 +344,14 @@ class FragmentAveragerHost:
         # phase two: nobody commits unless every member's all-reduce was complete and its checks passed
         own = "ok" if decision.ok else decision.reason
         agreeing = time.monotonic()
-        since_end_s = agreeing - self.averager.last_allreduce_end.value
-        early = gathered if isinstance(gathered, Gathered) else Gathered(gathered)  # the verdicts awaited there
-        extra["handback_s"] = since_end_s - early.waited_s
-        extra["allreduce_end"] = get_dht_time() - since_end_s
+        extra["handback_s"] = agreeing - self.averager.last_allreduce_end.value
+        extra["allreduce_end"] = get_dht_time() - extra["handback_s"]
         try:  # a group from the clock: the verdicts go to its members directly; else through the DHT
-            verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own, limits, early) if plan.members else
+            verdict, rtt_s, withdrawn = (agree_in_group(self, plan.group_id.encode(), peers, own, limits) if plan.members else
                                          agree_in_dht(self, commit_key(self.prefix, dict(zip(peers, metas))), peers, own))
         except Leaving:  # our verdict, if posted, stays: members that read every "ok" commit without us
             return failed(LEAVING, **extra)
-        extra.update(rtt_s=rtt_s, verdicts_s=time.monotonic() - agreeing + early.waited_s)
+        extra.update(rtt_s=rtt_s, verdicts_s=time.monotonic() - agreeing)
         if not decision.ok:
             return failed(decision.reason, **extra)
         keep = withdrawn and not self.grid  # grid rounds mix anchors: nothing to adopt later
@@ -486,27 +483,22 @@ def agree_in_dht(host: FragmentAveragerHost, key: str, peers: Sequence[str],
         reads += 1
 
 
-def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[str], own_verdict: str,
-                   limits: RoundTimeouts, early: Gathered | None = None) -> tuple[Decision, float, bool]:
+def agree_in_group(host: FragmentAveragerHost, group_id: bytes, peers: Sequence[str],
+                   own_verdict: str, limits: RoundTimeouts) -> tuple[Decision, float, bool]:
     """(``host``'s round worker) :func:`agree_in_dht` for a group from the clock: our verdict goes to each other
     member in one message over the group's connections, theirs come to us (the averager process keeps them), until
     all are in, one is not "ok", or :func:`verdict_wait_s` passes (``commit_timeout_s`` and, on a measured link, a
     control message's wait there); then, as there, silence only withdraws our "ok" (a second message replaces it
     where it arrives). No DHT store or read. Raises :class:`Leaving`. An exchange the averager process does not
     answer in time (this learner was stopped, SIGSTOP, past its deadline) is a silence: the round is discarded (it
-    raised into the training loop and ended the learner, under ``scripts/chaos.py``). Where the averager process
-    already waited (``early``, the step's result): every "ok" there and ours too commits at once; else the exchange
-    waits for what is left of the wait."""
+    raised into the training loop and ended the learner, under ``scripts/chaos.py``)."""
     timeout_s = verdict_wait_s(host.cfg.averaging, limits)
-    if early is not None and early.verdicts is not None and own_verdict == "ok":
-        return decision_at_deadline(early.verdicts, peers, timeout_s)[0], early.rtt_s, False
-    left_s = max(0.0, timeout_s - (early.waited_s if early is not None else 0.0))
     try:
-        reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, left_s),
-                                    left_s + SET_TIMEOUTS_DEADLINE_S)
+        reports, rtt_s = host._wait(host.averager.exchange_verdicts(group_id, tuple(peers), own_verdict, timeout_s),
+                                    timeout_s + SET_TIMEOUTS_DEADLINE_S)
     except TimeoutError:
         logger.warning("fragment %d: the verdicts' exchange did not end within %.0f s (were we stopped?): as if "
-                       "none came", host.fragment, left_s + SET_TIMEOUTS_DEADLINE_S)
+                       "none came", host.fragment, timeout_s + SET_TIMEOUTS_DEADLINE_S)
         reports, rtt_s = {}, math.nan
     decision, silent = decision_at_deadline(reports, peers, timeout_s)
     withdrawn = silent and own_verdict == "ok"

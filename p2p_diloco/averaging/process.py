@@ -42,9 +42,6 @@ require_hivemind(__name__)  # overrides DecentralizedAverager's private methods,
 
 logger = logging.getLogger(__name__)
 
-VERDICTS_MARGIN_S = 1.0
-"""Seconds of hivemind's all-reduce timeout (around the group's all-reduce and our wait for its verdicts) left
-unspent by that wait: a step past the timeout fails, where verdicts not yet in only go to the host's exchange."""
 GROUP_READ_MIN_S = 0.5
 """hivemind's matchmaking re-reads its group key as fast as the DHT answers while it has no leader to try:
 measured on loopback, over a hundred reads a second per averager during each round's window, each answered with
@@ -130,7 +127,6 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, GroupVerdicts, Fixed
         no member states a bandwidth (ours never do: an even split, no linear program to keep off the loop), and the
         tensors' lock, which the host holds only while it copies a round's tensors, is taken at once when free."""
         loop = asyncio.get_running_loop()
-        entered = loop.time()
         lock = self.lock_averaged_tensors
         try:
             bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
@@ -153,10 +149,7 @@ class FragmentAveragerProcess(StateDownloads, GroupLeading, GroupVerdicts, Fixed
                                                    **kwargs)
             finally:
                 lock.release()
-            # the others' verdicts, within what is left of the all-reduce timeout hivemind puts around this call
-            timeout_s = self._allreduce_timeout
-            left_s = math.inf if not timeout_s else timeout_s - (loop.time() - entered) - VERDICTS_MARGIN_S
-            return await self.with_verdicts(group_info, user_gathered, max(0.0, left_s))
+            return user_gathered
         except BaseException as e:  # as hivemind's: its _step reads every failure as this exception
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 

@@ -6,7 +6,6 @@ while the host held the lock. Pure logic: the method runs on a stand-in averager
 from __future__ import annotations
 
 import asyncio
-import math
 import multiprocessing as mp
 import threading
 from types import SimpleNamespace
@@ -20,8 +19,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.averaging.decisions import Gathered
-from p2p_diloco.averaging.process import VERDICTS_MARGIN_S, FragmentAveragerProcess
+from p2p_diloco.averaging.process import FragmentAveragerProcess
 
 PEERS = tuple(PeerID(bytes([i]) * 34) for i in range(3))
 LOCK_WAIT_S = 5.0
@@ -33,17 +31,9 @@ def _group(bandwidths: tuple[float | None, ...] = (None, None, None)) -> GroupIn
     return GroupInfo(b"group", PEERS, gathered)
 
 
-def _averager(run: Any, allreduce_timeout_s: float | None = None) -> SimpleNamespace:
-    averager = SimpleNamespace(serializer=MSGPackSerializer, lock_averaged_tensors=mp.Lock(), total_size=1000,
-                               _averaged_tensors=[torch.zeros(1000)], _run_allreduce_inplace_=run,
-                               _allreduce_timeout=allreduce_timeout_s, limits=[])
-
-    async def with_verdicts(group_info: GroupInfo, gathered: dict[Any, Any], limit_s: float) -> Gathered:
-        averager.limits.append(limit_s)  # the verdicts' wait (verdicts.GroupVerdicts.with_verdicts), out of scope here
-        return Gathered(gathered)
-
-    averager.with_verdicts = with_verdicts
-    return averager
+def _averager(run: Any) -> SimpleNamespace:
+    return SimpleNamespace(serializer=MSGPackSerializer, lock_averaged_tensors=mp.Lock(), total_size=1000,
+                           _averaged_tensors=[torch.zeros(1000)], _run_allreduce_inplace_=run)
 
 
 def _aggregate(averager: SimpleNamespace, group: GroupInfo) -> Any:
@@ -63,23 +53,6 @@ def test_the_all_reduce_runs_on_an_even_split_with_the_lock_held_and_gives_it_ba
     assert seen["held"] and seen["tensors"] is averager._averaged_tensors and seen["kwargs"] == {}
     assert seen["fractions"] == (334, 333, 333), seen["fractions"]
     assert averager.lock_averaged_tensors.acquire(block=False), "the lock was not given back"
-    assert averager.limits == [math.inf]  # no all-reduce timeout: the verdicts' own wait bounds theirs
-
-
-def test_the_verdicts_wait_within_what_is_left_of_the_all_reduce_timeout() -> None:
-    """hivemind's all-reduce timeout bounds this call, the wait for the group's verdicts after the all-reduce
-    included: that wait gets what the all-reduce left of it, less a margin, and none once it is spent."""
-    async def run(*args: Any, **kwargs: Any) -> None:
-        await asyncio.sleep(0.3)
-
-    averager = _averager(run, allreduce_timeout_s=10.0)
-    gathered = asyncio.run(_aggregate(averager, _group()))
-    assert isinstance(gathered, Gathered) and gathered.verdicts is None
-    [limit_s] = averager.limits
-    assert 10.0 - 0.3 - VERDICTS_MARGIN_S - 0.5 < limit_s <= 10.0 - 0.3 - VERDICTS_MARGIN_S, limit_s
-    spent = _averager(run, allreduce_timeout_s=1.0)
-    asyncio.run(_aggregate(spent, _group()))
-    assert spent.limits == [0.0]
 
 
 def test_a_stated_bandwidth_still_gets_hivemind_s_split() -> None:

@@ -432,43 +432,6 @@ def test_a_verdicts_exchange_that_outlives_its_deadline_is_a_silence_not_a_crash
     assert sent and sent[0].startswith("withdrawn: ")  # the withdrawal was tried (its wait timed out too)
 
 
-def test_verdicts_the_averager_already_holds_commit_without_the_exchange() -> None:
-    """The step's result carries every member's "ok" (the averager process waited for them as its all-reduce ended):
-    the host commits on its own "ok" without asking the averager process again; an own verdict that is not "ok" still
-    goes through the exchange (it replaces the one sent early). Verdicts still missing there: the exchange waits for
-    what is left of the deadline, not the whole deadline again."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    from p2p_diloco.averaging.decisions import Gathered
-    from p2p_diloco.averaging.host import agree_in_group
-    from p2p_diloco.averaging.linktime import floor_timeouts, verdict_wait_s
-    from p2p_diloco.core.config import load_config
-
-    asked: list[tuple[str, float]] = []
-
-    def exchange(group: bytes, peers: tuple[str, ...], own: str, timeout_s: float) -> Future[Any]:
-        asked.append((own, timeout_s))
-        done: Future[Any] = Future()
-        done.set_result(({"QmA": "ok", "QmB": own}, 0.004))
-        return done
-
-    cfg = load_config(None, [])
-    host = SimpleNamespace(cfg=cfg, fragment=2, averager=SimpleNamespace(exchange_verdicts=exchange),
-                           _wait=lambda future, timeout_s: future.result(timeout_s))
-    limits = floor_timeouts(cfg.averaging)
-    everyone = Gathered({}, {"QmA": "ok", "QmB": "ok"}, waited_s=0.02, rtt_s=0.003)
-    decision, rtt_s, withdrawn = agree_in_group(host, b"group", ("QmA", "QmB"), "ok", limits, everyone)
-    assert decision.ok and rtt_s == 0.003 and not withdrawn and asked == []  # no round trip to the averager
-    decision, _, withdrawn = agree_in_group(host, b"group", ("QmA", "QmB"), "not finite", limits, everyone)
-    assert not decision.ok and not withdrawn and asked == [("not finite", pytest.approx(verdict_wait_s(cfg.averaging,
-                                                                                                   limits) - 0.02))]
-    asked.clear()
-    missing = Gathered({}, waited_s=1.25)  # none: one was still missing when the averager stopped waiting
-    decision, rtt_s, _ = agree_in_group(host, b"group", ("QmA", "QmB"), "ok", limits, missing)
-    assert decision.ok and rtt_s == 0.004 and asked == [("ok", pytest.approx(verdict_wait_s(cfg.averaging, limits) - 1.25))]
-
-
 def test_any_exception_a_round_raises_discards_it_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
     """Whatever a round's worker raises outside hivemind's step (here: the averager's shared tensors are gone) is the
     round's reason for discarding, logged with its traceback -- not an exception in the future, which the training
