@@ -393,8 +393,12 @@ class SwarmView:
                              last_sync_time=me.rounds.last_sync_time, bytes_sent=sent,
                              bytes_received=received, loss=me.latest_loss())
             record = publisher.record
-            # ... and once our step time is first measured (the clock leader derives the period from it)
-            key = (*published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training), step_time_s > 0)
+            # ... and once our step time, and our link's time for a sync, are first measured: the clock leader derives
+            # the period from them, and holds its retune until every training learner's link time is in (at 0.25
+            # Mbit/s a heartbeat's wait for them kept the period derived before any link was measured 20 s longer,
+            # and its boundaries, too close for the link, lost rounds)
+            key = (*published_key(record.state, record.fragment_versions, record.anchor_hashes, me.training),
+                   step_time_s > 0, record.sync_link_s > 0)
             if publish_due(now, published[0], refresh_s, key, published[1]):
                 publisher.beat()
                 published = (now, key)
