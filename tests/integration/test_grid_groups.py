@@ -6,6 +6,7 @@ consensus distance (each learner's distance to its last group's averaged anchor)
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,10 @@ STEPS = 280
 machine does not eat the training the assertions need (a --max-time of 20 s once left a learner 53 steps); and rounds
 enough after one lost under load for the anchors to come back together (at 200 steps, under CI's load, a learner
 committed 4 rounds and discarded 1, and its last group's anchors stood 0.057 apart)."""
+SPREAD_AFTER_A_LOSS = 0.15
+"""The most any learner's last group may have stood apart (the published consensus distance): a learner that lost a
+round under CI's load met its next partner about one round's updates away (0.057, 0.066 seen); one that never mixed
+would drift further every round."""
 MAX_TIME_S = 120
 """Only a guard against a learner that never ends."""
 
@@ -54,8 +59,10 @@ def test_grid_groups_keep_every_update_and_anchors_converge(tmp_path: Path) -> N
         assert len(partners) >= 2, f"{n} met only {partners}: the grid's groups did not change"
         assert not [e for e in log if e["event"] == "resync" and e["outcome"] == "fork healed"]
         assert all(math.isfinite(e["group_distance"]) for e in committed), committed
-        assert 0 <= max(s["consensus_distance"]) < 0.05, s
+        assert 0 <= max(s["consensus_distance"]) < SPREAD_AFTER_A_LOSS, s
         assert s["eval_loss_end"] < s["eval_loss_start"], s
+    # most learners' last groups held one anchor already (every round committed: 2e-8 apart)
+    assert statistics.median(max(s["consensus_distance"]) for s in finals.values()) < 0.05, finals
     # versions count each learner's committed rounds along the way: they stay within a few of each other
     versions = [s["versions"][0] for s in finals.values()]
     assert min(versions) >= 3 and max(versions) - min(versions) <= 4, versions
