@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SIGNAL_POLL_S = 0.5
+"""A bootstrap's main thread wakes this often while it waits to be stopped, so that a signal one of hivemind's threads
+received runs our handler (signal handlers run on the main thread, and only once it runs)."""
+
 
 # ---------------------------------------------------------------- bootstrap
 
@@ -78,7 +82,10 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             if opts.host == "127.0.0.1":
                 out("(listening on 127.0.0.1: only this machine can join; use --host <LAN address> for a LAN swarm)")
             out("ready; Ctrl+C to stop")
-            stop.event.wait()
+            # in short waits: a signal that one of hivemind's threads receives runs our handler only once the main
+            # thread wakes (SIGTERM to the process group left a bootstrap waiting, handler never run, past 60 s)
+            while not stop.event.wait(SIGNAL_POLL_S):
+                pass
             out(f"stopping ({stop.signal_name})")
         finally:
             if announcer is not None:
