@@ -22,6 +22,7 @@ from p2p_diloco.engine.options import (
     ROUND_POLL_S,
     SPEED_WINDOW_S,
     START_MARGIN_S,
+    STEPPING_STATES,
     publish_due,
     published_key,
     read_period_s,
@@ -237,9 +238,8 @@ class SwarmView:
         self._heads = {p: h for p, h in self._heads.items() if p in self._records}
         self._merge()
         self.peer_states = [r.state for r in others]
-        self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in ("training", "averaging")]
-        self.peer_tokens = [(r.tokens, r.time, r.tokens_per_s if r.state in ("training", "averaging") else 0.0)
-                            for r in others]
+        self.peer_steps = [(r.inner_step, r.time, r.step_time_s) for r in others if r.state in STEPPING_STATES]
+        self.peer_tokens = [(r.tokens, r.time, r.tokens_per_s if r.state in STEPPING_STATES else 0.0) for r in others]
         self.live_learners = 1 + len(others)
         self._others = others
         self.swarm_reads += 1

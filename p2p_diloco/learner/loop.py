@@ -32,11 +32,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EVAL_JOIN_TIMEOUT_S = 60.0
+"""Seconds :meth:`Learner.close` waits for an evaluation in progress (it ends within seconds)."""
 SWARM_TOKENS_HORIZON_S = 60.0
 """How long another learner's published tokens are carried forward at its rate (``--lr-tokens``): a training learner
 reads the records every 30 s (up to 40 learners) and each is refreshed every 10 s, so what it holds is up to 40 s old;
 a record of a learner that left is read again within a TTL (30 s) and a read period."""
-"""Seconds :meth:`Learner.close` waits for an evaluation in progress (it ends within seconds)."""
 
 
 class Learner:
