@@ -230,7 +230,13 @@ def join_s(link: LinkEstimate, bytes_to_move: float) -> float:
     """How long a join request may take on ``link``: its round trips, and one streamed chunk of a concurrent
     transfer ahead of it in a queue (see the module docstring) -- no more than the round's own ``bytes_to_move``:
     the concurrent transfers are rounds like it, and on small payloads the throughput measured is mostly latency."""
-    return JOIN_ROUND_TRIPS * link.rtt_s + min(STATE_CHUNK_BYTES, bytes_to_move) / link.throughput_Bps
+    return control_message_s(link.rtt_s, link.throughput_Bps, min(STATE_CHUNK_BYTES, bytes_to_move))
+
+
+def control_message_s(rtt_s: float, throughput_Bps: float, queued_bytes: float) -> float:
+    """How long a small control message (a join request, a verdict) may take on a link: its ``JOIN_ROUND_TRIPS``
+    round trips, and ``queued_bytes`` of other transfers ahead of it in the link's queue."""
+    return JOIN_ROUND_TRIPS * rtt_s + queued_bytes / throughput_Bps
 
 
 def verdict_wait_s(cfg: AveragingConfig, limits: RoundTimeouts) -> float:
@@ -245,7 +251,7 @@ def verdict_wait_s(cfg: AveragingConfig, limits: RoundTimeouts) -> float:
     if not (math.isfinite(limits.throughput_Bps) and math.isfinite(limits.rtt_s) and limits.throughput_Bps > 0):
         return cfg.commit_timeout_s
     queued = max(STATE_CHUNK_BYTES, limits.bytes_to_move) if math.isfinite(limits.bytes_to_move) else STATE_CHUNK_BYTES
-    return cfg.commit_timeout_s + JOIN_ROUND_TRIPS * limits.rtt_s + queued / limits.throughput_Bps
+    return cfg.commit_timeout_s + control_message_s(limits.rtt_s, limits.throughput_Bps, queued)
 
 
 def link_window_s(link: LinkEstimate, cfg: AveragingConfig, bytes_to_move: float) -> float:
