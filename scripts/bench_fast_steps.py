@@ -6,8 +6,7 @@ verdicts to each other, no DHT search or window) and once with hivemind's matchm
 arm after the other, the same config, pacing and time.
 
 Per arm, from the learners' events: the realized period (the median time between two rounds of a fragment on a
-learner) against H x the step (each learner's training time over its inner steps; the step of the learner the
-swarm's median token comes from, ``net.clock.work_step_s``, as the clock's own); the rounds committed
+learner) against H x the median step (each learner's training time over its inner steps); the rounds committed
 (every learner lives the whole run, so every discard is a round lost with every member alive) and the commonest
 reasons of the others; a committed round's median time against its all-reduce's and its fastest verdict round trip
 (issue 48 asks for at most 2 x (all-reduce + 2 round trips)), and its time from the group's last member's hand-off
@@ -34,7 +33,6 @@ import _bench
 from _swarm import events_of
 
 from p2p_diloco.core.events import ClockEvent, RoundEvent
-from p2p_diloco.net.clock import work_step_s
 
 BENCH = _bench.Bench("fast-steps", "fast-steps", "Fast steps: the sync period against H x the step",
                      "scripts/bench_fast_steps.py", __doc__.split("\n\n", 1)[1].split("\n    python")[0])
@@ -82,7 +80,7 @@ def measure(arm: str, folder: Path, sync_every: int = SYNC_EVERY) -> dict[str, A
             times = sorted(e.time for e in r if e.fragment == f)
             intervals += [b - a for a, b in zip(times, times[1:])]
     learners = report.get("learners", {}).values()
-    step_s = work_step_s([f["train_s"] / f["steps"] for f in learners if f.get("steps")])  # measured, as the clock
+    step_s = median([f["train_s"] / f["steps"] for f in learners if f.get("steps")])  # the paced step, measured
     periods = [e.period_s for log in logs.values() for e in log if isinstance(e, ClockEvent)]
     duration, allreduce, rtt = (median([getattr(e, k) for e in committed]) for k in ("duration_s", "allreduce_s",
                                                                                        "rtt_s"))
@@ -192,7 +190,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         arms = payload["arms"]
         names = [a["arm"] for a in arms]
         x = range(len(arms))
-        left.bar([i - 0.2 for i in x], [a["h_x_step_s"] or 0 for a in arms], 0.4, label="H x step")
+        left.bar([i - 0.2 for i in x], [a["h_x_step_s"] or 0 for a in arms], 0.4, label="H x median step")
         left.bar([i + 0.2 for i in x], [a["realized_period_s"] or 0 for a in arms], 0.4, label="realized period")
         left.set_xticks(list(x), names)
         left.set_ylabel("seconds")

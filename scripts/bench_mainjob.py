@@ -11,8 +11,7 @@ step apart, a wait their loops never see), and that share once more past the gro
 extended to the group's last member's end, which every member's verdicts wait for: bytes still moving, not
 coordination (runs before round events carried the all-reduce's end show none); the rounds committed (every learner lives the
 whole run, so every discard is a round lost with every member alive) and the commonest reasons of the others; the
-realized period (the median time between two rounds of a fragment on a learner) against H x the step of the
-learner the swarm's median token comes from (the clock's ``net.clock.work_step_s``); the
+realized period (the median time between two rounds of a fragment on a learner) against H x the median step; the
 held-out eval loss at the end against data-parallel training at the same tokens (the stored curve the report
 reads); and whether the learners ended with identical anchors.
 

@@ -206,8 +206,8 @@ class AveragingConfig:
                        "clock, the same for everyone: learners of any speed meet) or 'steps' (every outer.sync_every "
                        "of the learner's own steps, as in the simulator: for homogeneous, paced runs).")
     sync_period_s: float = _f(0.0, "Clock schedule: fragment f is due every sync_period_s of DHT time, offset by f/F of "
-                              "a period; 0 = derived: outer.sync_every x the step time of the live learner the swarm's "
-                              "median token comes from, chosen by one learner and published in the DHT.")
+                              "a period; 0 = derived: outer.sync_every x the live learners' median step time, chosen "
+                              "by one learner and published in the DHT.")
     record_ttl_s: float = _f(30.0, "Lifetime of the learner's peer record; republished every ttl/3.")
 
     @property

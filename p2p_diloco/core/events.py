@@ -323,7 +323,7 @@ class ClockEvent(Event):
     KIND = "clock"
 
     period_s: float
-    """Seconds between two rounds of a fragment: H x the step time of the learner the swarm's median token comes from."""
+    """Seconds between two rounds of a fragment: H x the median step time."""
     origin: float
     """DHT time (seconds since the Unix epoch) the clock counts its rounds from."""
     learners: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +25,6 @@ from p2p_diloco.net.clock import (
     retune,
     retune_allowed,
     unmeasured_period_s,
-    work_step_s,
 )
 
 if TYPE_CHECKING:
@@ -127,8 +127,8 @@ class ClockTender:
             clock = retune(clock, period, now, CLOCK_START_MARGIN_S + CLOCK_READ_EVERY * me.opts.view_period_s,
                            len(me.slots), first_within_s=work)
             self.retuned_at, self.known, self.unmeasured = wall, known, not measured
-            logger.info("sync clock leader: period %.2f s (H %d x the median token's step %.3f s of %d learners; a sync's "
-                        "link time at most %.1f s%s), from DHT time %.1f", period, h, work_step_s(times), len(times),
+            logger.info("sync clock leader: period %.2f s (H %d x median step %.3f s of %d learners; a sync's link "
+                        "time at most %.1f s%s), from DHT time %.1f", period, h, statistics.median(times), len(times),
                         max(links), "" if measured else f"; none measured yet: {len(me.slots)} x {work:.2f} s",
                         clock.origin)
             me.log_event(events.ClockEvent(period_s=period, origin=clock.origin, learners=len(times)))

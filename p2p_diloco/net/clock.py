@@ -6,10 +6,10 @@ With a step-count schedule a fast and a slow learner are due at different moment
 alive meets at the same instant and a slower learner simply brings fewer tokens.
 
 The period is either fixed by the config (``averaging.sync_period_s``, origin 0) or *derived*: H
-(``outer.sync_every``) times the step time of the live learner that the swarm's median token comes from
-(:func:`work_step_s`), read from their peer records. A derived clock is chosen by one learner -- the live learner
-with the smallest peer id -- and published in the DHT under :func:`clock_key`; everyone adopts the newest published
-clock (highest ``epoch``). The leader re-derives it as the swarm changes and publishes a new one only when
+(``outer.sync_every``) times the median step time of the live learners, read from their peer
+records. A derived clock is chosen by one learner -- the live learner with the smallest peer id --
+and published in the DHT under :func:`clock_key`; everyone adopts the newest published clock
+(highest ``epoch``). The leader re-derives it as the swarm changes and publishes a new one only when
 the period is off by more than :data:`RETUNE_TOLERANCE`, at most every :data:`RETUNE_EVERY_PERIODS`
 periods; a new clock (:func:`retune`) starts at the old clock's next boundary (of any fragment) that
 is still far enough ahead for everyone to have read it, so a retune delays the next round by at most
@@ -25,6 +25,7 @@ Everything here is pure except :func:`publish_clock` (a hivemind DHT).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -191,7 +192,7 @@ def unmeasured_period_s(period_s: float, num_fragments: int) -> float:
 
 def min_period_s(window_max_s: float, commit_timeout_s: float, clock_groups: bool = False) -> float:
     """The shortest derived period. With groups from the clock (``clock_groups``) none: a round costs its
-    bytes and two round trips (the offers, the verdicts), so the period is the work's -- H x the work's step, or the
+    bytes and two round trips (the offers, the verdicts), so the period is the work's -- H x the median step, or the
     link's time for one sync (:func:`derive_period`) -- and a round that does not fit skips a boundary. With
     matchmaking: one round's matching (at most ``averaging.window_max_s``) and verdicts (at
     most ``averaging.commit_timeout_s``) fit in it. It was twice the window's bound (20 s by default): learners
@@ -201,36 +202,17 @@ def min_period_s(window_max_s: float, commit_timeout_s: float, clock_groups: boo
     return 0.0 if clock_groups else window_max_s + commit_timeout_s
 
 
-def work_step_s(step_times_s: Iterable[float]) -> float | None:
-    """The step time that H counts (None without a finite, positive one): that of the learner the swarm's median
-    token comes from. Each learner weighs as its steps per second (the learners' batches are alike); this is the
-    fastest step time at which the learners as fast or faster make at least half of the swarm's steps, so that at
-    least half of the tokens are averaged every H or fewer of their learner's steps. Equal learners: their step
-    time. Two full-speed and two half-speed learners: the full-speed one's -- the plain median of the four (halfway
-    between the two kinds) synced the full-speed learners, which make 3/4 of the tokens, every 53 of their steps at
-    H = 28 (the main job on c5fd7f1)."""
-    times = sorted(t for t in step_times_s if math.isfinite(t) and t > 0)
-    total = sum(1 / t for t in times)
-    made = 0.0
-    for t in times:
-        made += 1 / t
-        if made >= total / 2 * (1 - 1e-9):  # within rounding: equal learners stop at the first half, not after it
-            return t
-    return None
-
-
 def derive_period(step_times_s: Iterable[float], sync_every: int, min_period_s: float,
                   sync_link_s: Iterable[float] = ()) -> float | None:
-    """H x the live learners' :func:`work step <work_step_s>` (None without any step time), at least
-    ``min_period_s`` and at least :data:`LINK_PERIOD_SAFETY` x the longest of their ``sync_link_s`` (link seconds of
-    one sync of every fragment; 0 or non-finite: not measured): on a slow link the period grows to fit the rounds,
-    not the steps."""
-    step_s = work_step_s(step_times_s)
-    if step_s is None:
+    """H x the median step time of the live learners (None without any), at least ``min_period_s`` and at least
+    :data:`LINK_PERIOD_SAFETY` x the longest of their ``sync_link_s`` (link seconds of one sync of every fragment;
+    0 or non-finite: not measured): on a slow link the period grows to fit the rounds, not the steps."""
+    times = [t for t in step_times_s if math.isfinite(t) and t > 0]
+    if not times:
         return None
     links = [t for t in sync_link_s if math.isfinite(t) and t > 0]
     floor_s = max(min_period_s, LINK_PERIOD_SAFETY * max(links, default=0.0))
-    return min(MAX_PERIOD_S, max(floor_s, sync_every * step_s))
+    return min(MAX_PERIOD_S, max(floor_s, sync_every * statistics.median(times)))
 
 
 def recent_step_time_s(samples: Sequence[tuple[float, int]], window_s: float, min_steps: int) -> float:

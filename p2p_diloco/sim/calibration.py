@@ -16,7 +16,7 @@ def calibration_from_results(results: Path, config: Path) -> tuple[Calibration, 
     """The real system's times, from the benchmark results on this machine; also where each came from.
 
     * ``step_s``: median train_s / steps of the learners in ``learners/learners.json`` (4 learners
-      sharing 2 cores); ``round_period_s``: their published ``sync_period_s`` (H x the median token's step time);
+      sharing 2 cores); ``round_period_s``: their published ``sync_period_s`` (H x median step time);
       ``fragments``: F of ``config``.
     * ``round_s``: median ``duration_s`` of committed rounds in ``learners/logs/*.jsonl`` when those
       logs are there, else 2 x the median final matchmaking window (``window_s``) of learners.json.
