@@ -75,8 +75,6 @@ QUICK_EVAL_BATCHES = 2
 """Held-out batches of a periodic evaluation (``--eval-every``): a quarter of the default eval set, cheap."""
 LEARNER_STATES = ("joining", "training", "averaging", "syncing", "leaving")
 """Record states of learners (``idle`` is the heartbeat stand-in; ``leaving``: done, lingering for peers)."""
-STEPPING_STATES = ("training", "averaging")
-"""Record states of learners that take inner steps (their step times and token rates are current)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from p2p_diloco.engine.options import (
     ROUND_POLL_S,
     SPEED_WINDOW_S,
     START_MARGIN_S,
-    STEPPING_STATES,
     publish_due,
     published_key,
     read_period_s,
@@ -31,6 +30,7 @@ from p2p_diloco.engine.options import (
     wait_verdict,
     waiting_line,
 )
+from p2p_diloco.net.records import STEPPING_STATES
 from p2p_diloco.transport.planning import with_us
 from p2p_diloco.engine.clocktender import ClockTender
 from p2p_diloco.engine.clocktender import Owner as ClockOwner

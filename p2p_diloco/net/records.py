@@ -62,6 +62,8 @@ STATES = ("joining", "idle", "training", "averaging", "syncing", "leaving", "lef
 ANNOUNCE_STATE = "bootstrap"
 """The state of a bootstrap peer's index entry: it announces a run and is never one of its members."""
 INDEX_STATES = STATES + (ANNOUNCE_STATE,)
+STEPPING_STATES = ("training", "averaging")
+"""States of learners that take inner steps: their records' step times and token rates are current."""
 
 RUN_KEY_PREFIX = "p2p-diloco.run."
 INDEX_PREFIX = "p2p-diloco"

@@ -54,6 +54,7 @@ from p2p_diloco.core import outer
 from p2p_diloco.core.config import Config
 from p2p_diloco.core.identity import config_hash
 from p2p_diloco.core.replay import KeptRound, PackedRound, chain, keep, parse_rounds, rounds_payload
+from p2p_diloco.net.records import STEPPING_STATES
 from p2p_diloco.transport.hubgroups import (Member, Offer, OpenGroup, RoundRecord, absent_members, average,
                                              failed_outcomes, refusal, round_record)
 from p2p_diloco.transport.planning import LastGroup, clock_boundary_ms, plan_round
@@ -509,7 +510,7 @@ class InProcessView:
         for m in self.hub.seen_by(self.member):
             e = m.engine
             steps = e.inner_step - e.start_step
-            if m.state in ("training", "averaging") and steps > 0:
+            if m.state in STEPPING_STATES and steps > 0:
                 out.append((e.inner_step, time.time(), (time.monotonic() - e.t_start) / steps))
         return out
 
